@@ -1,0 +1,257 @@
+"""The ``/v1`` HTTP API."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+from flask import Blueprint, g, jsonify, request, url_for
+from sqlalchemy import and_, or_, select, update
+from werkzeug.exceptions import BadRequest
+
+from workers import registry
+
+from . import metrics
+from .admission import AdmissionConflict, admit_run
+from .auth import require_token
+from .errors import ApiError
+from .events import record_event
+from .extensions import db
+from .models import AdmissionOrigin, Run, RunStatus
+from .openapi import openapi_document
+
+bp = Blueprint("v1", __name__, url_prefix="/v1")
+
+RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key"}
+MAX_KEY_LEN = 255
+MAX_REF_LEN = 200
+DEFAULT_PAGE = 50
+MAX_PAGE = 200
+
+
+def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
+    def ts(value: datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+    return {
+        "id": str(run.id),
+        "tenant": tenant_name,
+        "workflow_ref": run.workflow_ref,
+        "workflow": {"name": run.workflow_name, "version": run.workflow_version},
+        "input": run.input,
+        "goal_id": run.goal_id,
+        "dispatch_key": run.dispatch_key,
+        "status": run.status,
+        "attempt": run.attempt,
+        "cancel_requested": run.cancel_requested,
+        "result": run.result,
+        "error": run.error,
+        "origin": run.origin,
+        "parent_run_id": str(run.parent_run_id) if run.parent_run_id else None,
+        "created_at": ts(run.created_at),
+        "updated_at": ts(run.updated_at),
+        "started_at": ts(run.started_at),
+        "finished_at": ts(run.finished_at),
+    }
+
+
+def _json_body() -> dict[str, Any]:
+    if not request.is_json:
+        raise ApiError(
+            415, "unsupported_media_type", "send the body as application/json",
+            {"content_type": request.content_type},
+        )
+    try:
+        body = request.get_json()
+    except BadRequest as err:
+        raise ApiError(400, "malformed_json", "the request body is not valid JSON") from err
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", "the request body must be a JSON object",
+                       {"type": type(body).__name__})
+    return body
+
+
+def _optional_string(body: dict, name: str, problems: dict) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_KEY_LEN:
+        problems[name] = f"must be a string of 1 to {MAX_KEY_LEN} characters"
+        return None
+    return value
+
+
+def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
+    """Return the cleaned fields of a ``POST /v1/runs`` body or raise a 422."""
+    problems: dict[str, str] = {}
+    unknown = sorted(set(body) - RUN_FIELDS)
+    for name in unknown:
+        problems[name] = "unknown field"
+    ref = body.get("workflow_ref")
+    if not isinstance(ref, str) or not ref.strip():
+        problems["workflow_ref"] = "required: a non-empty string ('name' or 'name@version')"
+    elif len(ref) > MAX_REF_LEN:
+        problems["workflow_ref"] = f"must be at most {MAX_REF_LEN} characters"
+    input_ = body.get("input", {})
+    if not isinstance(input_, dict):
+        problems["input"] = "must be a JSON object"
+    goal_id = _optional_string(body, "goal_id", problems)
+    dispatch_key = _optional_string(body, "dispatch_key", problems)
+    if problems:
+        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": problems})
+    return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key}
+
+
+@bp.post("/runs")
+@require_token
+def create_run():
+    fields = validate_run_request(_json_body())
+    principal = g.principal
+    try:
+        admission = admit_run(
+            db.session,
+            tenant_id=principal.tenant_id,
+            origin=AdmissionOrigin.HTTP,
+            origin_detail=(request.headers.get("User-Agent") or "")[:255] or None,
+            **fields,
+        )
+    except registry.UnknownWorkflow as err:
+        db.session.rollback()
+        raise ApiError(422, "unknown_workflow", str(err),
+                       {"workflow_ref": fields["workflow_ref"]}) from err
+    except AdmissionConflict as err:
+        db.session.rollback()
+        metrics.ADMISSIONS.labels("http", "conflict").inc()
+        raise ApiError(
+            409,
+            "dispatch_key_conflict",
+            str(err),
+            {"run_id": str(err.existing.id), "dispatch_key": err.existing.dispatch_key,
+             "differs": err.fields},
+        ) from err
+    body = serialize_run(admission.run, principal.tenant_name)
+    db.session.commit()
+    location = url_for("v1.get_run", run_id=admission.run.id)
+    if admission.created:
+        metrics.ADMISSIONS.labels("http", "created").inc()
+        response = jsonify(body)
+        response.status_code = 201
+        response.headers["Location"] = location
+        return response
+    metrics.ADMISSIONS.labels("http", "replayed").inc()
+    response = jsonify(body)
+    response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = location
+    return response
+
+
+def _load_run(run_id: str) -> Run:
+    try:
+        parsed = uuid.UUID(run_id)
+    except ValueError:
+        parsed = None
+    run = db.session.get(Run, parsed) if parsed else None
+    # Another tenant's run is indistinguishable from a missing one.
+    if run is None or run.tenant_id != g.principal.tenant_id:
+        raise ApiError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
+    return run
+
+
+@bp.get("/runs/<run_id>")
+@require_token
+def get_run(run_id: str):
+    run = _load_run(run_id)
+    return jsonify(serialize_run(run, g.principal.tenant_name))
+
+
+def _encode_cursor(run: Run) -> str:
+    raw = json.dumps([run.created_at.isoformat(), str(run.id)]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, run_id = json.loads(raw)
+        return datetime.fromisoformat(created), uuid.UUID(run_id)
+    except (ValueError, TypeError) as err:
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this API issued") from err
+
+
+@bp.get("/runs")
+@require_token
+def list_runs():
+    args = request.args
+    unknown = sorted(set(args) - {"status", "goal_id", "workflow_ref", "dispatch_key", "limit",
+                                  "cursor"})
+    if unknown:
+        raise ApiError(400, "unknown_parameter", "unknown query parameters", {"names": unknown})
+    try:
+        limit = int(args.get("limit", DEFAULT_PAGE))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise ApiError(400, "invalid_limit", f"limit must be an integer from 1 to {MAX_PAGE}")
+    query = select(Run).where(Run.tenant_id == g.principal.tenant_id)
+    if "status" in args:
+        statuses = args["status"].split(",")
+        valid = {s.value for s in RunStatus}
+        if not set(statuses) <= valid:
+            raise ApiError(400, "invalid_status", "unknown status",
+                           {"allowed": sorted(valid), "given": statuses})
+        query = query.where(Run.status.in_(statuses))
+    for name in ("goal_id", "workflow_ref", "dispatch_key"):
+        if name in args:
+            query = query.where(getattr(Run, name) == args[name])
+    if "cursor" in args:
+        created, run_id = _decode_cursor(args["cursor"])
+        query = query.where(
+            or_(Run.created_at < created, and_(Run.created_at == created, Run.id < run_id))
+        )
+    rows = db.session.scalars(
+        query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)
+    ).all()
+    page = rows[:limit]
+    return jsonify(
+        {
+            "runs": [serialize_run(r, g.principal.tenant_name) for r in page],
+            "next_cursor": _encode_cursor(page[-1]) if len(rows) > limit else None,
+        }
+    )
+
+
+@bp.post("/runs/<run_id>/cancel")
+@require_token
+def cancel_run(run_id: str):
+    run = _load_run(run_id)
+    # A queued run is cancelled outright: a later delivery finds it terminal.
+    cancelled = db.session.execute(
+        update(Run)
+        .where(Run.id == run.id, Run.status == RunStatus.QUEUED.value)
+        .values(status=RunStatus.CANCELLED.value, cancel_requested=True,
+                finished_at=db.func.now(), updated_at=db.func.now())
+        .returning(Run.id)
+    ).scalar_one_or_none()
+    if cancelled:
+        record_event(db.session, tenant_id=run.tenant_id, run_id=run.id,
+                     event_type="run.cancelled")
+    else:
+        # A running run is marked; its workflow sees ctx.cancelled at its next checkpoint.
+        db.session.execute(
+            update(Run)
+            .where(Run.id == run.id, Run.status == RunStatus.RUNNING.value)
+            .values(cancel_requested=True, updated_at=db.func.now())
+        )
+    db.session.commit()
+    db.session.refresh(run)
+    response = jsonify(serialize_run(run, g.principal.tenant_name))
+    response.status_code = 202 if run.status == RunStatus.RUNNING.value else 200
+    return response
+
+
+@bp.get("/openapi.json")
+def openapi():
+    return jsonify(openapi_document())

@@ -1,0 +1,44 @@
+"""Settings, read from the environment when the factory runs (never at import)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+MAX_BODY_BYTES = 1024 * 1024
+
+
+def database_url(raw: str) -> str:
+    """Return a SQLAlchemy URL for psycopg 3, accepting Heroku's ``postgres://``."""
+    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
+        if raw.startswith(prefix):
+            return "postgresql+psycopg://" + raw[len(prefix):]
+    return raw
+
+
+def broker_url(env: Mapping[str, str]) -> str:
+    """Return the Celery broker URL: ``CELERY_BROKER_URL`` wins over ``REDIS_URL``."""
+    return env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+
+
+def load_config(env: Mapping[str, str] | None = None) -> dict:
+    """Build the Flask config from ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+    raw_db = env.get("DATABASE_URL")
+    return {
+        "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
+        "SQLALCHEMY_ENGINE_OPTIONS": {
+            "pool_pre_ping": True,
+            "pool_size": int(env.get("POIMEN_DB_POOL_SIZE", "5")),
+            "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),
+        },
+        "CELERY_BROKER_URL": broker_url(env),
+        "POIMEN_WORKFLOW_MODULES": [
+            m.strip() for m in env.get("POIMEN_WORKFLOW_MODULES", "").split(",") if m.strip()
+        ],
+        "POIMEN_TOPIC_PREFIX": env.get("POIMEN_TOPIC_PREFIX", "poimen"),
+        "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
+        "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "30")),
+        "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
+        "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
+    }

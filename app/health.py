@@ -1,0 +1,25 @@
+"""Liveness and readiness probes."""
+
+from flask import Blueprint, jsonify
+from sqlalchemy import text
+
+from .errors import error_response
+from .extensions import db
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/healthz")
+def healthz():
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/readyz")
+def readyz():
+    try:
+        db.session.execute(text("SELECT 1"))
+        db.session.rollback()
+    except Exception as err:  # noqa: BLE001 - any failure means not ready
+        return error_response(503, "database_unavailable", "the database is not reachable",
+                              {"reason": type(err).__name__})
+    return jsonify({"status": "ready"})

@@ -1,0 +1,170 @@
+"""The tables. The schema itself is owned by the Alembic migrations."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .extensions import db
+
+
+class RunStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class Tenant(db.Model):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+
+
+class ApiToken(db.Model):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # A tenant token acts for its tenant only. A service token (is_service) may act
+    # for any tenant named in X-Poimen-Tenant; its tenant_id, if set, is the default.
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id"), nullable=True)
+    is_service: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    label: Mapped[str | None] = mapped_column(String(100))
+    # Only the SHA-256 of the token is stored; the token is shown once at creation.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    prefix: Mapped[str] = mapped_column(String(16), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Run(db.Model):
+    __tablename__ = "runs"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    workflow_ref: Mapped[str] = mapped_column(String(200), nullable=False)
+    workflow_name: Mapped[str] = mapped_column(String(200), nullable=False)
+    workflow_version: Mapped[str] = mapped_column(String(64), nullable=False)
+    input: Mapped[dict] = mapped_column(JSONB, nullable=False)
+    goal_id: Mapped[str | None] = mapped_column(String(255))
+    dispatch_key: Mapped[str | None] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default=RunStatus.QUEUED.value)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    claimed_by: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("worker_boots.boot_id")
+    )
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    result: Mapped[dict | list | str | int | float | bool | None] = mapped_column(JSONB)
+    error: Mapped[dict | None] = mapped_column(JSONB)
+    origin: Mapped[str] = mapped_column(String(16), nullable=False)
+    origin_detail: Mapped[str | None] = mapped_column(String(255))
+    parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')",
+            name="ck_runs_status",
+        ),
+        # Exactly-once admission is decided here: the index, not application code.
+        Index(
+            "uq_runs_tenant_dispatch_key",
+            "tenant_id",
+            "dispatch_key",
+            unique=True,
+            postgresql_where=text("dispatch_key IS NOT NULL"),
+        ),
+        Index("ix_runs_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_runs_status_updated", "status", "updated_at"),
+        Index("ix_runs_tenant_goal", "tenant_id", "goal_id"),
+    )
+
+
+class WorkerBoot(db.Model):
+    """One worker process lifetime. Alive exactly while it holds its advisory lock."""
+
+    __tablename__ = "worker_boots"
+
+    boot_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    # The advisory lock key: pg_advisory_lock(LOCK_NAMESPACE, lock_key).
+    lock_key: Mapped[int] = mapped_column(
+        Integer, unique=True, nullable=False, server_default=text("nextval('worker_boot_lock_key')")
+    )
+    hostname: Mapped[str] = mapped_column(String(255), nullable=False)
+    pid: Mapped[int] = mapped_column(Integer, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+
+
+class OutboxEvent(db.Model):
+    """A run event, written in the transaction of the change it reports."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
+    event_type: Mapped[str] = mapped_column(String(64), nullable=False)
+    payload: Mapped[dict] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_outbox_unpublished", "id", postgresql_where=text("published_at IS NULL")),
+    )
+
+
+class AdmissionOrigin(str, enum.Enum):
+    HTTP = "http"
+    FANOUT = "fanout"
+    INTERNAL = "internal"
+
+
+__all__ = [
+    "AdmissionOrigin",
+    "ApiToken",
+    "OutboxEvent",
+    "Run",
+    "RunStatus",
+    "TERMINAL_STATUSES",
+    "Tenant",
+    "WorkerBoot",
+]

@@ -1,0 +1,35 @@
+"""Celery settings, from the environment only (read when the app is created)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> dict:
+    """Return Celery's settings for ``broker_url``."""
+    env = os.environ if env is None else env
+    visibility = float(env.get("POIMEN_VISIBILITY_TIMEOUT", "3600"))
+    return {
+        "broker_url": broker_url,
+        # Runs report through Postgres; no result backend to fill up.
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "task_default_queue": env.get("POIMEN_QUEUE", "poimen"),
+        # At-least-once delivery: ack after the task body returns, redeliver when a
+        # worker dies. Claims in Postgres make the duplicates harmless.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": int(env.get("CELERY_PREFETCH_MULTIPLIER", "1")),
+        "broker_transport_options": {"visibility_timeout": visibility},
+        "broker_connection_retry_on_startup": True,
+        # Flower shows received/started/succeeded only if workers send events.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "timezone": "UTC",
+        "enable_utc": True,
+    }

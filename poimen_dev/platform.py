@@ -1,0 +1,92 @@
+"""``make run``: migrate, ensure the ``dev`` tenant and tokens, start the Procfile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import _log, state_dir
+
+DEV_TENANT = "dev"
+WEB_PORT = "8000"
+
+
+def procfile_processes(path: Path = Path("Procfile")) -> list[str]:
+    """Return the Procfile's process names, in order."""
+    names = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and ":" in line:
+            names.append(line.split(":", 1)[0].strip())
+    return names
+
+
+def _ensure_token(path: Path, tenant: str | None, service: bool, label: str) -> str:
+    """Return the dev token stored at ``path``, registering it if the database lacks it."""
+    from sqlalchemy import select
+
+    from app.auth import hash_token, new_token
+    from app.cli import create_tenant, create_token
+    from app.extensions import db
+    from app.models import ApiToken
+
+    token = path.read_text().strip() if path.exists() else new_token()
+    known = db.session.execute(
+        select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
+    ).scalar_one_or_none()
+    if known is None:
+        owner = create_tenant(tenant, exist_ok=True) if tenant else None
+        create_token(owner, service, label, token=token)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
+    """Migrate and make sure the dev tenant, its token and the inbox's token exist."""
+    _log("migrating the database (flask db upgrade) ...")
+    subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
+                   env=dict(env), check=True)
+    os.environ.update(env)
+    from app import create_app
+
+    with create_app().app_context():
+        d = state_dir()
+        tenant_token = _ensure_token(d / "dev-token", DEV_TENANT, False, "make run")
+        service_token = _ensure_token(d / "service-token", None, True, "make run inbox")
+    return tenant_token, service_token
+
+
+def run_platform(env: Mapping[str, str], processes: list[str]) -> int:
+    """Bootstrap, print how to use it, and run the processes under honcho until Ctrl-C."""
+    env = dict(env)
+    env.setdefault("PORT", WEB_PORT)
+    env.setdefault("POIMEN_API_URL", f"http://127.0.0.1:{env['PORT']}")
+    tenant_token, service_token = bootstrap(env)
+    env.setdefault("POIMEN_API_TOKEN", service_token)
+    names = processes or [p for p in procfile_processes() if p != "release"]
+    # honcho gives each process PORT = base + 100 * position: web first gets PORT.
+    names.sort(key=lambda n: (n != "web", n != "flower"))
+    port = int(env["PORT"])
+    print(
+        "\n"
+        f"Poimen is starting: {', '.join(names)}\n"
+        f"  API     http://127.0.0.1:{port}  (OpenAPI: /v1/openapi.json)\n"
+        + (f"  Flower  http://127.0.0.1:{port + 100}\n" if "flower" in names else "")
+        + f"  tenant  {DEV_TENANT}\n"
+        f"  token   {tenant_token}\n\n"
+        f"  export POIMEN_TOKEN={tenant_token}\n"
+        f"  curl -s -X POST http://127.0.0.1:{port}/v1/runs \\\n"
+        f"    -H \"Authorization: Bearer $POIMEN_TOKEN\" -H 'Content-Type: application/json' \\\n"
+        "    -d '{\"workflow_ref\": \"echo\", \"input\": {\"hello\": \"world\"}, "
+        "\"dispatch_key\": \"demo-1\"}'\n",
+        flush=True,
+    )
+    cmd = [sys.executable, "-m", "honcho", "start", "-p", str(port), *names]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return proc.wait()
