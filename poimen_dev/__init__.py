@@ -9,6 +9,7 @@ printed. Starting is idempotent, a second ``up`` finds them running, and
 from __future__ import annotations
 
 import json
+import warnings
 import os
 import shutil
 import signal
@@ -22,6 +23,9 @@ from pathlib import Path
 SERVICES = ("postgres", "redis", "kafka")
 ENV_VARS = {"postgres": "DATABASE_URL", "redis": "REDIS_URL", "kafka": "KAFKA_BOOTSTRAP_SERVERS"}
 DB_NAME = "poimen"
+
+# pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
+warnings.filterwarnings("ignore", module="platformdirs")
 
 
 def state_dir() -> Path:
@@ -214,7 +218,7 @@ def up(env: Mapping[str, str] | None = None) -> dict[str, str]:
     urls = {}
     for service in wanted(env):
         t0 = time.monotonic()
-        _log(f"starting {service} ...")
+        _log(f"ensuring {service} is running ...")
         urls[ENV_VARS[service]] = starters[service](d, state)
         _save_state(d, state)
         _log(f"{service} ready at {urls[ENV_VARS[service]]} ({time.monotonic() - t0:.1f}s)")

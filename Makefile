@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+export PATH := $(abspath $(BIN)):$(PATH)
+PYTEST_ARGS ?=
+
+.PHONY: install run test services down status lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing poimen and its dev dependencies into $(VENV) ..."
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $@
+
+# Embedded Postgres/Redis/Kafka for whichever of DATABASE_URL, REDIS_URL,
+# KAFKA_BOOTSTRAP_SERVERS is unset (state under .poimen/).
+services: install
+	$(BIN)/poimen-dev up
+
+run: install
+	$(BIN)/poimen-dev run
+
+test: services
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: services
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+lint: install
+	$(BIN)/ruff check .
+
+down:
+	$(BIN)/poimen-dev down
+
+status:
+	$(BIN)/poimen-dev status
+
+clean: down
+	rm -rf .poimen $(VENV)

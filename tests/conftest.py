@@ -1,0 +1,153 @@
+"""Test fixtures over real services.
+
+``make test`` starts embedded Postgres, Redis and Kafka (or uses those named by
+DATABASE_URL / REDIS_URL / KAFKA_BOOTSTRAP_SERVERS). Each test session creates
+its own database, migrated with the real Alembic migrations, and its own Celery
+queue name, so it never touches a developer's data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+import redis as redis_lib
+from sqlalchemy.engine import make_url
+
+from tests.processes import start_web
+
+REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
+TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")
+
+
+def libpq_url(sqlalchemy_url: str) -> str:
+    """Return a psycopg-connectable URL for a SQLAlchemy one."""
+    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def base_env() -> dict[str, str]:
+    missing = [name for name in REQUIRED if not os.environ.get(name)]
+    if missing:
+        pytest.exit(f"{', '.join(missing)} unset: run the tests with `make test`", returncode=3)
+    return dict(os.environ)
+
+
+@pytest.fixture(scope="session")
+def database_url(base_env) -> str:
+    """Create ``poimen_test_<id>``, migrate it with ``flask db upgrade``, drop it after."""
+    from app.config import database_url as to_sqlalchemy
+
+    server = make_url(to_sqlalchemy(base_env["DATABASE_URL"]))
+    name = f"poimen_test_{uuid.uuid4().hex[:8]}"
+    admin = libpq_url(server.render_as_string(hide_password=False))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = server.set(database=name).render_as_string(hide_password=False)
+    os.environ["DATABASE_URL"] = url
+    os.environ["POIMEN_QUEUE"] = f"poimen-test-{name[-8:]}"
+    os.environ.setdefault("POIMEN_WORKFLOW_MODULES", "tests.workflows")
+    subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
+                   env=dict(os.environ), check=True, capture_output=True)
+    yield url
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def app(database_url):
+    from app import create_app
+
+    flask_app = create_app()
+    flask_app.config["TESTING"] = True
+    return flask_app
+
+
+@pytest.fixture(scope="session")
+def test_env(database_url) -> dict[str, str]:
+    """The environment for child processes: the test database and queue."""
+    return dict(os.environ)
+
+
+def connect(database_url: str, **kwargs) -> psycopg.Connection:
+    """A plain psycopg connection to the test database (its own, real connection)."""
+    return psycopg.connect(libpq_url(database_url), **kwargs)
+
+
+@pytest.fixture
+def pg(database_url):
+    with connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture(autouse=True)
+def clean_tables(request):
+    """Empty every table before a test that uses the database."""
+    if "database_url" not in request.fixturenames:
+        yield
+        return
+    url = request.getfixturevalue("database_url")
+    with connect(url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
+    yield
+
+
+@pytest.fixture
+def redis_client(base_env):
+    client = redis_lib.Redis.from_url(base_env["REDIS_URL"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def queue_name(database_url) -> str:
+    return os.environ["POIMEN_QUEUE"]
+
+
+@dataclass
+class TenantCreds:
+    id: int
+    name: str
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@pytest.fixture
+def make_tenant(app):
+    """Create a tenant and a token for it; ``service=True`` makes a service token."""
+    from app.cli import create_tenant, create_token
+
+    def make(name: str | None = None, service: bool = False) -> TenantCreds:
+        with app.app_context():
+            tenant = create_tenant(name or f"t{uuid.uuid4().hex[:8]}", exist_ok=True)
+            token = create_token(None if service else tenant, service)
+            return TenantCreds(tenant.id, tenant.name, token)
+
+    return make
+
+
+@pytest.fixture
+def tenant(make_tenant) -> TenantCreds:
+    return make_tenant()
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture(scope="session")
+def live_api(test_env, tmp_path_factory):
+    """gunicorn serving the app over real HTTP, as the Procfile's ``web`` does."""
+    proc, url = start_web(test_env, tmp_path_factory.mktemp("web"))
+    yield url
+    proc.stop()

@@ -1,0 +1,125 @@
+"""Real processes for tests: gunicorn, Celery workers, relays; started and stopped for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    """Poll ``check`` until it returns a truthy value; return it, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as err:  # noqa: BLE001 - keep polling, report the last error
+            last_error = err
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+class Process:
+    """One child process with its output in a log file under ``log_dir``."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path):
+        self.name = name
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Process:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``timeout``."""
+        if self.proc is None:
+            return
+        self.signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            self.proc.wait(5)
+        # Children that outlived their parent (e.g. pool processes) go too.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, not a shutdown."""
+        self.signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def start_web(env: Mapping[str, str], log_dir: Path, port: int | None = None,
+              workers: int = 2, threads: int = 8, name: str = "web") -> tuple[Process, str]:
+    """Start gunicorn as the Procfile does; return it and its base URL once it answers."""
+    port = port or free_port()
+    proc = Process(
+        name,
+        [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+         "--threads", str(threads), "--access-logfile", "-", "app:create_app()"],
+        env, log_dir,
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: requests.get(f"{url}/healthz", timeout=1).ok, timeout=30,
+               what=f"gunicorn on {url}")
+    return proc, url
+
+
+def start_worker(env: Mapping[str, str], log_dir: Path, name: str = "worker",
+                 concurrency: int = 1, extra: Sequence[str] = ()) -> Process:
+    """Start ``celery -A workers worker`` as the Procfile does."""
+    return Process(
+        name,
+        [str(BIN / "celery"), "-A", "workers", "worker", "--loglevel", "INFO",
+         "--concurrency", str(concurrency), "--hostname", f"{name}@%h", "--without-mingle",
+         "--without-gossip", *extra],
+        env, log_dir,
+    ).start()
