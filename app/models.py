@@ -76,7 +76,10 @@ class Run(db.Model):
     goal_id: Mapped[str | None] = mapped_column(String(255))
     dispatch_key: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16), nullable=False, default=RunStatus.QUEUED.value)
+    # Executions started (claims and takeovers). A worker lost mid-run counts here...
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    # ... but only workflow exceptions count against the workflow's max_attempts.
+    failures: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", default=0)
     claimed_by: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("worker_boots.boot_id")
     )

@@ -27,6 +27,7 @@ def celery_init_app(app: Flask) -> Celery:
             }
         },
     )
+    celery_app.flask_app = app
     celery_app.set_default()
     app.extensions["celery"] = celery_app
     return celery_app

@@ -1,20 +1,47 @@
-"""Celery tasks, declared with explicit, stable names."""
+"""Celery tasks, declared with explicit, stable names (renaming code never orphans messages)."""
 
 from __future__ import annotations
 
 import logging
 
 from celery import shared_task
+from celery.signals import worker_process_init, worker_process_shutdown
+from flask import current_app
+
+from app.extensions import db
+
+from .boots import current_boot, end_current_boot
+from .execution import _libpq_dsn, execute_run
+from .repair import repair_stranded_runs
 
 log = logging.getLogger(__name__)
 
 
 @shared_task(name="runs.execute")
-def execute(run_id: str) -> None:
-    """Execute run ``run_id`` (placeholder until claims land)."""
-    log.info("received run %s", run_id)
+def execute(run_id: str) -> str:
+    """Execute run ``run_id`` (claims make duplicate deliveries do nothing)."""
+    return execute_run(run_id).outcome.value
 
 
 @shared_task(name="runs.repair")
-def repair() -> None:
-    """Re-send queued runs whose message may be lost (placeholder)."""
+def repair() -> int:
+    """Re-send queued runs whose message may be lost and runs held by dead boots."""
+    return repair_stranded_runs(db.session, current_app.extensions["celery"],
+                                min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+
+
+@worker_process_init.connect
+def _register_boot(**_):
+    # Each pool process is its own boot: if the process dies, so does its lock.
+    from workers import app as celery_app
+
+    flask_app = celery_app.flask_app
+    with flask_app.app_context():
+        # Connections inherited across fork must not be shared with the parent.
+        db.engine.dispose(close=False)
+        current_boot(_libpq_dsn())
+
+
+@worker_process_shutdown.connect
+def _end_boot(**_):
+    end_current_boot()

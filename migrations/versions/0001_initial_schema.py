@@ -73,6 +73,7 @@ def upgrade():
     sa.Column('dispatch_key', sa.String(length=255), nullable=True),
     sa.Column('status', sa.String(length=16), nullable=False),
     sa.Column('attempt', sa.Integer(), nullable=False),
+    sa.Column('failures', sa.Integer(), server_default='0', nullable=False),
     sa.Column('claimed_by', sa.UUID(), nullable=True),
     sa.Column('cancel_requested', sa.Boolean(), nullable=False),
     sa.Column('result', postgresql.JSONB(astext_type=sa.Text()), nullable=True),

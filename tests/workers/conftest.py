@@ -1,0 +1,92 @@
+"""Fixtures for worker tests: boots, runs and a side-effect table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from tests.conftest import libpq_url
+
+
+@pytest.fixture
+def dsn(database_url) -> str:
+    return libpq_url(database_url)
+
+
+@pytest.fixture
+def boot_factory(dsn):
+    """Register live boots in this process, each on its own lock connection."""
+    from workers.boots import Boot
+
+    boots = []
+
+    def make() -> Boot:
+        boot = Boot.register(dsn)
+        boots.append(boot)
+        return boot
+
+    yield make
+    for boot in boots:
+        boot.close()
+
+
+@pytest.fixture
+def dead_boot(dsn):
+    """A boot registered by a separate process that was then killed with SIGKILL."""
+
+    def make() -> uuid.UUID:
+        code = textwrap.dedent(f"""
+            import os, signal, sys
+            from workers.boots import Boot
+            boot = Boot.register({dsn!r})
+            print(boot.boot_id, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == -9, proc.stderr
+        return uuid.UUID(proc.stdout.strip())
+
+    return make
+
+
+@pytest.fixture
+def admit(app, tenant):
+    """Admit a run (through the one admission function) and return its id."""
+    from app.admission import admit_run
+    from app.extensions import db
+
+    def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs) -> uuid.UUID:
+        with app.app_context():
+            admission = admit_run(db.session, tenant_id=tenant.id, workflow_ref=workflow_ref,
+                                  input=input or {}, **kwargs)
+            run_id = admission.run.id
+            db.session.commit()
+            return run_id
+
+    return make
+
+
+@pytest.fixture
+def side_effects(pg):
+    """The table test workflows write one row per side effect into."""
+    pg.execute("CREATE TABLE IF NOT EXISTS side_effects (id bigserial PRIMARY KEY, "
+               "run_id uuid NOT NULL, kind text NOT NULL, pid int NOT NULL, "
+               "at timestamptz NOT NULL DEFAULT now())")
+    pg.execute("TRUNCATE side_effects")
+
+    def count(run_id=None, kind: str | None = None) -> int:
+        sql, params = "SELECT count(*) FROM side_effects WHERE true", []
+        if run_id is not None:
+            sql += " AND run_id = %s"
+            params.append(run_id)
+        if kind is not None:
+            sql += " AND kind = %s"
+            params.append(kind)
+        return pg.execute(sql, params).fetchone()[0]
+
+    return count

@@ -1,0 +1,138 @@
+"""Deterministic rule tests of claims: no scheduling involved, real Postgres."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.claims import ClaimOutcome, claim_run, finish_run, release_claim
+
+
+@pytest.fixture
+def session(app):
+    from app.extensions import db
+
+    with app.app_context():
+        yield db.session
+        db.session.rollback()
+
+
+def claim(session, run_id, boot_id):
+    result = claim_run(session, run_id, boot_id)
+    session.commit()
+    return result
+
+
+def status_of(pg, run_id):
+    return pg.execute("SELECT status, claimed_by, attempt FROM runs WHERE id = %s",
+                      [run_id]).fetchone()
+
+
+def test_first_delivery_claims_a_queued_run(session, admit, boot_factory, pg):
+    run_id, boot = admit(), boot_factory()
+    result = claim(session, run_id, boot.boot_id)
+    assert result.outcome == ClaimOutcome.CLAIMED
+    assert status_of(pg, run_id) == ("running", boot.boot_id, 1)
+
+
+def test_same_boot_second_delivery_is_a_duplicate_not_wreckage(session, admit, boot_factory,
+                                                                pg):
+    """1: same-boot claim with no finish yet."""
+    run_id, boot = admit(), boot_factory()
+    assert claim(session, run_id, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+    again = claim(session, run_id, boot.boot_id)
+    assert again.outcome == ClaimOutcome.DUPLICATE
+    assert status_of(pg, run_id) == ("running", boot.boot_id, 1)
+
+
+def test_another_live_boots_claim_is_a_duplicate(session, admit, boot_factory, pg):
+    """2: another live boot holds it."""
+    run_id, holder, other = admit(), boot_factory(), boot_factory()
+    assert claim(session, run_id, holder.boot_id).outcome == ClaimOutcome.CLAIMED
+    result = claim(session, run_id, other.boot_id)
+    assert result.outcome == ClaimOutcome.DUPLICATE
+    assert result.holder == holder.boot_id
+    assert status_of(pg, run_id) == ("running", holder.boot_id, 1)
+
+
+def test_a_dead_boots_claim_is_taken_over_and_the_attempt_counted(session, admit, boot_factory,
+                                                                   dead_boot, pg):
+    """3: the holder's process was killed, its lock is gone."""
+    run_id, dead = admit(), dead_boot()
+    assert claim(session, run_id, dead).outcome == ClaimOutcome.CLAIMED
+    rescuer = boot_factory()
+    result = claim(session, run_id, rescuer.boot_id)
+    assert result.outcome == ClaimOutcome.TAKEN_OVER
+    assert result.holder == dead
+    assert status_of(pg, run_id) == ("running", rescuer.boot_id, 2)
+    events = [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+    assert events == ["run.admitted", "run.started", "run.resumed"]
+
+
+def test_a_boot_whose_lock_connection_closed_is_dead(session, admit, boot_factory, pg):
+    run_id, holder = admit(), boot_factory()
+    assert claim(session, run_id, holder.boot_id).outcome == ClaimOutcome.CLAIMED
+    holder.close()  # the connection that held the lock is gone
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.TAKEN_OVER
+
+
+@pytest.mark.parametrize("final", ["succeeded", "failed", "cancelled"])
+def test_a_finished_run_is_never_executed_again(session, admit, boot_factory, dead_boot, pg,
+                                                final):
+    """4: terminal runs ignore every delivery, from live and fresh boots alike."""
+    run_id, boot = admit(), boot_factory()
+    claim(session, run_id, boot.boot_id)
+    assert finish_run(session, run_id, boot.boot_id, status=final, result={"ok": True})
+    session.commit()
+    for deliverer in (boot.boot_id, boot_factory().boot_id):
+        assert claim(session, run_id, deliverer).outcome == ClaimOutcome.FINISHED
+    assert status_of(pg, run_id)[0] == final
+
+
+def test_release_is_scoped_to_the_claiming_boot(session, admit, boot_factory, pg):
+    """5: a boot releasing after its claim was taken over changes nothing."""
+    run_id, first = admit(), boot_factory()
+    assert claim(session, run_id, first.boot_id).outcome == ClaimOutcome.CLAIMED
+    first.close()  # first is cut off: dead to everyone else
+    second = boot_factory()
+    assert claim(session, run_id, second.boot_id).outcome == ClaimOutcome.TAKEN_OVER
+
+    assert release_claim(session, run_id, first.boot_id) is False
+    session.commit()
+    assert status_of(pg, run_id) == ("running", second.boot_id, 2)
+
+    assert release_claim(session, run_id, second.boot_id) is True
+    session.commit()
+    assert status_of(pg, run_id) == ("queued", None, 2)
+
+
+def test_finish_is_fenced_by_the_claim(session, admit, boot_factory, pg):
+    """A worker cut off and taken over cannot finish the run afterwards."""
+    run_id, first = admit(), boot_factory()
+    claim(session, run_id, first.boot_id)
+    first.close()
+    second = boot_factory()
+    claim(session, run_id, second.boot_id)
+    assert finish_run(session, run_id, first.boot_id, status="succeeded", result=1) is False
+    session.commit()
+    assert status_of(pg, run_id)[0] == "running"
+    assert finish_run(session, run_id, second.boot_id, status="succeeded", result=2) is True
+    session.commit()
+    row = pg.execute("SELECT status, result FROM runs WHERE id = %s", [run_id]).fetchone()
+    assert row == ("succeeded", 2)
+
+
+def test_cancelled_before_start_is_never_claimed(session, admit, boot_factory, client, tenant,
+                                                  pg):
+    run_id = admit()
+    r = client.post(f"/v1/runs/{run_id}/cancel", headers=tenant.headers)
+    assert r.status_code == 200 and r.json["status"] == "cancelled"
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
+    assert status_of(pg, run_id)[0] == "cancelled"
+
+
+def test_a_retry_that_is_not_due_is_not_claimed(session, admit, boot_factory, pg):
+    run_id = admit()
+    pg.execute("UPDATE runs SET not_before = now() + interval '1 hour' WHERE id = %s", [run_id])
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.NOT_DUE
+    assert status_of(pg, run_id)[0] == "queued"

@@ -1,0 +1,197 @@
+"""Claims: at most one live worker executes a run at a time.
+
+Celery delivers at least once, so every delivery first tries to claim the run
+in Postgres. The outcome is decided by state and by liveness (``boots``), never
+by time:
+
+* ``queued`` -> ``running`` under this boot, in one conditional UPDATE: CLAIMED;
+* ``running`` under a live boot (this one or another): DUPLICATE, do nothing;
+* ``running`` under a dead boot: wreckage, taken over with a compare-and-set
+  on the old boot id: TAKEN_OVER (the attempt is counted);
+* terminal: FINISHED, never executed again.
+
+Every later write for the run (release, retry, finish) is fenced by the claim:
+``WHERE claimed_by = <this boot>``. A worker that lost its claim (it was cut
+off and taken over) finds its writes refused instead of finishing twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from app.events import record_event
+
+from .boots import boot_alive
+
+
+class ClaimOutcome(str, enum.Enum):
+    CLAIMED = "claimed"
+    TAKEN_OVER = "taken_over"
+    DUPLICATE = "duplicate"
+    FINISHED = "finished"
+    NOT_DUE = "not_due"
+    MISSING = "missing"
+
+    @property
+    def execute(self) -> bool:
+        return self in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER)
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: ClaimOutcome
+    run_id: uuid.UUID
+    boot_id: uuid.UUID
+    attempt: int | None = None
+    holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
+
+
+_CLAIM_QUEUED = text(
+    """
+    UPDATE runs
+       SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
+           started_at = coalesce(started_at, now()), updated_at = now()
+     WHERE id = :run AND status = 'queued' AND NOT cancel_requested
+       AND (not_before IS NULL OR not_before <= now())
+    RETURNING attempt, tenant_id
+    """
+)
+
+_TAKE_OVER = text(
+    """
+    UPDATE runs
+       SET claimed_by = :boot, attempt = attempt + 1, updated_at = now()
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead
+    RETURNING attempt, tenant_id
+    """
+)
+
+
+def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
+    """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits."""
+    row = session.execute(_CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
+    if row is not None:
+        record_event(session, tenant_id=row.tenant_id, run_id=run_id,
+                     event_type="run.started", attempt=row.attempt)
+        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt)
+
+    current = session.execute(
+        text("SELECT status, claimed_by, cancel_requested, not_before > now() AS early "
+             "FROM runs WHERE id = :run"),
+        {"run": run_id},
+    ).one_or_none()
+    if current is None:
+        return Claim(ClaimOutcome.MISSING, run_id, boot_id)
+    if current.status in ("succeeded", "failed", "cancelled"):
+        return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
+    if current.status == "queued":
+        if current.cancel_requested:
+            cancel_queued(session, run_id)
+            return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
+        # A retry scheduled for later (its own delayed message will come), or a
+        # row another delivery claimed and released between our two statements.
+        return Claim(ClaimOutcome.NOT_DUE, run_id, boot_id)
+
+    holder = current.claimed_by
+    if holder == boot_id or boot_alive(session, holder):
+        return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder)
+
+    # The holder is dead (its lock is gone, and a dead boot never comes back):
+    # take the wreckage over, unless another delivery beat us to it.
+    row = session.execute(_TAKE_OVER, {"run": run_id, "boot": boot_id, "dead": holder}
+                          ).one_or_none()
+    if row is None:
+        return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
+    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.resumed",
+                 attempt=row.attempt, previous_boot=str(holder))
+    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder)
+
+
+def cancel_queued(session: Session, run_id: uuid.UUID) -> bool:
+    """Cancel a queued run whose cancellation was requested."""
+    row = session.execute(
+        text("UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now() "
+             "WHERE id = :run AND status = 'queued' RETURNING tenant_id"),
+        {"run": run_id},
+    ).one_or_none()
+    if row is not None:
+        record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.cancelled")
+    return row is not None
+
+
+def release_claim(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> bool:
+    """Put a run this boot claimed back to ``queued`` (a failure before user code started).
+
+    Scoped to the claiming boot: if the claim was taken over meanwhile, this
+    changes nothing, so a release can never steal another delivery's claim.
+    """
+    row = session.execute(
+        text("UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now() "
+             "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
+             "RETURNING tenant_id"),
+        {"run": run_id, "boot": boot_id},
+    ).one_or_none()
+    if row is not None:
+        record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.released")
+    return row is not None
+
+
+def finish_run(
+    session: Session,
+    run_id: uuid.UUID,
+    boot_id: uuid.UUID,
+    *,
+    status: str,
+    result: Any = None,
+    error: dict | None = None,
+) -> bool:
+    """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
+    assert status in ("succeeded", "failed", "cancelled")
+    row = session.execute(
+        text(
+            "UPDATE runs SET status = :status, result = CAST(:result AS jsonb), "
+            "error = CAST(:error AS jsonb), finished_at = now(), updated_at = now(), "
+            "failures = failures + :failed "
+            "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
+            "RETURNING tenant_id, attempt"
+        ),
+        {"run": run_id, "boot": boot_id, "status": status, "result": _json(result),
+         "error": _json(error), "failed": int(status == "failed")},
+    ).one_or_none()
+    if row is None:
+        return False
+    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type=f"run.{status}",
+                 attempt=row.attempt, **({"error": error} if error else {}))
+    return True
+
+
+def schedule_retry(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+                   delay: float, error: dict) -> bool:
+    """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
+    row = session.execute(
+        text(
+            "UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1, "
+            "error = CAST(:error AS jsonb), updated_at = now(), "
+            "not_before = now() + make_interval(secs => :delay) "
+            "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
+            "RETURNING tenant_id, attempt"
+        ),
+        {"run": run_id, "boot": boot_id, "delay": delay, "error": _json(error)},
+    ).one_or_none()
+    if row is None:
+        return False
+    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.retrying",
+                 attempt=row.attempt, delay=delay, error=error)
+    return True
+
+
+def _json(value: Any) -> str | None:
+    import json
+
+    return None if value is None else json.dumps(value, default=str)
