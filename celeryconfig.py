@@ -24,7 +24,13 @@ def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> di
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": int(env.get("CELERY_PREFETCH_MULTIPLIER", "1")),
-        "broker_transport_options": {"visibility_timeout": visibility},
+        # Redis redelivers a message not acked within visibility_timeout (even one
+        # still running); the sweep that does it runs every interval * throttle s.
+        "broker_transport_options": {
+            "visibility_timeout": visibility,
+            "unacked_restore_interval": int(env.get("POIMEN_UNACKED_RESTORE_INTERVAL", "10")),
+            "unacked_restore_throttle": int(env.get("POIMEN_UNACKED_RESTORE_THROTTLE", "10")),
+        },
         "broker_connection_retry_on_startup": True,
         # Flower shows received/started/succeeded only if workers send events.
         "worker_send_task_events": True,

@@ -72,7 +72,9 @@ def app(database_url):
 @pytest.fixture(scope="session")
 def test_env(database_url) -> dict[str, str]:
     """The environment for child processes: the test database and queue."""
-    return dict(os.environ)
+    from tests.processes import ROOT
+
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def connect(database_url: str, **kwargs) -> psycopg.Connection:

@@ -123,3 +123,13 @@ def start_worker(env: Mapping[str, str], log_dir: Path, name: str = "worker",
          "--without-gossip", *extra],
         env, log_dir,
     ).start()
+
+
+def start_beat(env: Mapping[str, str], log_dir: Path, name: str = "beat") -> Process:
+    """Start ``celery -A workers beat`` as the Procfile does."""
+    return Process(
+        name,
+        [str(BIN / "celery"), "-A", "workers", "beat", "--loglevel", "INFO",
+         "--schedule", str(Path(log_dir) / f"{name}-schedule")],
+        env, log_dir,
+    ).start()

@@ -71,7 +71,7 @@ def execute_run(run_id: str) -> Claim:
     session = db.session
     claim = claim_run(session, run_uuid, boot.boot_id)
     session.commit()
-    if not claim.execute:
+    if not claim.outcome.execute:
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
                 claim.holder)

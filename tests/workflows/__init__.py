@@ -11,3 +11,53 @@ def versioned_2(ctx, input):
 @workflow("versioned", version="10")
 def versioned_10(ctx, input):
     return {"version": "10"}
+
+
+# Side effects go to a table of their own, each in its own committed
+# transaction, so a count shows exactly how many times code ran, crash or not.
+def record_effect(run_id, kind: str) -> None:
+    import os
+
+    from sqlalchemy import text
+
+    from app.extensions import db
+
+    with db.engine.begin() as conn:
+        conn.execute(text("INSERT INTO side_effects (run_id, kind, pid) VALUES (:r, :k, :p)"),
+                     {"r": run_id, "k": kind, "p": os.getpid()})
+
+
+@workflow("effect", version="1")
+def effect(ctx, input):
+    """Record 'start', sleep ``seconds`` (checking for cancellation), record 'finish'."""
+    import time
+
+    record_effect(ctx.run_id, "start")
+    deadline = time.monotonic() + float(input.get("seconds", 0))
+    while time.monotonic() < deadline:
+        if ctx.cancelled:
+            record_effect(ctx.run_id, "cancelled")
+            return {"cancelled": True}
+        time.sleep(0.05)
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt}
+
+
+class Flaky(RuntimeError):
+    pass
+
+
+@workflow("flaky", version="1", max_attempts=3, backoff_seconds=0.2)
+def flaky(ctx, input):
+    """Fail until the run has failed ``input['failures']`` times, then succeed."""
+    record_effect(ctx.run_id, "try")
+    from sqlalchemy import text
+
+    from app.extensions import db
+
+    with db.engine.connect() as conn:
+        failures = conn.execute(text("SELECT failures FROM runs WHERE id = :r"),
+                                {"r": ctx.run_id}).scalar()
+    if failures < int(input.get("failures", 1)):
+        raise Flaky(f"failure number {failures + 1}")
+    return {"failures_before_success": failures}
