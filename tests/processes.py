@@ -133,3 +133,57 @@ def start_beat(env: Mapping[str, str], log_dir: Path, name: str = "beat") -> Pro
          "--schedule", str(Path(log_dir) / f"{name}-schedule")],
         env, log_dir,
     ).start()
+
+
+def start_inbox(env: Mapping[str, str], log_dir: Path, name: str = "inbox",
+                metrics_port: int | None = None) -> tuple[Process, str]:
+    """Start ``python -m bridge.inbox`` as the Procfile does; return it and its metrics URL."""
+    port = metrics_port or free_port()
+    proc = Process(name, [sys.executable, "-m", "bridge.inbox"],
+                   {**env, "METRICS_PORT": str(port)}, log_dir).start()
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def answering() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
+        return requests.get(url, timeout=1).ok
+
+    wait_until(answering, timeout=30, what=f"{name} metrics on {url}")
+    return proc, url
+
+
+def start_kafka_broker(data_dir: Path, port: int, log_dir: Path,
+                       name: str = "kafka") -> Process:
+    """Start a private noida-db Kafka-protocol broker on ``port``, keeping data in ``data_dir``."""
+    proc = Process(
+        name,
+        [str(BIN / "noida-db"), "start", "--data-dir", str(data_dir), "--host", "127.0.0.1",
+         "--only", "kafka", "--kafka-port", str(port)],
+        os.environ, log_dir,
+    ).start()
+
+    def listening() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    wait_until(listening, timeout=30, what=f"{name} on port {port}")
+    return proc
+
+
+def procfile_commands(path: Path = ROOT / "Procfile") -> dict[str, str]:
+    """Return the Procfile's ``name -> command``."""
+    commands = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, command = line.partition(":")
+            commands[name.strip()] = command.strip()
+    return commands
+
+
+def start_procfile_process(name: str, env: Mapping[str, str], log_dir: Path) -> Process:
+    """Start the Procfile's ``name`` exactly as written, through a shell (as honcho does)."""
+    command = procfile_commands()[name]
+    env = {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"}
+    return Process(name, ["/bin/sh", "-c", f"exec {command}"], env, log_dir).start()

@@ -1,0 +1,89 @@
+"""Wiring: the deployment file, task names, settings and package boundaries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.processes import ROOT, procfile_commands
+
+DESIGN_PROCESSES = {"release", "web", "worker", "beat", "flower"}
+
+
+def test_procfile_declares_the_design_processes():
+    commands = procfile_commands()
+    assert DESIGN_PROCESSES <= set(commands)
+    assert commands["release"] == "flask --app app db upgrade"
+    assert '"app:create_app()"' in commands["web"] and "${PORT" in commands["web"]
+    assert commands["worker"].startswith("celery -A workers worker")
+    assert commands["beat"].startswith("celery -A workers beat")
+    assert commands["flower"].startswith("celery -A workers flower") and "${PORT" in commands[
+        "flower"]
+    for name in ("inbox", "outbox"):
+        if name in commands:
+            assert commands[name] == f"python -m bridge.{name}"
+            assert (ROOT / "bridge" / f"{name}.py").exists()
+
+
+def test_every_task_the_platform_sends_is_registered_by_the_worker():
+    from app.enqueue import EXECUTE_TASK
+    from workers import tasks
+
+    names = {tasks.execute.name, tasks.repair.name}
+    assert EXECUTE_TASK in names
+    assert names == {"runs.execute", "runs.repair"}
+
+
+def test_celery_settings_are_at_least_once():
+    from celeryconfig import celery_settings
+
+    settings = celery_settings("redis://x", env={})
+    assert settings["task_acks_late"] and settings["task_reject_on_worker_lost"]
+    assert settings["accept_content"] == ["json"]
+    assert settings["task_serializer"] == "json"
+
+
+def test_heroku_postgres_urls_are_accepted():
+    from app.config import broker_url, database_url
+
+    assert database_url("postgres://u:p@h:5432/d") == "postgresql+psycopg://u:p@h:5432/d"
+    assert database_url("postgresql://u@h/d") == "postgresql+psycopg://u@h/d"
+    assert broker_url({"REDIS_URL": "redis://a", "CELERY_BROKER_URL": "redis://b"}) == "redis://b"
+    assert broker_url({"REDIS_URL": "redis://a"}) == "redis://a"
+
+
+def test_importing_the_packages_reads_no_settings():
+    """Config is read by the factory, never at import: imports work with an empty env."""
+    code = "import app, app.api, app.admission, workers, workers.claims, workers.tasks, bridge"
+    proc = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"},
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bridge_imports_nothing_from_app_or_workers():
+    modules = [p.stem for p in (ROOT / "bridge").glob("*.py") if p.stem != "__init__"]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('bridge.' + m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers'))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for path in Path(ROOT / "bridge").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            stripped = line.strip()
+            assert not stripped.startswith(("from app", "import app", "from workers",
+                                            "import workers")), f"{path}: {line}"
+
+
+def test_openapi_document_describes_every_route(app):
+    from app.openapi import openapi_document
+
+    doc = openapi_document()
+    routes = {rule.rule.replace("<run_id>", "{run_id}") for rule in app.url_map.iter_rules()
+              if rule.rule.startswith("/v1/") and rule.rule != "/v1/openapi.json"}
+    assert routes == set(doc["paths"])
+    assert doc["openapi"].startswith("3.")
