@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 from flask import current_app
 
 from app.extensions import db
@@ -28,6 +28,13 @@ def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
     return repair_stranded_runs(db.session, current_app.extensions["celery"],
                                 min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+
+
+@worker_init.connect
+def _serve_metrics(sender=None, **_):
+    from .metrics import serve_metrics
+
+    serve_metrics(sender.app.flask_app, sender.app)
 
 
 @worker_process_init.connect

@@ -21,7 +21,9 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
         procs.append(start_procfile_process("web", {**env, "PORT": str(web_port)}, tmp_path))
         procs.append(start_procfile_process("flower", {**env, "PORT": str(flower_port)},
                                             tmp_path))
-        procs.append(start_procfile_process("worker", env, tmp_path))
+        metrics_port = free_port()
+        procs.append(start_procfile_process("worker", {**env, "METRICS_PORT": str(metrics_port)},
+                                            tmp_path))
         procs.append(start_procfile_process("beat", env, tmp_path))
         api, flower = f"http://127.0.0.1:{web_port}", f"http://127.0.0.1:{flower_port}"
         wait_until(lambda: requests.get(f"{api}/readyz", timeout=2).ok, what="web")
@@ -48,6 +50,10 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
 
         metrics = requests.get(f"{api}/metrics", timeout=5).text
         assert 'poimen_runs{status="succeeded"} 1' in metrics
+        worker_metrics = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert 'poimen_worker_runs{status="succeeded"} 1.0' in worker_metrics
+        assert "poimen_worker_live_boots 1.0" in worker_metrics
+        assert "poimen_worker_queue_depth{" in worker_metrics
     finally:
         for proc in reversed(procs):
             proc.stop()
