@@ -110,8 +110,9 @@ def test_kill_9_mid_run_is_resumed_by_another_worker(admit, side_effects, test_e
 
     processes.append(start_worker(env, log_dir, "rescuer"))
     processes.append(start_beat(env, log_dir))
-    status, attempt, holder, result, *_ = wait_status(pg, run_id, {"succeeded"})
+    status, attempt, holder, result, error, failures = wait_status(pg, run_id, {"succeeded"})
     assert attempt == 2
+    assert failures == 0  # losing a worker is not the workflow's failure
     assert side_effects(run_id, "start") == 2   # started again from the top ...
     assert side_effects(run_id, "finish") == 1  # ... and finished exactly once
     assert result == {"attempt": 2}
@@ -209,3 +210,16 @@ def test_http_run_reaches_succeeded_with_its_result(live_api, tenant, test_env, 
                      and body, timeout=60, what="fail to fail")
     assert run["error"]["message"] == "boom"
     assert run["error"]["type"] == "workers.examples.ExampleFailure"
+
+
+def test_a_run_whose_message_was_lost_is_re_sent_by_beat(admit, side_effects, test_env, pg,
+                                                         log_dir, processes, redis_client,
+                                                         queue_name):
+    """Committed, but its Celery message is gone: beat's repair re-sends it."""
+    run_id = admit("effect", {"seconds": 0})
+    redis_client.delete(queue_name)  # the message is lost
+    env = {**test_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "1"}
+    processes.append(start_worker(env, log_dir))
+    processes.append(start_beat(env, log_dir))
+    wait_status(pg, run_id, {"succeeded"}, timeout=60)
+    assert side_effects(run_id, "finish") == 1
