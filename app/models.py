@@ -8,14 +8,13 @@ from datetime import datetime
 
 from sqlalchemy import (
     BigInteger,
-    CheckConstraint,
     Boolean,
+    CheckConstraint,
     DateTime,
     ForeignKey,
     Index,
     Integer,
     String,
-
     func,
     text,
 )
@@ -25,7 +24,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from .extensions import db
 
 
-class RunStatus(str, enum.Enum):
+class RunStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -155,7 +154,7 @@ class OutboxEvent(db.Model):
     )
 
 
-class AdmissionOrigin(str, enum.Enum):
+class AdmissionOrigin(enum.StrEnum):
     HTTP = "http"
     FANOUT = "fanout"
     INTERNAL = "internal"

@@ -9,7 +9,6 @@ printed. Starting is idempotent, a second ``up`` finds them running, and
 from __future__ import annotations
 
 import json
-import warnings
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 

@@ -30,7 +30,7 @@ from app.events import record_event
 from .boots import boot_alive
 
 
-class ClaimOutcome(str, enum.Enum):
+class ClaimOutcome(enum.StrEnum):
     CLAIMED = "claimed"
     TAKEN_OVER = "taken_over"
     DUPLICATE = "duplicate"

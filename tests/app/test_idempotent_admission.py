@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import connect
-
 
 def post_run(client, creds, **body):
     return client.post("/v1/runs", json=body, headers=creds.headers)
