@@ -10,12 +10,13 @@ from typing import Any
 
 from flask import current_app
 from sqlalchemy import text
+from sqlalchemy.exc import DataError
 
 from app.enqueue import send_run
 from app.extensions import db
 
 from . import registry
-from .boots import current_boot
+from .boots import current_boot, end_current_boot
 from .claims import (
     Claim,
     ClaimOutcome,
@@ -80,21 +81,39 @@ def execute_run(run_id: str) -> Claim:
         log.warning("run %s: took over from dead boot %s (attempt %s)", run_id, claim.holder,
                     claim.attempt)
 
+    try:
+        _run_claimed(claim, boot.boot_id)
+    except Exception:
+        # We hold a claim we could not release or finish (the database went
+        # away mid-run, say). Ending this boot drops its lock, which makes the
+        # run wreckage that repair re-sends and the next delivery takes over;
+        # keeping the boot would leave the run "running" under a live boot.
+        log.exception("run %s: could not record its outcome; ending boot %s", run_id,
+                      boot.boot_id)
+        db.session.rollback()
+        end_current_boot()
+        raise
+    return claim
+
+
+def _run_claimed(claim: Claim, boot_id: uuid.UUID) -> None:
+    session = db.session
+    run_id = claim.run_id
     # Between the claim and user code: any failure releases the claim, scoped
     # to this boot, so the run goes back to queued rather than being stranded.
     try:
         row = session.execute(
             text("SELECT tenant_id, workflow_name, workflow_version, input, failures, "
                  "cancel_requested FROM runs WHERE id = :run"),
-            {"run": run_uuid},
+            {"run": run_id},
         ).one()
         workflow = registry.get(row.workflow_name, row.workflow_version)
-        ctx = RunContext(run_uuid, row.tenant_id, claim.attempt, workflow, boot.boot_id,
+        ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, boot_id,
                          _cancelled=row.cancel_requested)
         session.commit()
     except Exception:
         session.rollback()
-        released = release_claim(session, run_uuid, boot.boot_id)
+        released = release_claim(session, run_id, boot_id)
         session.commit()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise
@@ -104,16 +123,27 @@ def execute_run(run_id: str) -> Claim:
     except Exception as err:  # noqa: BLE001 - a workflow failure is recorded, not raised
         session.rollback()
         _record_failure(ctx, row.failures, err)
-        return claim
+        return
 
     status = "cancelled" if ctx._cancelled else "succeeded"
-    if finish_run(session, run_uuid, boot.boot_id, status=status, result=result):
+    try:
+        finished = finish_run(session, run_id, boot_id, status=status, result=result)
+    except DataError as err:
+        # The result itself cannot be stored (jsonb refuses it): a workflow bug,
+        # recorded as a failure instead of retried forever.
+        session.rollback()
+        finished = finish_run(session, run_id, boot_id, status="failed", error={
+            "type": "poimen.ResultNotStorable",
+            "message": f"the workflow's result could not be stored: {err.orig}",
+            "traceback": "",
+        })
+        status = "failed"
+    if finished:
         session.commit()
         log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
     else:
         session.rollback()
         log.warning("run %s: claim lost before finishing; result discarded", run_id)
-    return claim
 
 
 def _record_failure(ctx: RunContext, failures: int, err: Exception) -> None:

@@ -136,3 +136,37 @@ def test_a_retry_that_is_not_due_is_not_claimed(session, admit, boot_factory, pg
     pg.execute("UPDATE runs SET not_before = now() + interval '1 hour' WHERE id = %s", [run_id])
     assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.NOT_DUE
     assert status_of(pg, run_id)[0] == "queued"
+
+
+@pytest.fixture
+def fresh_boot():
+    """execute_run in this process registers a boot; end it so the next test starts clean."""
+    from workers.boots import end_current_boot
+
+    end_current_boot()
+    yield
+    end_current_boot()
+
+
+def test_a_result_postgres_refuses_fails_the_run_instead_of_stranding_it(app, admit, pg,
+                                                                          fresh_boot):
+    from workers.execution import execute_run
+
+    run_id = admit("unstorable")
+    with app.app_context():
+        assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
+    status, error = pg.execute("SELECT status, error FROM runs WHERE id = %s",
+                               [run_id]).fetchone()
+    assert status == "failed"
+    assert error["type"] == "poimen.ResultNotStorable"
+
+
+def test_execute_in_process_runs_the_workflow_once(app, admit, pg, fresh_boot):
+    from workers.execution import execute_run
+
+    run_id = admit("echo", {"x": 1})
+    with app.app_context():
+        assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
+        assert execute_run(str(run_id)).outcome == ClaimOutcome.FINISHED
+    assert pg.execute("SELECT status, result FROM runs WHERE id = %s",
+                      [run_id]).fetchone() == ("succeeded", {"x": 1})

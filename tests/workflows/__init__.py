@@ -61,3 +61,9 @@ def flaky(ctx, input):
     if failures < int(input.get("failures", 1)):
         raise Flaky(f"failure number {failures + 1}")
     return {"failures_before_success": failures}
+
+
+@workflow("unstorable", version="1")
+def unstorable(ctx, input):
+    """Return a result Postgres jsonb refuses (a NUL character)."""
+    return {"text": "nul \u0000 here"}
