@@ -28,6 +28,7 @@ test: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: services
+	@command -v wrk >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y wrk
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
 

@@ -1,0 +1,272 @@
+"""Shared plumbing for the benchmarks: a throwaway database, wrk, machine facts.
+
+Every benchmark owns what it creates (a ``poimen_bench_<id>`` database, a
+Celery queue, child processes) and removes it on the way out, error or not,
+so running ``make bench`` on a developer's machine leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED_ENV = ("DATABASE_URL", "REDIS_URL")
+
+
+def require_env() -> dict[str, str]:
+    """Return ``os.environ`` as a dict, or exit with a hint when the services are unset."""
+    missing = [name for name in REQUIRED_ENV if not os.environ.get(name)]
+    if missing:
+        sys.exit(f"{', '.join(missing)} unset: run the benchmarks with `make bench`, or "
+                 "`set -a; eval \"$(.venv/bin/poimen-dev env)\"; set +a` first")
+    return dict(os.environ)
+
+
+def require_wrk() -> str:
+    """Return the path of ``wrk``, or exit saying how to install it."""
+    path = shutil.which("wrk")
+    if path is None:
+        sys.exit("wrk is not installed: `apt-get install -y wrk` (Debian's package), "
+                 "or run `make bench` as root, which installs it")
+    return path
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so ``finally`` blocks clean up on a plain kill."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def libpq_url(url: str) -> str:
+    """Return a psycopg-connectable URL for a Postgres or SQLAlchemy URL."""
+    from app.config import database_url as to_sqlalchemy
+
+    return make_url(to_sqlalchemy(url)).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+
+
+@contextlib.contextmanager
+def bench_database(server_url: str, env: Mapping[str, str]) -> Iterator[str]:
+    """Create ``poimen_bench_<id>`` on ``server_url``'s server, migrate it, drop it after.
+
+    Yields the database's URL (libpq form). Migrated with ``flask db upgrade``,
+    as the release phase does, so the partial unique index really exists.
+    """
+    server = make_url(libpq_url(server_url))
+    admin = server.render_as_string(hide_password=False)
+    name = f"poimen_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = server.set(database=name).render_as_string(hide_password=False)
+        migrate = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
+            env={**env, "DATABASE_URL": url}, cwd=ROOT, capture_output=True, text=True,
+        )
+        if migrate.returncode != 0:
+            raise RuntimeError(f"migration failed:\n{migrate.stdout}{migrate.stderr}")
+        yield url
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def log_directory(prefix: str) -> Iterator[Path]:
+    """A temporary directory for child logs; kept (and named) only if the run fails."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"child process logs kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- wrk ---------------------------------------------------------------------
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+_COUNT_LINE = re.compile(r"^BENCH_COUNTS (.*)$", re.M)
+
+
+@dataclass
+class WrkResult:
+    """What one wrk run reported (latencies in milliseconds)."""
+
+    requests: int
+    duration_s: float
+    rate: float
+    p50_ms: float
+    p75_ms: float
+    p90_ms: float
+    p99_ms: float
+    non_2xx: int
+    socket_errors: dict[str, int]
+    counts: dict[str, int] = field(default_factory=dict)
+    output: str = ""
+    # CPU milliseconds per completed request, by process group (see CpuMeter).
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> int:
+        return self.non_2xx + sum(self.socket_errors.values())
+
+
+def _ms(value: str, unit: str) -> float:
+    return float(value) * _UNITS[unit]
+
+
+def parse_wrk(output: str) -> WrkResult:
+    """Parse ``wrk --latency`` output (plus this module's ``BENCH_COUNTS`` line)."""
+    pct = {
+        int(p): _ms(v, u)
+        for p, v, u in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s|m|h)\s*$", output, re.M)
+    }
+    done = re.search(r"^\s*(\d+) requests in ([\d.]+)(us|ms|s|m|h)", output, re.M)
+    rate = re.search(r"^Requests/sec:\s+([\d.]+)", output, re.M)
+    if not (pct and done and rate):
+        raise RuntimeError(f"could not parse wrk output:\n{output}")
+    sock = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output)
+    socket_errors = dict(zip(("connect", "read", "write", "timeout"),
+                             map(int, sock.groups()), strict=True)) if sock else {}
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    counts = {}
+    if line := _COUNT_LINE.search(output):
+        counts = {k: int(v) for k, v in (item.split("=") for item in line.group(1).split())}
+    return WrkResult(
+        requests=int(done.group(1)),
+        duration_s=_ms(done.group(2), done.group(3)) / 1e3,
+        rate=float(rate.group(1)),
+        p50_ms=pct[50], p75_ms=pct[75], p90_ms=pct[90], p99_ms=pct[99],
+        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
+        socket_errors=socket_errors,
+        counts=counts,
+        output=output,
+    )
+
+
+# Per-thread counters summed in done(): wrk gives each thread its own Lua state,
+# and setup() keeps a handle on every thread so done() can read them back.
+WRK_COUNTERS_LUA = """
+local threads = {}
+issued, created, replayed, other = 0, 0, 0, 0
+
+function setup(thread)
+  thread:set("tid", #threads + 1)
+  table.insert(threads, thread)
+end
+
+function response(status, headers, body)
+  if status == 201 then created = created + 1
+  elseif status == 200 then replayed = replayed + 1
+  else other = other + 1 end
+end
+
+function done(summary, latency, requests)
+  local sums = {issued = 0, created = 0, replayed = 0, other = 0}
+  for _, t in ipairs(threads) do
+    for name, _ in pairs(sums) do sums[name] = sums[name] + t:get(name) end
+  end
+  io.write(string.format("BENCH_COUNTS issued=%d created=%d replayed=%d other=%d\\n",
+    sums.issued, sums.created, sums.replayed, sums.other))
+end
+"""
+
+
+def run_wrk(wrk: str, url: str, lua: str, *, duration: float, connections: int,
+            threads: int, timeout_s: float = 5.0) -> WrkResult:
+    """Run ``wrk --latency`` with the Lua script ``lua`` and return the parsed result."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="poimen-bench-") as script:
+        script.write(lua)
+        script.flush()
+        proc = subprocess.run(
+            [wrk, f"-t{threads}", f"-c{connections}", f"-d{duration:g}s",
+             f"--timeout={timeout_s:g}s", "--latency", "-s", script.name, url],
+            capture_output=True, text=True, timeout=duration + 60,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return parse_wrk(proc.stdout)
+
+
+# -- the machine ---------------------------------------------------------------
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (e.g. gunicorn's workers under its arbiter)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds consumed so far by ``pids`` (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _CLOCK_TICKS
+
+
+class CpuMeter:
+    """CPU seconds spent by named groups of processes between ``start()`` and ``stop()``.
+
+    Throughput on a shared machine moves with everyone else's load; CPU per
+    request does much less, so it says what a request costs, not what it got.
+    Processes born during the interval count in full; ones that died are lost.
+    """
+
+    def __init__(self, groups: Mapping[str, Callable[[], list[int]]]):
+        self.groups = dict(groups)
+        self.before: dict[str, dict[int, float]] = {}
+
+    def start(self) -> None:
+        self.before = {name: {pid: cpu_seconds([pid]) for pid in pids()}
+                       for name, pids in self.groups.items()}
+
+    def stop(self) -> dict[str, float]:
+        return {
+            name: sum(cpu_seconds([pid]) - self.before[name].get(pid, 0.0) for pid in pids())
+            for name, pids in self.groups.items()
+        }
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def machine_summary(database_url: str) -> dict[str, str]:
+    """The facts a result is meaningless without: cores, arch, Python, Postgres, load."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        pg = conn.execute("SHOW server_version").fetchone()[0]
+    return {
+        "cores": str(len(os.sched_getaffinity(0))),  # what `nproc` says
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "postgres": pg,
+        "load": load_average(),
+    }
