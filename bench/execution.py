@@ -1,0 +1,443 @@
+"""Benchmark: runs/s end to end (HTTP admission -> ``succeeded``) versus plain Celery.
+
+    python bench/execution.py [--runs 5000] [--plain-tasks 15000] [--repeat 1] [--prefetch 1 4]
+
+For each prefetch multiplier, in one invocation and on the same services:
+
+* **Poimen** — a ``celery -A workers worker --concurrency 2`` (prefork), as the
+  Procfile starts it, and gunicorn as the Procfile starts it. ``--runs`` runs of
+  the built-in ``noop`` workflow are admitted with ``POST /v1/runs`` from
+  ``--clients`` keep-alive HTTP connections *while the worker runs*; the clock
+  goes from the first POST to the moment ``SELECT count(*) FROM runs WHERE
+  status = 'succeeded'`` (polled every 50 ms) reaches ``--runs``. Each run is
+  admission (INSERT + outbox event, then the Celery send after commit), claim
+  (UPDATE + event), a read, and the fenced finish (UPDATE + event).
+* **plain Celery** — ``bench/plain_celery_app.py``: the same Celery settings
+  (``celeryconfig.celery_settings``: acks_late, prefetch, task events ...), the
+  same broker, a queue of its own, a worker at ``--concurrency 2``; the task's
+  body is one ``INCR`` of a Redis counter, the completion marker. The tasks are
+  sent with ``apply_async`` from one thread while the worker runs; the clock
+  goes from the first send to the moment the counter (polled every 50 ms)
+  reaches ``--plain-tasks``.
+
+Both cases are preceded by a warm-up (``--warmup`` runs/tasks, then the tables
+or counter are reset), so neither pays for imports or first connections.
+``--plain-tasks`` defaults to three times ``--runs`` so that each case lasts
+about as long (>= 10 s here); the rates, not the counts, are compared.
+
+Prefetch: with ``acks_late`` a pool process acknowledges a message only after
+the task returns, so the multiplier only decides how many unacknowledged
+messages each process may hold (reserve) ahead of the one it runs: it can save
+broker round trips between tasks, never run more at once.
+
+The benchmark owns everything it creates — a ``poimen_bench_<id>`` database
+(migrated with ``flask db upgrade``), the queues ``poimen-bench-<id>`` and
+``poimen-bench-<id>-plain``, a counter key, the child processes — and removes
+them on the way out, error or not. Needs ``DATABASE_URL`` and ``REDIS_URL``
+(``make bench`` sets them).
+
+The CPU columns are CPU-seconds per 1,000 runs, read from ``/proc`` before and
+after each case: the worker (main + pool processes), gunicorn, every
+``postgres`` process on the machine (the server is shared with whatever else
+is running), ``redis-server``, this script (the client), and the whole machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import redis as redis_lib  # noqa: E402
+
+from bench._common import (  # noqa: E402
+    bench_database,
+    libpq_url,
+    load_average,
+    log_directory,
+    machine_summary,
+    require_env,
+    stop_on_sigterm,
+)
+from tests.processes import BIN, Process, start_web, start_worker, wait_until  # noqa: E402
+
+POLL_S = 0.05
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- CPU accounting from /proc ------------------------------------------------
+
+def _proc_stats() -> dict[int, tuple[str, int, float]]:
+    """pid -> (command name, process group, CPU seconds) for every process."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        # fields[0] is field 3 (state): pgrp is field 5, utime/stime fields 14/15.
+        stats[int(entry)] = (name, int(fields[2]),
+                             (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    return stats
+
+
+def _machine_cpu() -> float:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    busy = sum(int(x) for i, x in enumerate(parts[:8]) if i not in (3, 4))  # not idle/iowait
+    return busy / CLK_TCK
+
+
+@dataclass
+class CpuSnapshot:
+    groups: dict[str, float]
+    machine: float
+
+
+def cpu_snapshot(pgroups: dict[str, int]) -> CpuSnapshot:
+    """CPU seconds so far of each named process group, postgres, redis, self, machine."""
+    stats = _proc_stats()
+    groups = {label: 0.0 for label in (*pgroups, "postgres", "redis", "client")}
+    for pid, (name, pgrp, cpu) in stats.items():
+        for label, group in pgroups.items():
+            if pgrp == group:
+                groups[label] += cpu
+        if name.startswith("postgres"):
+            groups["postgres"] += cpu
+        elif name.startswith("redis-server"):
+            groups["redis"] += cpu
+        if pid == os.getpid():
+            groups["client"] += cpu
+    return CpuSnapshot(groups, _machine_cpu())
+
+
+def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    delta = {k: after.groups.get(k, 0.0) - v for k, v in before.groups.items()}
+    delta["machine"] = after.machine - before.machine
+    return delta
+
+
+# -- results ------------------------------------------------------------------
+
+@dataclass
+class CaseResult:
+    name: str
+    prefetch: int
+    count: int
+    seconds: float
+    send_seconds: float
+    cpu: dict[str, float] = field(default_factory=dict)
+    load_before: str = ""
+    load_after: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds
+
+    def cpu_per_1000(self, key: str) -> float:
+        return self.cpu.get(key, 0.0) * 1000 / self.count
+
+
+# -- Poimen -------------------------------------------------------------------
+
+def _admit(url: str, token: str, count: int, errors: list[str]) -> None:
+    """POST ``count`` noop runs over one keep-alive connection."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"workflow_ref": "noop", "input": {}})
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    try:
+        for _ in range(count):
+            conn.request("POST", "/v1/runs", body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 201:
+                errors.append(f"{resp.status}")
+    except Exception as err:  # noqa: BLE001 - reported by the caller
+        errors.append(repr(err))
+    finally:
+        conn.close()
+
+
+def admit_concurrently(url: str, token: str, count: int, clients: int) -> float:
+    """Admit ``count`` runs from ``clients`` threads; return when the last one answered."""
+    errors: list[str] = []
+    shares = [count // clients + (i < count % clients) for i in range(clients)]
+    threads = [threading.Thread(target=_admit, args=(url, token, n, errors), daemon=True)
+               for n in shares]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} admissions failed, e.g. {errors[:3]}")
+    return time.monotonic()
+
+
+def succeeded(db_url: str) -> int:
+    with psycopg.connect(db_url) as conn:
+        return conn.execute("SELECT count(*) FROM runs WHERE status = 'succeeded'").fetchone()[0]
+
+
+def runs_by_status(db_url: str) -> dict[str, int]:
+    with psycopg.connect(db_url) as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall())
+
+
+def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
+    """Poll ``count_fn`` every ``POLL_S`` until it reaches ``target``; return that moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = count_fn()
+        if seen >= target:
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: only {seen}/{target} done after {timeout:.0f}s")
+        time.sleep(POLL_S)
+
+
+def reset_runs(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE runs, outbox")
+        conn.execute("VACUUM ANALYZE runs")
+
+
+def wait_ready(proc: Process, timeout: float = 60.0) -> None:
+    def ready():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
+        return " ready." in proc.log()
+
+    wait_until(ready, timeout=timeout, interval=0.1, what=f"{proc.name} ready")
+
+
+def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
+                token: str, runs: int, warmup: int, prefetch: int, clients: int,
+                timeout: float, hold_for_profile: bool) -> CaseResult:
+    worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch)}
+    worker = start_worker(worker_env, log_dir, f"poimen-p{prefetch}", concurrency=2)
+    try:
+        wait_ready(worker)
+        if warmup:
+            admit_concurrently(web_url, token, warmup, clients)
+            wait_for_count(lambda: succeeded(db_url), warmup, timeout, "poimen warm-up")
+        reset_runs(db_url)
+        if hold_for_profile:
+            print(f"PROFILE worker_pgrp={worker.pid} web_pgrp={web_pgrp}: attach a profiler "
+                  f"(e.g. py-spy record --pid <pool pid>); starting in 10 s", flush=True)
+            time.sleep(10)
+
+        load_before = load_average()
+        pgroups = {"worker": worker.pid, "web": web_pgrp}
+        cpu0 = cpu_snapshot(pgroups)
+        start = time.monotonic()
+        sent: list[float] = []
+        sender = threading.Thread(
+            target=lambda: sent.append(admit_concurrently(web_url, token, runs, clients)),
+            daemon=True)
+        sender.start()
+        try:
+            done = wait_for_count(lambda: succeeded(db_url), runs, timeout, "poimen")
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}; runs by status: {runs_by_status(db_url)}") from None
+        sender.join()
+        cpu1 = cpu_snapshot(pgroups)
+        return CaseResult("poimen", prefetch, runs, done - start, sent[0] - start,
+                          cpu_delta(cpu0, cpu1), load_before, load_average())
+    finally:
+        worker.stop()
+
+
+# -- plain Celery -------------------------------------------------------------
+
+def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, counter_key: str,
+               tasks: int, warmup: int, prefetch: int, timeout: float) -> CaseResult:
+    from bench import plain_celery_app
+
+    worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch)}
+    sender_app = plain_celery_app.create(worker_env)
+    task = sender_app.tasks[plain_celery_app.TASK_NAME]
+    worker = Process(
+        f"plain-p{prefetch}",
+        [str(BIN / "celery"), "-A", "bench.plain_celery_app", "worker", "--loglevel", "INFO",
+         "--concurrency", "2", "--hostname", f"plain-p{prefetch}-{uuid.uuid4().hex[:6]}@%h",
+         "--without-mingle", "--without-gossip"],
+        worker_env, log_dir,
+    ).start()
+
+    def count() -> int:
+        return int(redis.get(counter_key) or 0)
+
+    def send(n: int) -> float:
+        for _ in range(n):
+            task.apply_async()
+        return time.monotonic()
+
+    try:
+        wait_ready(worker)
+        redis.delete(counter_key)
+        if warmup:
+            send(warmup)
+            wait_for_count(count, warmup, timeout, "plain warm-up")
+        redis.delete(counter_key)
+
+        load_before = load_average()
+        pgroups = {"worker": worker.pid}
+        cpu0 = cpu_snapshot(pgroups)
+        start = time.monotonic()
+        sent: list[float] = []
+        sender = threading.Thread(target=lambda: sent.append(send(tasks)), daemon=True)
+        sender.start()
+        done = wait_for_count(count, tasks, timeout, "plain celery")
+        sender.join()
+        cpu1 = cpu_snapshot(pgroups)
+        return CaseResult("plain", prefetch, tasks, done - start, sent[0] - start,
+                          cpu_delta(cpu0, cpu1), load_before, load_average())
+    finally:
+        worker.stop()
+        sender_app.close()
+
+
+# -- setup and report ---------------------------------------------------------
+
+def create_tenant_and_token(db_url: str) -> str:
+    os.environ["DATABASE_URL"] = db_url
+    from app import create_app
+    from app.cli import create_tenant, create_token
+
+    flask_app = create_app()
+    with flask_app.app_context():
+        tenant = create_tenant("bench")
+        return create_token(tenant, service=False, label="bench/execution.py")
+
+
+def delete_redis_keys(redis: redis_lib.Redis, marker: str) -> int:
+    """Delete every key naming this run's id (queues, bindings, the counter)."""
+    keys = list(redis.scan_iter(match=f"*{marker}*", count=1000))
+    return redis.delete(*keys) if keys else 0
+
+
+def report(results: list[CaseResult]) -> str:
+    lines = [
+        "| case | prefetch | count | seconds | /s | send phase s | worker | web | postgres "
+        "| redis | client | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cpu = " | ".join(
+            f"{r.cpu_per_1000(k):.2f}" if k in r.cpu else "-"
+            for k in ("worker", "web", "postgres", "redis", "client", "machine"))
+        lines.append(f"| {r.name} | {r.prefetch} | {r.count} | {r.seconds:.2f} | "
+                     f"{r.rate:.0f} | {r.send_seconds:.2f} | {cpu} |")
+    lines.append("")
+    lines.append("CPU columns: CPU-seconds per 1,000 runs/tasks. Load (1/5/15 min) before -> "
+                 "after each case:")
+    for r in results:
+        lines.append(f"- {r.name} prefetch {r.prefetch}: {r.load_before} -> {r.load_after}")
+    lines.append("")
+    for prefetch in sorted({r.prefetch for r in results}):
+        rates = {name: sorted(r.rate for r in results if r.prefetch == prefetch and r.name == name)
+                 for name in ("poimen", "plain")}
+        if not (rates["poimen"] and rates["plain"]):
+            continue
+        for label, pick in (("best", max), ("median", statistics.median)):
+            poimen, plain = pick(rates["poimen"]), pick(rates["plain"])
+            ratio = poimen / plain
+            verdict = "met" if ratio >= 0.4 else "NOT met"
+            lines.append(f"prefetch {prefetch} ({label} of {len(rates['poimen'])}): Poimen "
+                         f"{poimen:.0f} runs/s, plain Celery {plain:.0f} tasks/s, ratio "
+                         f"{ratio:.2f} (target >= 0.4: {verdict})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5000, help="Poimen runs per case")
+    parser.add_argument("--plain-tasks", type=int, default=None,
+                        help="plain Celery tasks per case (default: 3 x --runs)")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[1, 4],
+                        help="CELERY_PREFETCH_MULTIPLIER values to try")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure every case this many times, interleaved (the report "
+                             "gives each measurement and the best and median of each case)")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent HTTP connections")
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
+    parser.add_argument("--only", choices=("poimen", "plain"), help="run one side only")
+    parser.add_argument("--hold-for-profile", action="store_true",
+                        help="pause 10 s before each Poimen case to attach a profiler")
+    args = parser.parse_args()
+    plain_tasks = args.plain_tasks or 3 * args.runs
+
+    stop_on_sigterm()
+    env = require_env()
+    bench_id = uuid.uuid4().hex[:8]
+    queue = f"poimen-bench-{bench_id}"
+    counter_key = f"poimen-bench-{bench_id}-plain-done"
+    env.update({
+        "PYTHONPATH": str(ROOT),
+        "POIMEN_QUEUE": queue,
+        "BENCH_PLAIN_QUEUE": f"{queue}-plain",
+        "BENCH_COUNTER_KEY": counter_key,
+        # beat is not running; keep repair out of the picture all the same.
+        "POIMEN_REPAIR_MIN_AGE": "3600",
+    })
+    redis = redis_lib.Redis.from_url(env["REDIS_URL"])
+    results: list[CaseResult] = []
+    machine = machine_summary(env["DATABASE_URL"])
+    print(f"machine: {machine}", flush=True)
+    print(f"runs {args.runs}, plain tasks {plain_tasks}, prefetch {args.prefetch}, "
+          f"clients {args.clients}, queue {queue}", flush=True)
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: print(f"deleted {delete_redis_keys(redis, bench_id)} redis keys",
+                                     flush=True))
+        log_dir = stack.enter_context(log_directory("poimen-bench-execution-"))
+        db_url = stack.enter_context(bench_database(env["DATABASE_URL"], env))
+        db_url = libpq_url(db_url)
+        env["DATABASE_URL"] = db_url
+        token = create_tenant_and_token(db_url)
+        web = None
+        if args.only != "plain":
+            web, web_url = start_web(env, log_dir, workers=2, threads=4)
+            stack.callback(web.stop)
+        for prefetch in [p for _ in range(args.repeat) for p in args.prefetch]:
+            if args.only != "plain":
+                r = poimen_case(env, log_dir, db_url, web_url, web.pid, token, args.runs,
+                                args.warmup, prefetch, args.clients, args.timeout,
+                                args.hold_for_profile)
+                results.append(r)
+                print(f"poimen prefetch {prefetch}: {r.count} runs in {r.seconds:.2f}s = "
+                      f"{r.rate:.0f} runs/s (admission took {r.send_seconds:.2f}s)", flush=True)
+            if args.only != "poimen":
+                r = plain_case(env, log_dir, redis, counter_key, plain_tasks, args.warmup,
+                               prefetch, args.timeout)
+                results.append(r)
+                print(f"plain prefetch {prefetch}: {r.count} tasks in {r.seconds:.2f}s = "
+                      f"{r.rate:.0f} tasks/s (sending took {r.send_seconds:.2f}s)", flush=True)
+    print()
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
