@@ -133,8 +133,8 @@ def create_run():
              "differs": err.fields},
         ) from err
     body = serialize_run(admission.run, principal.tenant_name)
-    db.session.commit()
     location = url_for("v1.get_run", run_id=admission.run.id)
+    db.session.commit()
     if admission.created:
         metrics.ADMISSIONS.labels("http", "created").inc()
         response = jsonify(body)

@@ -28,7 +28,10 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
         "SQLALCHEMY_ENGINE_OPTIONS": {
-            "pool_pre_ping": True,
+            # A ping is a round trip on every checkout; a dropped connection is
+            # instead invalidated on its first error (and recycled periodically).
+            "pool_pre_ping": env.get("POIMEN_DB_PRE_PING", "0") == "1",
+            "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),
             "pool_size": int(env.get("POIMEN_DB_POOL_SIZE", "5")),
             "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),
         },
@@ -40,5 +43,6 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
         "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "30")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
+        "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
         "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
     }
