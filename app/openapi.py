@@ -22,10 +22,31 @@ def _run(description: str, headers: dict | None = None) -> dict[str, Any]:
     return out
 
 
-AUTH_ERRORS = {
-    "401": _error("Missing, invalid or revoked token"),
-    "403": _error("The token may not act for the tenant named in X-Poimen-Tenant"),
-}
+TENANT_REQUIRED = "a service token sent without X-Poimen-Tenant"
+TENANT_NOT_FOUND = "the tenant named in X-Poimen-Tenant (service token) does not exist"
+
+
+def _auth_errors(bad_request: str | None = None, not_found: str | None = None) -> dict[str, Any]:
+    """The answers every authenticated operation may give, merged with its own 400 and 404."""
+    unauthorized = _error("Missing, invalid or revoked token")
+    unauthorized["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    def sentence(*parts: str | None) -> str:
+        text = "; or ".join(filter(None, parts))
+        return text[0].upper() + text[1:]
+
+    return {
+        "400": _error(sentence(bad_request, TENANT_REQUIRED)),
+        "401": unauthorized,
+        "403": _error("The token may not act for the tenant named in X-Poimen-Tenant"),
+        "404": _error(sentence(not_found, TENANT_NOT_FOUND)),
+    }
+
+
+RUN_FIELDS = [
+    "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key", "status",
+    "attempt", "cancel_requested", "result", "error", "origin", "parent_run_id", "created_at",
+    "updated_at", "started_at", "finished_at",
+]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -63,9 +84,7 @@ def openapi_document() -> dict[str, Any]:
                             "Idempotent-Replayed": {"schema": {"type": "string",
                                                                "enum": ["true"]}},
                             "Location": {"schema": {"type": "string"}}}),
-                        "400": _error("Malformed JSON, or a body that is not an object"),
-                        **AUTH_ERRORS,
-                        "404": _error("The tenant named in X-Poimen-Tenant does not exist"),
+                        **_auth_errors("malformed JSON, or a body that is not an object"),
                         "409": _error("dispatch_key already admitted a different request; "
                                       "details.run_id names the existing run"),
                         "413": _error("Body over 1 MiB"),
@@ -98,8 +117,8 @@ def openapi_document() -> dict[str, Any]:
                                              "items": {"$ref": "#/components/schemas/Run"}},
                                     "next_cursor": {"type": "string", "nullable": True},
                                 }}}}},
-                        "400": _error("Invalid filter, limit or cursor"),
-                        **AUTH_ERRORS,
+                        **_auth_errors("an unknown parameter, or an invalid status, limit "
+                                       "or cursor"),
                     },
                 },
             },
@@ -107,8 +126,8 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "operationId": "getRun",
                     "parameters": [run_id, tenant_header],
-                    "responses": {"200": _run("The run"), **AUTH_ERRORS,
-                                  "404": _error("No such run for this tenant")},
+                    "responses": {"200": _run("The run"),
+                                  **_auth_errors(not_found="no such run for this tenant")},
                 }
             },
             "/v1/runs/{run_id}/cancel": {
@@ -119,9 +138,17 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "200": _run("Cancelled, or already finished (unchanged)"),
                         "202": _run("Running: cancellation requested"),
-                        **AUTH_ERRORS,
-                        "404": _error("No such run for this tenant"),
+                        **_auth_errors(not_found="no such run for this tenant"),
                     },
+                }
+            },
+            "/v1/openapi.json": {
+                "get": {
+                    "operationId": "getOpenApiDocument",
+                    "summary": "This document",
+                    "security": [],
+                    "responses": {"200": {"description": "The OpenAPI document", "content": {
+                        "application/json": {"schema": {"type": "object"}}}}},
                 }
             },
         },
@@ -134,7 +161,9 @@ def openapi_document() -> dict[str, Any]:
                     "required": ["workflow_ref"],
                     "properties": {
                         "workflow_ref": {"type": "string", "minLength": 1, "maxLength": 200,
-                                         "description": "'name' or 'name@version'"},
+                                         "pattern": "\\S",
+                                         "description": "'name' or 'name@version' of a "
+                                                        "registered workflow"},
                         "input": {"type": "object", "default": {}},
                         "goal_id": {"type": "string", "minLength": 1, "maxLength": 255,
                                     "nullable": True},
@@ -144,12 +173,14 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Run": {
                     "type": "object",
+                    "required": RUN_FIELDS,
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
                         "tenant": {"type": "string"},
                         "workflow_ref": {"type": "string"},
-                        "workflow": {"type": "object", "properties": {
-                            "name": {"type": "string"}, "version": {"type": "string"}}},
+                        "workflow": {"type": "object", "required": ["name", "version"],
+                                     "properties": {"name": {"type": "string"},
+                                                    "version": {"type": "string"}}},
                         "input": {"type": "object"},
                         "goal_id": {"type": "string", "nullable": True},
                         "dispatch_key": {"type": "string", "nullable": True},
@@ -160,7 +191,8 @@ def openapi_document() -> dict[str, Any]:
                         "result": {"nullable": True},
                         "error": {"type": "object", "nullable": True},
                         "origin": {"type": "string", "enum": ["http", "fanout", "internal"]},
-                        "parent_run_id": {"type": "string", "nullable": True},
+                        "parent_run_id": {"type": "string", "format": "uuid",
+                                          "nullable": True},
                         "created_at": {"type": "string", "format": "date-time"},
                         "updated_at": {"type": "string", "format": "date-time"},
                         "started_at": {"type": "string", "format": "date-time",
