@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
 from app.events import record_event
@@ -50,26 +50,62 @@ class Claim:
     boot_id: uuid.UUID
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
+    run: Row | None = None  # the claimed run's row (see _RUN_COLUMNS), when claimed
 
 
-_CLAIM_QUEUED = text(
+# What a claim returns: everything the worker needs to run the workflow, so
+# executing a run costs no extra read.
+_RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, failures, " \
+    "cancel_requested"
+
+
+def _with_event(update: str, event_type: str, extra: str = "") -> TextClause:
+    """``update`` (RETURNING the run) plus its outbox event, in one statement."""
+    return text(
+        f"""
+        WITH changed AS ({update} RETURNING {_RUN_COLUMNS}),
+        event AS (
+            INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+            SELECT tenant_id, id, {event_type},
+                   jsonb_build_object('run_id', id::text, 'type', {event_type},
+                                      'attempt', attempt){extra}
+              FROM changed
+        )
+        SELECT * FROM changed
+        """
+    )
+
+
+_CLAIM_QUEUED = _with_event(
     """
     UPDATE runs
        SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
            started_at = coalesce(started_at, now()), updated_at = now()
      WHERE id = :run AND status = 'queued' AND NOT cancel_requested
        AND (not_before IS NULL OR not_before <= now())
-    RETURNING attempt, tenant_id
-    """
+    """,
+    "'run.started'",
 )
 
-_TAKE_OVER = text(
+_TAKE_OVER = _with_event(
     """
     UPDATE runs
        SET claimed_by = :boot, attempt = attempt + 1, updated_at = now()
      WHERE id = :run AND status = 'running' AND claimed_by = :dead
-    RETURNING attempt, tenant_id
+    """,
+    "'run.resumed'",
+    " || jsonb_build_object('previous_boot', CAST(:dead AS text))",
+)
+
+_FINISH = _with_event(
     """
+    UPDATE runs
+       SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + :failed
+     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+    """,
+    "CAST(:event_type AS text)",
+    " || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb)",
 )
 
 
@@ -77,9 +113,7 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
     """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits."""
     row = session.execute(_CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
     if row is not None:
-        record_event(session, tenant_id=row.tenant_id, run_id=run_id,
-                     event_type="run.started", attempt=row.attempt)
-        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt)
+        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
 
     current = session.execute(
         text("SELECT status, claimed_by, cancel_requested, not_before > now() AS early "
@@ -108,9 +142,7 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
                           ).one_or_none()
     if row is None:
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
-    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.resumed",
-                 attempt=row.attempt, previous_boot=str(holder))
-    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder)
+    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row)
 
 
 def cancel_queued(session: Session, run_id: uuid.UUID) -> bool:
@@ -153,22 +185,12 @@ def finish_run(
 ) -> bool:
     """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
     assert status in ("succeeded", "failed", "cancelled")
-    row = session.execute(
-        text(
-            "UPDATE runs SET status = :status, result = CAST(:result AS jsonb), "
-            "error = CAST(:error AS jsonb), finished_at = now(), updated_at = now(), "
-            "failures = failures + :failed "
-            "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
-            "RETURNING tenant_id, attempt"
-        ),
-        {"run": run_id, "boot": boot_id, "status": status, "result": _json(result),
-         "error": _json(error), "failed": int(status == "failed")},
-    ).one_or_none()
-    if row is None:
-        return False
-    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type=f"run.{status}",
-                 attempt=row.attempt, **({"error": error} if error else {}))
-    return True
+    row = session.execute(_FINISH, {
+        "run": run_id, "boot": boot_id, "status": status, "result": _json(result),
+        "error": _json(error), "failed": int(status == "failed"),
+        "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
+    }).one_or_none()
+    return row is not None
 
 
 def schedule_retry(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 TRACEBACK_LIMIT = 4000
 
 
+class ClaimReleased(RuntimeError):
+    """The run failed before its workflow started and went back to ``queued``."""
+
+
 @dataclass
 class RunContext:
     """What a workflow function gets besides its input."""
@@ -83,6 +87,8 @@ def execute_run(run_id: str) -> Claim:
 
     try:
         _run_claimed(claim, boot.boot_id)
+    except ClaimReleased:
+        raise
     except Exception:
         # We hold a claim we could not release or finish (the database went
         # away mid-run, say). Ending this boot drops its lock, which makes the
@@ -101,22 +107,17 @@ def _run_claimed(claim: Claim, boot_id: uuid.UUID) -> None:
     run_id = claim.run_id
     # Between the claim and user code: any failure releases the claim, scoped
     # to this boot, so the run goes back to queued rather than being stranded.
+    row = claim.run
     try:
-        row = session.execute(
-            text("SELECT tenant_id, workflow_name, workflow_version, input, failures, "
-                 "cancel_requested FROM runs WHERE id = :run"),
-            {"run": run_id},
-        ).one()
         workflow = registry.get(row.workflow_name, row.workflow_version)
-        ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, boot_id,
-                         _cancelled=row.cancel_requested)
-        session.commit()
-    except Exception:
+    except Exception as err:
         session.rollback()
         released = release_claim(session, run_id, boot_id)
         session.commit()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
-        raise
+        raise ClaimReleased(f"run {run_id} released before start: {err}") from err
+    ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, boot_id,
+                     _cancelled=row.cancel_requested)
 
     try:
         result = workflow.fn(ctx, row.input)
