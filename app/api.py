@@ -10,7 +10,6 @@ from typing import Any
 
 from flask import Blueprint, g, jsonify, request, url_for
 from sqlalchemy import and_, or_, select, update
-from werkzeug.exceptions import BadRequest
 
 from workers import registry
 
@@ -65,13 +64,39 @@ def _json_body() -> dict[str, Any]:
             {"content_type": request.content_type},
         )
     try:
-        body = request.get_json()
-    except BadRequest as err:
-        raise ApiError(400, "malformed_json", "the request body is not valid JSON") from err
+        # Strict JSON: NaN and Infinity are Python's extensions, and jsonb refuses them.
+        body = json.loads(request.get_data(cache=True), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        raise ApiError(400, "malformed_json", "the request body is not valid JSON",
+                       {"reason": str(err)[:200]}) from err
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", "the request body must be a JSON object",
                        {"type": type(body).__name__})
     return body
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unstorable(value: Any) -> str | None:
+    """Return why Postgres cannot store ``value`` (NUL, lone surrogates), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            if "\x00" in item:
+                return "contains U+0000, which Postgres text cannot hold"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "contains an unpaired surrogate (not valid Unicode)"
+    return None
 
 
 def _optional_string(body: dict, name: str, problems: dict) -> str | None:
@@ -100,6 +125,9 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
         problems["input"] = "must be a JSON object"
     goal_id = _optional_string(body, "goal_id", problems)
     dispatch_key = _optional_string(body, "dispatch_key", problems)
+    for name in ("workflow_ref", "input", "goal_id", "dispatch_key"):
+        if name not in problems and (reason := _unstorable(body.get(name))):
+            problems[name] = reason
     if problems:
         raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": problems})
     return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key}
@@ -189,6 +217,9 @@ def list_runs():
                                   "cursor"})
     if unknown:
         raise ApiError(400, "unknown_parameter", "unknown query parameters", {"names": unknown})
+    bad = {name: reason for name, value in args.items() if (reason := _unstorable(value))}
+    if bad:
+        raise ApiError(400, "invalid_parameter", "invalid query parameters", {"names": bad})
     try:
         limit = int(args.get("limit", DEFAULT_PAGE))
     except ValueError:
