@@ -83,6 +83,22 @@ class Setup:
             assert producer.flush(30) == 0, "the broker did not acknowledge the messages"
         return producer
 
+    def committed(self, partitions: int = 1) -> list[int]:
+        return committed(self.bootstrap, self.group, self.topic, partitions)
+
+    def wait_committed(self, expected: list[int], partitions: int = 1, timeout: float = 10,
+                       what: str = "offsets committed") -> None:
+        seen: list[list[int]] = []
+
+        def reached() -> bool:
+            seen.append(self.committed(partitions))
+            return seen[-1] == expected
+
+        try:
+            wait_until(reached, timeout=timeout, what=what)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; committed {seen[-1:]} != {expected}") from None
+
     def start_relay(self, **env: str) -> tuple[Process, str]:
         proc, url = start_inbox({**self.env, **env}, self.log_dir,
                                 name=f"inbox-{len(self.relays)}")
@@ -117,7 +133,6 @@ def setup(test_env, make_tenant, web, tmp_path):
     yield s
     RELAYS.clear()
     for relay in s.relays:
-        relay.signal_group(__import__("signal").SIGUSR1); time.sleep(0.5)
         relay.stop()
         # Shown by pytest when the test failed.
         print(f"--- {relay.name} ---\n{relay.log()[-6000:]}")
@@ -232,8 +247,7 @@ def test_one_message_becomes_one_run_via_post(setup, pg, web):
                what="the relay's POST in the access log")
     wait_until(lambda: metric(url, "poimen_inbox_admitted_total") == 1, timeout=5,
                what="admitted counter")
-    wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic) == [1], timeout=10,
-               what="offset committed after the 201")
+    setup.wait_committed([1], timeout=10, what="offset committed after the 201")
     time.sleep(1)
     assert len(runs(pg, setup.tenant)) == 1
 
@@ -255,20 +269,19 @@ def test_redelivered_message_is_replayed_not_duplicated(setup, pg):
     # and restart: both messages come again, and admission replays them.
     relay.stop()
     assert relay.proc.returncode == 0, relay.log()[-2000:]
-    assert committed(setup.bootstrap, setup.group, setup.topic) == [2]
+    assert setup.committed() == [2]
     reset = Consumer({"bootstrap.servers": setup.bootstrap, "group.id": setup.group,
                       "session.timeout.ms": 6000})
     reset.commit(offsets=[TopicPartition(setup.topic, 0, 0)], asynchronous=False)
     reset.close()
-    assert committed(setup.bootstrap, setup.group, setup.topic) == [0]
+    assert setup.committed() == [0]
 
     _, url = setup.start_relay()
     wait_until(lambda: metric(url, "poimen_inbox_replayed_total") == 2, timeout=30,
                what="both redelivered messages replayed")
     assert metric(url, "poimen_inbox_admitted_total") == 0
     assert len(runs(pg, setup.tenant)) == 1
-    wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic) == [2], timeout=10,
-               what="offsets committed again")
+    setup.wait_committed([2], timeout=10, what="offsets committed again")
 
 
 # -- Verify 3: broker down and back, no message lost ---------------------------------------------
@@ -299,14 +312,12 @@ def test_broker_outage_loses_no_message(setup, pg, tmp_path):
 
         got = wait_runs(pg, setup.tenant, 2, timeout=60)
         assert sorted(r["dispatch_key"] for r in got) == ["before-outage", "during-outage"]
-        wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic) == [2],
-                   timeout=20, what="offsets committed after the outage")
+        setup.wait_committed([2], timeout=20, what="offsets committed after the outage")
         assert read_topic(setup.bootstrap, setup.dlq, expect=1, timeout=1) == []
         assert setup.relays[0].alive()
     finally:
-        for relay in setup.relays:
+        for relay in setup.relays:  # before the broker, so they can leave the group
             relay.stop()
-        setup.relays.clear()
         broker.stop()
 
 
@@ -342,8 +353,8 @@ def test_malformed_messages_are_dead_lettered_and_draining_continues(setup, pg):
     h = headers(dead[-1])
     assert h["poimen.dlq.http.status"] == "422" and "unknown_workflow" in h["poimen.dlq.detail"]
     assert metric(url, "poimen_inbox_dead_lettered_total", reason="invalid_json") == 1
-    wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic) == [8], timeout=10,
-               what="offsets committed past the dead-lettered messages")
+    setup.wait_committed([8], timeout=10,
+                         what="offsets committed past the dead-lettered messages")
 
 
 # -- Verify 5: no bypass of the HTTP layer -------------------------------------------------------
@@ -392,8 +403,7 @@ def test_lag_metric_reports_backlog_and_drains_to_zero(setup, pg, test_env, tmp_
     try:
         wait_runs(pg, setup.tenant, 6, timeout=30)
         end = topic_end(setup.bootstrap, setup.topic, 2)
-        wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic, 2) == end,
-                   timeout=10, what="offsets committed")
+        setup.wait_committed(end, partitions=2, timeout=10, what="offsets committed")
         wait_until(lambda: metric_sum(url, "poimen_inbox_lag") == 0, timeout=20,
                    what="lag back to zero")
         assert metric(url, "poimen_inbox_lag", topic=setup.topic, partition="0") == 0
@@ -414,9 +424,9 @@ def test_api_down_commits_nothing_and_loses_nothing(setup, pg, test_env, tmp_pat
         relay, url = setup.start_relay()
         setup.publish(request(dispatch_key="up"), key="up")
         wait_runs(pg, setup.tenant, 1)
-        wait_until(lambda: max(committed(setup.bootstrap, setup.group, setup.topic, 2)) > 0,
+        wait_until(lambda: max(setup.committed(2)) > 0,
                    timeout=10, what="first commit")
-        before = committed(setup.bootstrap, setup.group, setup.topic, 2)
+        before = setup.committed(2)
 
         web_proc.stop()
         keys = [f"down-{i}" for i in range(6)]
@@ -425,22 +435,32 @@ def test_api_down_commits_nothing_and_loses_nothing(setup, pg, test_env, tmp_pat
         wait_until(lambda: metric_sum(url, "poimen_inbox_retries_total") >= 2, timeout=20,
                    what="the relay retrying against the stopped API")
         time.sleep(2)
-        assert committed(setup.bootstrap, setup.group, setup.topic, 2) == before
+        assert setup.committed(2) == before
         assert metric_sum(url, "poimen_inbox_dead_lettered_total") == 0
 
         # A crash while the API is away: whatever the relay had fetched must come again.
+        # The embedded broker never expires a SIGKILLed member's session, so its group
+        # stays blocked; the successor takes over the group's committed offsets under
+        # a new group id instead, which is all a restarted relay would start from.
         relay.kill()
+        successor = f"{setup.group}-after-crash"
+        offsets = [TopicPartition(setup.topic, p, o) for p, o in enumerate(before) if o >= 0]
+        handover = Consumer({"bootstrap.servers": setup.bootstrap, "group.id": successor,
+                             "session.timeout.ms": 6000})
+        handover.commit(offsets=offsets, asynchronous=False)
+        handover.close()
+        setup.env["POIMEN_INBOX_GROUP"] = successor
         relay, url = setup.start_relay()
         wait_until(lambda: metric_sum(url, "poimen_inbox_retries_total") >= 2, timeout=30,
                    what="the new relay retrying")
-        assert committed(setup.bootstrap, setup.group, setup.topic, 2) == before
+        assert setup.committed(2) == before
 
         web_proc, _ = start_web(test_env, tmp_path, port=api_port, name="own-web-again")
         got = wait_runs(pg, setup.tenant, 7, timeout=30)
         assert sorted(r["dispatch_key"] for r in got) == sorted(["up", *keys])
         end = topic_end(setup.bootstrap, setup.topic, 2)
-        wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic, 2) == end,
-                   timeout=10, what="offsets committed once the API is back")
+        setup.wait_committed(end, partitions=2, timeout=10,
+                             what="offsets committed once the API is back")
         assert read_topic(setup.bootstrap, setup.dlq, expect=1, timeout=1) == []
         time.sleep(1)
         assert len(runs(pg, setup.tenant)) == 7
@@ -463,7 +483,7 @@ def test_api_5xx_is_retried_not_dead_lettered(setup, pg, make_tenant):
         setup.publish(request(dispatch_key="through-500"))
         wait_until(lambda: metric(url, "poimen_inbox_retries_total", reason="http_500") >= 2,
                    timeout=20, what="retries on 500")
-        assert committed(setup.bootstrap, setup.group, setup.topic) == [-1001]
+        assert setup.committed() == [-1001]
         assert metric_sum(url, "poimen_inbox_dead_lettered_total") == 0
     finally:
         pg.execute(f"DROP TRIGGER IF EXISTS {fn} ON runs")
@@ -491,8 +511,7 @@ def test_conflicting_dispatch_key_is_dead_lettered_with_409(setup, pg):
     assert json.loads(dead.value())["input"] == {"v": 2}
     assert metric(url, "poimen_inbox_dead_lettered_total", reason="http_409") == 1
     assert metric_sum(url, "poimen_inbox_retries_total") == 0
-    wait_until(lambda: committed(setup.bootstrap, setup.group, setup.topic) == [3], timeout=10,
-               what="offsets committed past the conflict")
+    setup.wait_committed([3], timeout=10, what="offsets committed past the conflict")
 
 
 # -- wiring --------------------------------------------------------------------------------------

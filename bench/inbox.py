@@ -1,0 +1,234 @@
+"""Benchmark: the Kafka inbox against direct HTTP admission, on the same API, in one run.
+
+10,000 dispatch messages are pre-published across 4 partitions; the clock runs
+from starting ``python -m bridge.inbox`` until all 10,000 runs are admitted.
+The baseline is the same number of ``POST /v1/runs`` from 16 threads with
+keep-alive sessions. Target: relay throughput >= 0.7 of direct admission.
+
+Both go to one gunicorn (``app:create_app()``) on a throwaway, migrated
+database and a throwaway Celery queue, so nothing of a developer's is touched.
+Run with ``make bench`` or, with the services' environment exported,
+``python bench/inbox.py [--messages N]``. The result is appended to
+bench/RESULTS.md under "Kafka inbox".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+import requests
+from confluent_kafka import Producer
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
+from tests.processes import start_inbox, start_web  # noqa: E402
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+SECTION = "## Kafka inbox (bench/inbox.py)"
+PARTITIONS = 4
+THREADS = 16
+
+
+def libpq(url: str) -> str:
+    from app.config import database_url
+
+    return make_url(database_url(url)).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+
+
+def create_database(server_url: str, env: dict[str, str]) -> str:
+    """Create and migrate ``poimen_bench_inbox_<id>``; return its URL."""
+    server = make_url(libpq(server_url))
+    name = f"poimen_bench_inbox_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server.render_as_string(hide_password=False), autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    url = server.set(database=name).render_as_string(hide_password=False)
+    subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
+                   env={**env, "DATABASE_URL": url}, cwd=ROOT, check=True,
+                   capture_output=True)
+    return url
+
+
+def drop_database(server_url: str, url: str) -> None:
+    name = make_url(url).database
+    with psycopg.connect(libpq(server_url), autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def credentials(env: dict[str, str]) -> tuple[str, str]:
+    """Create the tenants ``direct`` and ``inbox``; return (direct's token, a service token)."""
+    code = (
+        "from app import create_app\n"
+        "from app.cli import create_tenant, create_token\n"
+        "with create_app().app_context():\n"
+        "    d = create_tenant('direct'); create_tenant('inbox')\n"
+        "    print(create_token(d, False)); print(create_token(None, True))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[-2], out[-1]
+
+
+def count_runs(url: str, tenant: str) -> int:
+    with psycopg.connect(url) as c:
+        return c.execute("SELECT count(*) FROM runs r JOIN tenants t ON t.id = r.tenant_id "
+                         "WHERE t.name = %s", (tenant,)).fetchone()[0]
+
+
+def direct(api: str, token: str, n: int) -> float:
+    """POST ``n`` runs from 16 threads; return the seconds taken."""
+    counter = iter(range(n))
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def worker() -> None:
+        session = requests.Session()
+        session.headers.update({"Authorization": f"Bearer {token}",
+                                "User-Agent": "poimen-bench/direct"})
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = session.post(f"{api}/v1/runs", json={
+                "workflow_ref": "noop", "input": {"i": i}, "dispatch_key": f"direct-{i}"})
+            if r.status_code != 201:
+                failures.append(f"{r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=worker) for _ in range(THREADS)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    if failures:
+        raise RuntimeError(f"{len(failures)} direct admissions failed, e.g. {failures[0]}")
+    return elapsed
+
+
+def publish(bootstrap: str, topic: str, n: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "acks": "all"})
+    for i in range(n):
+        value = json.dumps({"workflow_ref": "noop", "input": {"i": i},
+                            "dispatch_key": f"inbox-{i}"}).encode()
+        while True:
+            try:
+                # Round-robin over the partitions, as keyed traffic spreads evenly.
+                producer.produce(topic, value, key=f"inbox:inbox-{i}".encode(),
+                                 partition=i % PARTITIONS)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    if producer.flush(60):
+        raise RuntimeError("the broker did not acknowledge every dispatch message")
+
+
+def record(lines: list[str]) -> None:
+    """Append this run to the "Kafka inbox" section of RESULTS.md, leaving others' alone."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    entry = "\n".join(lines) + "\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{entry}"
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        end = len(text) if end < 0 else end + 1
+        text = text[:end].rstrip("\n") + f"\n\n{entry}" + ("\n" + text[end:] if end < len(text)
+                                                           else "")
+    RESULTS.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--no-record", action="store_true", help="do not touch RESULTS.md")
+    args = parser.parse_args()
+    n = args.messages
+    env = dict(os.environ)
+    missing = [v for v in ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
+               if not env.get(v)]
+    if missing:
+        sys.exit(f"{', '.join(missing)} unset: run `make bench`, or export `poimen-dev env`")
+    tag = uuid.uuid4().hex[:8]
+    queue = f"poimen-bench-inbox-{tag}"
+    db = create_database(env["DATABASE_URL"], env)
+    env.update(DATABASE_URL=db, POIMEN_QUEUE=queue)
+    logs = Path(tempfile.mkdtemp(prefix="poimen-bench-inbox-"))
+    web = relay = None
+    try:
+        direct_token, service_token = credentials(env)
+        load_before = os.getloadavg()
+        web, api = start_web(env, logs, workers=2, threads=8)
+        prefix = f"bench{tag}"
+        topic = dispatch_topic(prefix, "inbox")
+        declare_topics(env["KAFKA_BOOTSTRAP_SERVERS"], prefix, ["inbox"], PARTITIONS)
+        publish(env["KAFKA_BOOTSTRAP_SERVERS"], topic, n)
+        print(f"published {n} dispatch messages to {topic} ({PARTITIONS} partitions)")
+
+        direct_s = direct(api, direct_token, n)
+        assert count_runs(db, "direct") == n
+        print(f"direct HTTP, {THREADS} threads: {n} runs in {direct_s:.1f}s "
+              f"= {n / direct_s:.0f} runs/s")
+
+        relay_env = {**env, "POIMEN_API_URL": api, "POIMEN_API_TOKEN": service_token,
+                     "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"bench-{tag}"}
+        started = time.monotonic()
+        relay, _ = start_inbox(relay_env, logs, name="inbox")
+        while (done := count_runs(db, "inbox")) < n:
+            if time.monotonic() - started > 600:
+                raise RuntimeError(f"only {done} of {n} runs after 600 s; logs in {logs}")
+            time.sleep(0.1)
+        inbox_s = time.monotonic() - started
+        print(f"inbox relay, {PARTITIONS} partitions: {n} runs in {inbox_s:.1f}s "
+              f"= {n / inbox_s:.0f} runs/s")
+        ratio = direct_s / inbox_s
+        print(f"ratio relay/direct: {ratio:.2f} (target >= 0.7)")
+        load_after = os.getloadavg()
+        if not args.no_record:
+            record([
+                f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+                "",
+                f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
+                f"Python {platform.python_version()}; embedded Postgres/Redis/noida-db broker; "
+                f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
+                "(other sessions' tests and benchmarks may share the machine)",
+                "- API: gunicorn, 2 workers x 8 threads; workflow `noop`; no Celery workers "
+                "running (admission only)",
+                f"- direct HTTP, {THREADS} threads, keep-alive: {n} runs in {direct_s:.1f} s = "
+                f"**{n / direct_s:.0f} runs/s**",
+                f"- inbox relay, {PARTITIONS} partitions pre-published, clock from relay start: "
+                f"{n} runs in {inbox_s:.1f} s = **{n / inbox_s:.0f} runs/s**",
+                f"- ratio relay/direct: **{ratio:.2f}** (target >= 0.7)",
+            ])
+        return 0
+    finally:
+        for proc in (relay, web):
+            if proc is not None:
+                proc.stop()
+        drop_database(os.environ["DATABASE_URL"], db)
+        try:
+            import redis
+
+            redis.Redis.from_url(env["REDIS_URL"]).delete(queue)
+        except Exception as err:  # noqa: BLE001 - cleanup is best effort
+            print(f"could not delete queue {queue}: {err}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
