@@ -372,7 +372,7 @@ class Inbox:
                 work.closing = True
             self._changed.wait_for(lambda: all(w.tasks == 0 for w in self._works.values()),
                                    timeout=self.config.http_timeout + 35)
-        self._commit(asynchronous=False)
+        self._commit(asynchronous=False, again=True)
         self._stop.set()
         for thread in helpers:
             thread.join(10)
@@ -423,7 +423,7 @@ class Inbox:
             self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
                                    timeout=self.config.http_timeout + 35)
         if commit:
-            self._commit(asynchronous=False, only=keys)
+            self._commit(asynchronous=False, only=keys, again=True)
         with self._lock:
             for key in keys:
                 self._works.pop(key, None)
@@ -621,11 +621,17 @@ class Inbox:
 
     # -- offsets, lag, logs ------------------------------------------------------------------
 
-    def _commit(self, asynchronous: bool, only: set[tuple[str, int]] | None = None) -> None:
+    def _commit(self, asynchronous: bool, only: set[tuple[str, int]] | None = None,
+                again: bool = False) -> None:
+        """Commit each partition's done prefix; ``again`` re-sends offsets already sent.
+
+        The final, synchronous commits (revoke, shutdown) use ``again``: an
+        asynchronous commit lost around a broker restart is then made good.
+        """
         with self._lock:
             works = [w for k, w in self._works.items() if only is None or k in only]
-            due = [w for w in works
-                   if w.commit_offset is not None and w.commit_offset != w.committed_offset]
+            due = [w for w in works if w.commit_offset is not None
+                   and (again or w.commit_offset != w.committed_offset)]
             offsets = [TopicPartition(w.topic, w.partition, w.commit_offset) for w in due]
             for work in due:
                 work.committed_offset = work.commit_offset
