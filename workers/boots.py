@@ -25,28 +25,26 @@ log = logging.getLogger(__name__)
 # "POIM": the first key of every boot's two-key advisory lock.
 LOCK_NAMESPACE = 0x504F494D
 
-_BOOT_ALIVE_SQL = text(
-    """
-    SELECT EXISTS (
-        SELECT 1
-        FROM worker_boots b
-        JOIN pg_locks l
-          ON l.locktype = 'advisory'
-         AND l.classid = CAST(:ns AS oid)
-         AND l.objid = CAST(b.lock_key AS oid)
-         AND l.objsubid = 2
-         AND l.granted
-         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        WHERE b.boot_id = :boot_id
-    )
-    """
-)
+# The one definition of a live boot: its row joined to its granted advisory
+# lock in this database. Repair and metrics reuse it as a SQL fragment.
+LIVE_BOOTS_SQL = f"""
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST({LOCK_NAMESPACE} AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
+
+_BOOT_ALIVE_SQL = text(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot_id)")
 
 
 def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
     """Return whether ``boot_id``'s process still holds its advisory lock."""
-    return bool(session.execute(_BOOT_ALIVE_SQL, {"ns": LOCK_NAMESPACE, "boot_id": boot_id})
-                .scalar_one())
+    return bool(session.execute(_BOOT_ALIVE_SQL, {"boot_id": boot_id}).scalar_one())
 
 
 @dataclass

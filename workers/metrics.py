@@ -13,18 +13,11 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
-from .boots import LOCK_NAMESPACE
+from .boots import LIVE_BOOTS_SQL
 
 log = logging.getLogger(__name__)
 
-_LIVE_BOOTS = text(
-    """
-    SELECT count(*) FROM worker_boots b JOIN pg_locks l
-      ON l.locktype = 'advisory' AND l.classid = CAST(:ns AS oid)
-     AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted
-     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    """
-)
+_LIVE_BOOTS = text(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL}) AS live")
 
 
 class WorkerCollector:
@@ -47,7 +40,7 @@ class WorkerCollector:
                 for status, count in conn.execute(
                         text("SELECT status, count(*) FROM runs GROUP BY status")):
                     runs.add_metric([status], count)
-                boots.add_metric([], conn.execute(_LIVE_BOOTS, {"ns": LOCK_NAMESPACE}).scalar())
+                boots.add_metric([], conn.execute(_LIVE_BOOTS).scalar())
             queue = self.celery_app.conf.task_default_queue
             with self.celery_app.connection_for_read() as connection:
                 client = connection.default_channel.client

@@ -14,23 +14,19 @@ from sqlalchemy.orm import Session
 
 from app.enqueue import send_run
 
-from .boots import LOCK_NAMESPACE
+from .boots import LIVE_BOOTS_SQL
 
 log = logging.getLogger(__name__)
 
 _STRANDED = text(
-    """
+    f"""
     SELECT r.id, r.workflow_name, r.workflow_version, r.status
       FROM runs r
      WHERE (r.status = 'queued'
             AND r.updated_at <= now() - make_interval(secs => :min_age)
             AND (r.not_before IS NULL OR r.not_before <= now()))
-        OR (r.status = 'running' AND NOT EXISTS (
-              SELECT 1 FROM worker_boots b JOIN pg_locks l
-                ON l.locktype = 'advisory' AND l.classid = CAST(:ns AS oid)
-               AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-             WHERE b.boot_id = r.claimed_by))
+        OR (r.status = 'running'
+            AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL}))
      ORDER BY r.updated_at
      LIMIT :limit
     """
@@ -41,7 +37,7 @@ def repair_stranded_runs(session: Session, celery_app, *, min_age: float, limit:
                          ) -> int:
     """Re-send queued runs older than ``min_age`` s and runs held by dead boots."""
     rows = session.execute(
-        _STRANDED, {"min_age": min_age, "ns": LOCK_NAMESPACE, "limit": limit}
+        _STRANDED, {"min_age": min_age, "limit": limit}
     ).all()
     session.rollback()
     sent = 0
