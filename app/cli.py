@@ -135,3 +135,28 @@ def register_cli(app: Flask) -> None:
         sent = sum(send_run(celery_app, r.id, f"{r.workflow_name}@{r.workflow_version}")
                    for r in rows)
         click.echo(f"re-sent {sent} of {len(rows)} queued run(s)")
+
+    @app.cli.group()
+    def topics():
+        """Declare tenants' Kafka topics (dispatch, dispatch.dlq, events)."""
+
+    @topics.command("declare")
+    @click.option("--tenant", "tenant_names", multiple=True,
+                  help="Tenant name; repeat for several (default: every tenant).")
+    @click.option("--partitions", default=4, show_default=True)
+    def topics_declare(tenant_names: tuple[str, ...], partitions: int):
+        """Create each tenant's topics; topics that exist are left as they are."""
+        from bridge.kafka import client_settings
+        from bridge.topics import declare_topics, tenant_topics, topic_prefix
+
+        names = list(tenant_names) or list(
+            db.session.scalars(select(Tenant.name).order_by(Tenant.name)))
+        for name in names:
+            _tenant(name)
+        settings = client_settings()
+        prefix = topic_prefix()
+        created = declare_topics(settings["bootstrap.servers"], prefix, names, partitions,
+                                 settings)
+        for name in names:
+            for topic in tenant_topics(prefix, name):
+                click.echo(f"{topic}\t{'created' if topic in created else 'exists'}")

@@ -45,7 +45,7 @@ def _ensure_token(path: Path, tenant: str | None, service: bool, label: str) -> 
 
 
 def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
-    """Migrate and make sure the dev tenant, its token and the inbox's token exist."""
+    """Migrate; make sure the dev tenant, its token, the inbox's token and its topics exist."""
     _log("migrating the database (flask db upgrade) ...")
     subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
                    env=dict(env), check=True)
@@ -56,6 +56,11 @@ def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
         d = state_dir()
         tenant_token = _ensure_token(d / "dev-token", DEV_TENANT, False, "make run")
         service_token = _ensure_token(d / "service-token", None, True, "make run inbox")
+    from bridge.kafka import client_settings
+    from bridge.topics import declare_topics, topic_prefix
+
+    settings = client_settings(env)
+    declare_topics(settings["bootstrap.servers"], topic_prefix(env), [DEV_TENANT], 4, settings)
     return tenant_token, service_token
 
 
