@@ -84,6 +84,12 @@ def credentials(env: dict[str, str]) -> tuple[str, str]:
     return out[-2], out[-1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` and its reaped children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def count_runs(url: str, tenant: str) -> int:
     with psycopg.connect(url) as c:
         return c.execute("SELECT count(*) FROM runs r JOIN tenants t ON t.id = r.tenant_id "
@@ -181,10 +187,13 @@ def main() -> int:
         publish(env["KAFKA_BOOTSTRAP_SERVERS"], topic, n)
         print(f"published {n} dispatch messages to {topic} ({PARTITIONS} partitions)")
 
+        client_cpu = time.process_time()
         direct_s = direct(api, direct_token, n)
+        client_cpu = time.process_time() - client_cpu
         assert count_runs(db, "direct") == n
         print(f"direct HTTP, {THREADS} threads: {n} runs in {direct_s:.1f}s "
-              f"= {n / direct_s:.0f} runs/s")
+              f"= {n / direct_s:.0f} runs/s; client CPU {client_cpu / n * 1000:.2f} "
+              "ms/request")
 
         relay_env = {**env, "POIMEN_API_URL": api, "POIMEN_API_TOKEN": service_token,
                      "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"bench-{tag}"}
@@ -195,10 +204,12 @@ def main() -> int:
                 raise RuntimeError(f"only {done} of {n} runs after 600 s; logs in {logs}")
             time.sleep(0.1)
         inbox_s = time.monotonic() - started
+        relay_cpu = cpu_seconds(relay.pid)
         print(f"inbox relay, {PARTITIONS} partitions: {n} runs in {inbox_s:.1f}s "
               f"= {n / inbox_s:.0f} runs/s")
         ratio = direct_s / inbox_s
-        print(f"ratio relay/direct: {ratio:.2f} (target >= 0.7)")
+        print(f"ratio relay/direct: {ratio:.2f} (target >= 0.7); relay CPU "
+              f"{relay_cpu:.1f}s = {relay_cpu / n * 1000:.2f} ms/message")
         load_after = os.getloadavg()
         if not args.no_record:
             record([
@@ -211,9 +222,11 @@ def main() -> int:
                 "- API: gunicorn, 2 workers x 8 threads; workflow `noop`; no Celery workers "
                 "running (admission only)",
                 f"- direct HTTP, {THREADS} threads, keep-alive: {n} runs in {direct_s:.1f} s = "
-                f"**{n / direct_s:.0f} runs/s**",
+                f"**{n / direct_s:.0f} runs/s** "
+                f"(client CPU {client_cpu / n * 1000:.2f} ms/request)",
                 f"- inbox relay, {PARTITIONS} partitions pre-published, clock from relay start: "
-                f"{n} runs in {inbox_s:.1f} s = **{n / inbox_s:.0f} runs/s**",
+                f"{n} runs in {inbox_s:.1f} s = **{n / inbox_s:.0f} runs/s** "
+                f"(relay CPU {relay_cpu / n * 1000:.2f} ms/message)",
                 f"- ratio relay/direct: **{ratio:.2f}** (target >= 0.7)",
             ])
         return 0

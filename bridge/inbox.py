@@ -227,6 +227,7 @@ class PartitionWork:
     slots: deque[Slot] = field(default_factory=deque)
     waiting: int = 0          # slots queued or failed
     in_flight: int = 0        # slots being delivered
+    failed: int = 0           # slots whose last delivery is to be retried
     tasks: int = 0            # drain tasks submitted and not finished
     attempts: int = 0         # consecutive retriable failures
     retry_at: float = 0.0     # no delivery before this (monotonic)
@@ -258,6 +259,8 @@ class PartitionWork:
             return None
         for slot in self.slots:
             if slot.state in ("queued", "failed"):
+                if slot.state == "failed":
+                    self.failed -= 1
                 slot.state = "running"
                 self.waiting -= 1
                 self.in_flight += 1
@@ -268,12 +271,13 @@ class PartitionWork:
         self.in_flight -= 1
         if outcome.kind == "retry":
             slot.state = "failed"
+            self.failed += 1
             self.waiting += 1
             self.attempts += 1
             self.retry_at = time.monotonic() + retry_delay
             return
         slot.state = "done"
-        if self.in_flight == 0 and not any(s.state == "failed" for s in self.slots):
+        if self.in_flight == 0 and self.failed == 0:
             self.attempts = 0
         # In-order commit: only the prefix of done messages moves the offset.
         while self.slots and self.slots[0].state == "done":
