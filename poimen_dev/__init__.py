@@ -161,9 +161,18 @@ def _kafka_ready(bootstrap: str) -> bool:
 
 
 def _noida_binary() -> str:
+    """The broker binary itself: the ``noida-db`` console script only wraps it in a child,
+    and stopping the wrapper would orphan the broker."""
+    try:
+        import noida_db
+    except ImportError as err:
+        raise RuntimeError("noida-db is not installed: pip install 'noida-db==0.2.3'") from err
+    binary = Path(noida_db.__file__).resolve().parent / "noida-db"
+    if binary.exists():
+        return str(binary)
     found = shutil.which("noida-db") or str(Path(sys.executable).parent / "noida-db")
     if not Path(found).exists():
-        raise RuntimeError("noida-db is not installed: pip install 'noida-db==0.2.3'")
+        raise RuntimeError("noida-db's binary was not found; reinstall 'noida-db==0.2.3'")
     return found
 
 
@@ -189,15 +198,25 @@ def _kafka_up(d: Path, state: dict) -> str:
     return bootstrap
 
 
-def _stop_pid(pid: int | None, what: str) -> None:
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)  # the process and any children it started
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stop_pid(pid: int | None, what: str, group: bool = False) -> None:
     if not _pid_alive(pid):
         return
-    os.kill(pid, signal.SIGTERM)
+    _signal(pid, signal.SIGTERM, group)
     deadline = time.monotonic() + 10
     while _pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL, group)
     _log(f"stopped {what} (pid {pid})")
 
 
@@ -237,7 +256,8 @@ def down() -> None:
     d = state_dir()
     state = _load_state(d)
     if "kafka" in state:
-        _stop_pid(state["kafka"].get("pid"), "kafka")
+        # Started in a session of its own (start_new_session): its pid is its group.
+        _stop_pid(state["kafka"].get("pid"), "kafka", group=True)
     if "redis" in state:
         _stop_pid(state["redis"].get("pid"), "redis")
     if "postgres" in state:
