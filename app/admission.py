@@ -14,13 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from workers import registry
 
 from .enqueue import enqueue_after_commit
-from .models import AdmissionOrigin, Run, RunStatus
+from .models import AdmissionOrigin, RunStatus
 
 _ADMIT = text(
     """
@@ -44,16 +44,17 @@ _ADMIT = text(
 
 @dataclass(frozen=True)
 class Admission:
-    """The outcome: the run, and whether this call created it (else a replay)."""
+    """The outcome: the run's row (every column of ``runs``), and whether this call
+    created it (else a replay)."""
 
-    run: Run
+    run: Row
     created: bool
 
 
 class AdmissionConflict(Exception):
     """``dispatch_key`` is taken by a run admitted with a different request."""
 
-    def __init__(self, existing: Run, fields: list[str]):
+    def __init__(self, existing: Row, fields: list[str]):
         self.existing = existing
         self.fields = fields
         super().__init__(
@@ -62,7 +63,7 @@ class AdmissionConflict(Exception):
         )
 
 
-def _differences(run: Run, workflow_ref: str, input: dict, goal_id: str | None) -> list[str]:
+def _differences(run: Row, workflow_ref: str, input: dict, goal_id: str | None) -> list[str]:
     diffs = []
     if run.workflow_ref != workflow_ref:
         diffs.append("workflow_ref")

@@ -18,6 +18,7 @@ off and taken over) finds its writes refused instead of finishing twice.
 from __future__ import annotations
 
 import enum
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +215,4 @@ def schedule_retry(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
 
 
 def _json(value: Any) -> str | None:
-    import json
-
     return None if value is None else json.dumps(value, default=str)
