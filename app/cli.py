@@ -10,9 +10,8 @@ from flask import Flask, current_app
 from sqlalchemy import func, select, update
 
 from .auth import hash_token, new_token
-from .enqueue import send_run
 from .extensions import db
-from .models import ApiToken, Run, RunStatus, Tenant
+from .models import ApiToken, Run, Tenant
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
@@ -124,17 +123,15 @@ def register_cli(app: Flask) -> None:
     @runs.command("redrive")
     @click.option("--older-than", default=0.0, help="Only runs queued at least this many seconds.")
     def runs_redrive(older_than: float):
-        """Re-send every queued run to the workers (duplicates are absorbed by claims)."""
-        rows = db.session.execute(
-            select(Run.id, Run.workflow_name, Run.workflow_version).where(
-                Run.status == RunStatus.QUEUED.value,
-                Run.updated_at <= func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than),
-            )
-        ).all()
-        celery_app = current_app.extensions["celery"]
-        sent = sum(send_run(celery_app, r.id, f"{r.workflow_name}@{r.workflow_version}")
-                   for r in rows)
-        click.echo(f"re-sent {sent} of {len(rows)} queued run(s)")
+        """Re-send queued runs, and runs held by dead workers (claims absorb duplicates).
+
+        The same repair as beat's, for every stranded run at once.
+        """
+        from workers.repair import repair_stranded_runs
+
+        sent, found = repair_stranded_runs(db.session, current_app.extensions["celery"],
+                                           min_age=older_than, limit=None)
+        click.echo(f"re-sent {sent} of {found} run(s) (queued, or held by dead workers)")
 
     @app.cli.group()
     def topics():

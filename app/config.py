@@ -16,6 +16,13 @@ def database_url(raw: str) -> str:
     return raw
 
 
+def libpq_url(raw: str) -> str:
+    """Return a URL psycopg/libpq can connect to, from a Postgres or SQLAlchemy URL."""
+    url = database_url(raw)
+    return "postgresql://" + url[len("postgresql+psycopg://"):] if url.startswith(
+        "postgresql+psycopg://") else url
+
+
 def broker_url(env: Mapping[str, str]) -> str:
     """Return the Celery broker URL: ``CELERY_BROKER_URL`` wins over ``REDIS_URL``."""
     return env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0"

@@ -16,13 +16,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
-from sqlalchemy.engine import make_url
+
+from app.config import libpq_url  # noqa: F401 - the benchmarks' URL conversion
+from poimen_dev.scratch import scratch_database
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_ENV = ("DATABASE_URL", "REDIS_URL")
@@ -51,38 +52,11 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def libpq_url(url: str) -> str:
-    """Return a psycopg-connectable URL for a Postgres or SQLAlchemy URL."""
-    from app.config import database_url as to_sqlalchemy
-
-    return make_url(to_sqlalchemy(url)).set(drivername="postgresql").render_as_string(
-        hide_password=False)
-
-
 @contextlib.contextmanager
 def bench_database(server_url: str, env: Mapping[str, str]) -> Iterator[str]:
-    """Create ``poimen_bench_<id>`` on ``server_url``'s server, migrate it, drop it after.
-
-    Yields the database's URL (libpq form). Migrated with ``flask db upgrade``,
-    as the release phase does, so the partial unique index really exists.
-    """
-    server = make_url(libpq_url(server_url))
-    admin = server.render_as_string(hide_password=False)
-    name = f"poimen_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = server.set(database=name).render_as_string(hide_password=False)
-        migrate = subprocess.run(
-            [sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
-            env={**env, "DATABASE_URL": url}, cwd=ROOT, capture_output=True, text=True,
-        )
-        if migrate.returncode != 0:
-            raise RuntimeError(f"migration failed:\n{migrate.stdout}{migrate.stderr}")
+    """A migrated ``poimen_bench_<id>`` on ``server_url``'s server, dropped after (libpq URL)."""
+    with scratch_database(server_url, "poimen_bench", env) as url:
         yield url
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ bench/RESULTS.md under "Kafka inbox".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,44 +31,18 @@ from pathlib import Path
 import psycopg
 import requests
 from confluent_kafka import Producer
-from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
+from poimen_dev.scratch import scratch_database  # noqa: E402
 from tests.processes import start_inbox, start_web  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## Kafka inbox (bench/inbox.py)"
 PARTITIONS = 4
 THREADS = 16
-
-
-def libpq(url: str) -> str:
-    from app.config import database_url
-
-    return make_url(database_url(url)).set(drivername="postgresql").render_as_string(
-        hide_password=False)
-
-
-def create_database(server_url: str, env: dict[str, str]) -> str:
-    """Create and migrate ``poimen_bench_inbox_<id>``; return its URL."""
-    server = make_url(libpq(server_url))
-    name = f"poimen_bench_inbox_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server.render_as_string(hide_password=False), autocommit=True) as c:
-        c.execute(f'CREATE DATABASE "{name}"')
-    url = server.set(database=name).render_as_string(hide_password=False)
-    subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
-                   env={**env, "DATABASE_URL": url}, cwd=ROOT, check=True,
-                   capture_output=True)
-    return url
-
-
-def drop_database(server_url: str, url: str) -> None:
-    name = make_url(url).database
-    with psycopg.connect(libpq(server_url), autocommit=True) as c:
-        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def credentials(env: dict[str, str]) -> tuple[str, str]:
@@ -173,7 +148,8 @@ def main() -> int:
         sys.exit(f"{', '.join(missing)} unset: run `make bench`, or export `poimen-dev env`")
     tag = uuid.uuid4().hex[:8]
     queue = f"poimen-bench-inbox-{tag}"
-    db = create_database(env["DATABASE_URL"], env)
+    cleanup = contextlib.ExitStack()
+    db = cleanup.enter_context(scratch_database(env["DATABASE_URL"], "poimen_bench_inbox", env))
     env.update(DATABASE_URL=db, POIMEN_QUEUE=queue)
     logs = Path(tempfile.mkdtemp(prefix="poimen-bench-inbox-"))
     web = relay = None
@@ -234,7 +210,7 @@ def main() -> int:
         for proc in (relay, web):
             if proc is not None:
                 proc.stop()
-        drop_database(os.environ["DATABASE_URL"], db)
+        cleanup.close()
         try:
             import redis
 

@@ -14,13 +14,17 @@ DEV_TENANT = "dev"
 WEB_PORT = "8000"
 
 
-def procfile_processes(path: Path = Path("Procfile")) -> list[str]:
-    """Return the Procfile's process names, in order."""
-    names = []
+PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
+
+
+def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
+    """Return the Procfile's ``name -> command``, in order."""
+    commands = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#") and ":" in line:
-            names.append(line.split(":", 1)[0].strip())
-    return names
+            name, _, command = line.partition(":")
+            commands[name.strip()] = command.strip()
+    return commands
 
 
 def _ensure_token(path: Path, tenant: str | None, service: bool, label: str) -> str:
@@ -71,7 +75,7 @@ def run_platform(env: Mapping[str, str], processes: list[str]) -> int:
     env.setdefault("POIMEN_API_URL", f"http://127.0.0.1:{env['PORT']}")
     tenant_token, service_token = bootstrap(env)
     env.setdefault("POIMEN_API_TOKEN", service_token)
-    names = processes or [p for p in procfile_processes() if p != "release"]
+    names = processes or [p for p in procfile_commands() if p != "release"]
     # honcho gives each process PORT = base + 100 * position: web first gets PORT.
     names.sort(key=lambda n: (n != "web", n != "flower"))
     port = int(env["PORT"])

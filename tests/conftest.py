@@ -9,8 +9,6 @@ queue name, so it never touches a developer's data.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -19,16 +17,12 @@ import pytest
 import redis as redis_lib
 from sqlalchemy.engine import make_url
 
+from app.config import libpq_url
+from poimen_dev.scratch import scratch_database
 from tests.processes import start_web
 
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
 TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")
-
-
-def libpq_url(sqlalchemy_url: str) -> str:
-    """Return a psycopg-connectable URL for a SQLAlchemy one."""
-    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
 
 
 @pytest.fixture(scope="session")
@@ -44,20 +38,11 @@ def database_url(base_env) -> str:
     """Create ``poimen_test_<id>``, migrate it with ``flask db upgrade``, drop it after."""
     from app.config import database_url as to_sqlalchemy
 
-    server = make_url(to_sqlalchemy(base_env["DATABASE_URL"]))
-    name = f"poimen_test_{uuid.uuid4().hex[:8]}"
-    admin = libpq_url(server.render_as_string(hide_password=False))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = server.set(database=name).render_as_string(hide_password=False)
-    os.environ["DATABASE_URL"] = url
-    os.environ["POIMEN_QUEUE"] = f"poimen-test-{name[-8:]}"
-    os.environ.setdefault("POIMEN_WORKFLOW_MODULES", "tests.workflows")
-    subprocess.run([sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
-                   env=dict(os.environ), check=True, capture_output=True)
-    yield url
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database(base_env["DATABASE_URL"], "poimen_test", base_env) as url:
+        os.environ["DATABASE_URL"] = url
+        os.environ["POIMEN_QUEUE"] = f"poimen-test-{make_url(url).database[-8:]}"
+        os.environ.setdefault("POIMEN_WORKFLOW_MODULES", "tests.workflows")
+        yield to_sqlalchemy(url)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import requests
 
+from poimen_dev.platform import procfile_commands
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -170,16 +172,6 @@ def start_kafka_broker(data_dir: Path, port: int, log_dir: Path,
 
     wait_until(listening, timeout=30, what=f"{name} on port {port}")
     return proc
-
-
-def procfile_commands(path: Path = ROOT / "Procfile") -> dict[str, str]:
-    """Return the Procfile's ``name -> command``."""
-    commands = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            name, _, command = line.partition(":")
-            commands[name.strip()] = command.strip()
-    return commands
 
 
 def start_procfile_process(name: str, env: Mapping[str, str], log_dir: Path) -> Process:

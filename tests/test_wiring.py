@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.processes import ROOT, procfile_commands
+from poimen_dev.platform import procfile_commands
+from tests.processes import ROOT
 
 DESIGN_PROCESSES = {"release", "web", "worker", "beat", "flower"}
 

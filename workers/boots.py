@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -87,7 +88,7 @@ _current: Boot | None = None
 _current_lock = threading.Lock()
 
 
-def current_boot(dsn: str) -> Boot:
+def current_boot(dsn: Callable[[], str]) -> Boot:
     """Return this process's boot, registering a new one after a fork or a lost connection.
 
     A boot whose lock connection broke is dead to everyone else (its lock is
@@ -102,7 +103,7 @@ def current_boot(dsn: str) -> Boot:
                 log.warning("boot %s lost its lock connection; starting a new boot",
                             _current.boot_id)
                 _current.close()
-            _current = Boot.register(dsn)
+            _current = Boot.register(dsn())  # the DSN is worked out only when needed
         return _current
 
 

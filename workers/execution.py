@@ -12,6 +12,7 @@ from flask import current_app
 from sqlalchemy import text
 from sqlalchemy.exc import DataError
 
+from app.config import libpq_url
 from app.enqueue import send_run
 from app.extensions import db
 
@@ -64,15 +65,15 @@ def _error_info(err: BaseException) -> dict[str, Any]:
             "traceback": tb[-TRACEBACK_LIMIT:]}
 
 
-def _libpq_dsn() -> str:
-    url = db.engine.url.set(drivername="postgresql")
-    return url.render_as_string(hide_password=False)
+def boot_dsn() -> str:
+    """The database a boot's lock connection uses: the app's, in libpq form."""
+    return libpq_url(current_app.config["SQLALCHEMY_DATABASE_URI"])
 
 
 def execute_run(run_id: str) -> Claim:
     """Execute run ``run_id`` if this delivery wins its claim; return the claim outcome."""
     run_uuid = uuid.UUID(run_id)
-    boot = current_boot(_libpq_dsn())
+    boot = current_boot(boot_dsn)
     session = db.session
     claim = claim_run(session, run_uuid, boot.boot_id)
     session.commit()

@@ -33,9 +33,12 @@ _STRANDED = text(
 )
 
 
-def repair_stranded_runs(session: Session, celery_app, *, min_age: float, limit: int = 1000
-                         ) -> int:
-    """Re-send queued runs older than ``min_age`` s and runs held by dead boots."""
+def repair_stranded_runs(session: Session, celery_app, *, min_age: float,
+                         limit: int | None = 1000) -> tuple[int, int]:
+    """Re-send queued runs older than ``min_age`` s and runs held by dead boots.
+
+    Return ``(sent, found)``; ``limit=None`` means every stranded run.
+    """
     rows = session.execute(
         _STRANDED, {"min_age": min_age, "limit": limit}
     ).all()
@@ -47,4 +50,4 @@ def repair_stranded_runs(session: Session, celery_app, *, min_age: float, limit:
         dead = sum(1 for r in rows if r.status == "running")
         log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots)", sent,
                  len(rows) - dead, dead)
-    return sent
+    return sent, len(rows)

@@ -11,7 +11,7 @@ from flask import current_app
 from app.extensions import db
 
 from .boots import current_boot, end_current_boot
-from .execution import _libpq_dsn, execute_run
+from .execution import boot_dsn, execute_run
 from .repair import repair_stranded_runs
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,9 @@ def execute(run_id: str) -> str:
 @shared_task(name="runs.repair")
 def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
-    return repair_stranded_runs(db.session, current_app.extensions["celery"],
-                                min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+    sent, _ = repair_stranded_runs(db.session, current_app.extensions["celery"],
+                                   min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+    return sent
 
 
 @worker_init.connect
@@ -46,7 +47,7 @@ def _register_boot(**_):
     with flask_app.app_context():
         # Connections inherited across fork must not be shared with the parent.
         db.engine.dispose(close=False)
-        current_boot(_libpq_dsn())
+        current_boot(boot_dsn)
 
 
 @worker_process_shutdown.connect

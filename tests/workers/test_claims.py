@@ -175,15 +175,15 @@ def test_execute_in_process_runs_the_workflow_once(app, admit, pg, fresh_boot):
 def test_a_failure_before_user_code_releases_the_claim(app, admit, pg, fresh_boot):
     """The worker cannot load the run's workflow (a rolling deploy, say): back to queued."""
     from workers.boots import current_boot
-    from workers.execution import ClaimReleased, _libpq_dsn, execute_run
+    from workers.execution import ClaimReleased, boot_dsn, execute_run
 
     run_id = admit("echo")
     pg.execute("UPDATE runs SET workflow_version = '999' WHERE id = %s", [run_id])
     with app.app_context():
-        boot_before = current_boot(_libpq_dsn()).boot_id
+        boot_before = current_boot(boot_dsn).boot_id
         with pytest.raises(ClaimReleased) as raised:
             execute_run(str(run_id))
-        assert current_boot(_libpq_dsn()).boot_id == boot_before  # a clean release keeps it
+        assert current_boot(boot_dsn).boot_id == boot_before  # a clean release keeps it
     assert isinstance(raised.value.__cause__, LookupError)
     assert status_of(pg, run_id)[:2] == ("queued", None)
     events = [r[0] for r in pg.execute(
