@@ -1,11 +1,18 @@
-"""The Poimen web application."""
+"""The Poimen application: ``create_app()`` and the Celery app wired to it.
+
+Both read their settings from the environment when called, never at import.
+``workers/celery.py`` builds the worker's Celery app from here, so the web
+process, the workers, beat and Flower share one wiring.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from celery import Celery, Task
 from flask import Flask
 
 from .config import load_config
@@ -14,7 +21,6 @@ from .config import load_config
 def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
     from workers import registry
-    from workers.celery_app import celery_init_app
 
     from . import api, enqueue, health, metrics  # noqa: F401 - enqueue registers its hooks
     from .cli import register_cli
@@ -35,7 +41,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     db.init_app(app)
-    migrate.init_app(app, db, directory=_migrations_dir())
+    migrate.init_app(app, db, directory=str(Path(__file__).resolve().parent.parent / "migrations"))
     celery_init_app(app)
     registry.load_modules(app.config["POIMEN_WORKFLOW_MODULES"])
 
@@ -47,7 +53,33 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     return app
 
 
-def _migrations_dir() -> str:
-    from pathlib import Path
+def celery_init_app(app: Flask) -> Celery:
+    """Create the Celery app for ``app`` (pallets/flask ``examples/celery``).
 
-    return str(Path(__file__).resolve().parent.parent / "migrations")
+    Every task runs inside an app context. The web process uses this app only
+    to send; the worker (``workers/celery.py``) also imports the tasks.
+    """
+    from celeryconfig import celery_settings
+
+    from .task_names import REPAIR_RUNS
+
+    class FlaskTask(Task):
+        def __call__(self, *args, **kwargs):
+            with app.app_context():
+                return self.run(*args, **kwargs)
+
+    celery_app = Celery(app.name, task_cls=FlaskTask)
+    celery_app.config_from_object(celery_settings(app.config["CELERY_BROKER_URL"]))
+    celery_app.conf.update(
+        include=["workers.tasks"],
+        beat_schedule={
+            "repair-stranded-runs": {
+                "task": REPAIR_RUNS,
+                "schedule": app.config["POIMEN_REPAIR_INTERVAL"],
+            }
+        },
+    )
+    celery_app.flask_app = app
+    celery_app.set_default()
+    app.extensions["celery"] = celery_app
+    return celery_app

@@ -20,25 +20,22 @@ from sqlalchemy.orm import Session
 from workers import registry
 
 from .enqueue import enqueue_after_commit
+from .events import with_event
 from .models import AdmissionOrigin, RunStatus
 
-_ADMIT = text(
+_ADMIT = with_event(
     """
-    WITH admitted AS (
-        INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
-                          goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                          origin, origin_detail, parent_run_id)
-        VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
-                CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-                :origin_detail, :parent_run_id)
-        ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
-        RETURNING *
-    ), admitted_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.admitted', CAST(:event AS jsonb) FROM admitted
-    )
-    SELECT * FROM admitted
-    """
+    INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
+                      goal_id, dispatch_key, status, attempt, failures, cancel_requested,
+                      origin, origin_detail, parent_run_id)
+    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
+            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
+            :origin_detail, :parent_run_id)
+    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+    """,
+    "*",
+    "'run.admitted'",
+    "CAST(:event AS jsonb)",
 )
 
 
@@ -96,6 +93,7 @@ def admit_run(
     """
     workflow = registry.resolve(workflow_ref)
     run_id = uuid.uuid4()
+    origin_value = AdmissionOrigin(origin).value
     values = dict(
         id=run_id,
         tenant_id=tenant_id,
@@ -105,14 +103,13 @@ def admit_run(
         input=input,
         goal_id=goal_id,
         dispatch_key=dispatch_key,
-        origin=AdmissionOrigin(origin).value,
+        origin=origin_value,
         origin_detail=origin_detail,
         parent_run_id=parent_run_id,
     )
-    origin_value = AdmissionOrigin(origin).value
-    event_payload = {
-        "run_id": str(run_id), "type": "run.admitted", "workflow_ref": workflow.ref,
-        "goal_id": goal_id, "dispatch_key": dispatch_key, "origin": origin_value,
+    event_fields = {
+        "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,
+        "origin": origin_value,
     }
     # One statement, one round trip: the insert that the index may refuse, and
     # the run.admitted outbox event only for a row that was really inserted.
@@ -120,7 +117,7 @@ def admit_run(
     inserted = session.execute(_ADMIT, {
         **values,
         "input": json.dumps(input),
-        "event": json.dumps(event_payload),
+        "event": json.dumps(event_fields),
     }).one_or_none()
 
     if inserted is not None:
@@ -136,7 +133,7 @@ def admit_run(
     diffs = _differences(existing, workflow_ref, input, goal_id)
     if diffs:
         raise AdmissionConflict(existing, diffs)
-    if existing.status == RunStatus.QUEUED.value:
+    if existing.status == RunStatus.QUEUED:
         # Its first message may have been lost; a duplicate is absorbed by claims.
         enqueue_after_commit(
             session, existing.id, f"{existing.workflow_name}@{existing.workflow_version}"

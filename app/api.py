@@ -9,15 +9,14 @@ from datetime import datetime
 from typing import Any
 
 from flask import Blueprint, g, jsonify, request, url_for
-from sqlalchemy import and_, or_, select, update
 
 from workers import registry
 
 from . import metrics
+from . import runs as run_service
 from .admission import AdmissionConflict, admit_run
 from .auth import require_token
 from .errors import ApiError
-from .events import record_event
 from .extensions import db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
@@ -177,13 +176,9 @@ def create_run():
 
 
 def _load_run(run_id: str) -> Run:
-    try:
-        parsed = uuid.UUID(run_id)
-    except ValueError:
-        parsed = None
-    run = db.session.get(Run, parsed) if parsed else None
+    run = run_service.get_run(db.session, g.principal.tenant_id, run_id)
     # Another tenant's run is indistinguishable from a missing one.
-    if run is None or run.tenant_id != g.principal.tenant_id:
+    if run is None:
         raise ApiError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
     return run
 
@@ -226,25 +221,21 @@ def list_runs():
         limit = 0
     if not 1 <= limit <= MAX_PAGE:
         raise ApiError(400, "invalid_limit", f"limit must be an integer from 1 to {MAX_PAGE}")
-    query = select(Run).where(Run.tenant_id == g.principal.tenant_id)
+    statuses = None
     if "status" in args:
         statuses = args["status"].split(",")
         valid = {s.value for s in RunStatus}
         if not set(statuses) <= valid:
             raise ApiError(400, "invalid_status", "unknown status",
                            {"allowed": sorted(valid), "given": statuses})
-        query = query.where(Run.status.in_(statuses))
-    for name in ("goal_id", "workflow_ref", "dispatch_key"):
-        if name in args:
-            query = query.where(getattr(Run, name) == args[name])
-    if "cursor" in args:
-        created, run_id = _decode_cursor(args["cursor"])
-        query = query.where(
-            or_(Run.created_at < created, and_(Run.created_at == created, Run.id < run_id))
-        )
-    rows = db.session.scalars(
-        query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)
-    ).all()
+    where = run_service.RunFilter(
+        statuses=statuses,
+        goal_id=args.get("goal_id"),
+        workflow_ref=args.get("workflow_ref"),
+        dispatch_key=args.get("dispatch_key"),
+        before=_decode_cursor(args["cursor"]) if "cursor" in args else None,
+    )
+    rows = run_service.list_runs(db.session, g.principal.tenant_id, where, limit + 1)
     page = rows[:limit]
     return jsonify(
         {
@@ -258,28 +249,15 @@ def list_runs():
 @require_token
 def cancel_run(run_id: str):
     run = _load_run(run_id)
-    # A queued run is cancelled outright: a later delivery finds it terminal.
-    cancelled = db.session.execute(
-        update(Run)
-        .where(Run.id == run.id, Run.status == RunStatus.QUEUED.value)
-        .values(status=RunStatus.CANCELLED.value, cancel_requested=True,
-                finished_at=db.func.now(), updated_at=db.func.now())
-        .returning(Run.id)
-    ).scalar_one_or_none()
-    if cancelled:
-        record_event(db.session, tenant_id=run.tenant_id, run_id=run.id,
-                     event_type="run.cancelled")
-    else:
-        # A running run is marked; its workflow sees ctx.cancelled at its next checkpoint.
-        db.session.execute(
-            update(Run)
-            .where(Run.id == run.id, Run.status == RunStatus.RUNNING.value)
-            .values(cancel_requested=True, updated_at=db.func.now())
-        )
+    # A queued run is cancelled outright; a running one is flagged and its
+    # workflow sees ctx.cancelled at its next checkpoint. A finished run is
+    # left as it is.
+    changed = run_service.cancel_run(db.session, run.tenant_id, run.id)
     db.session.commit()
-    db.session.refresh(run)
+    if changed is not None:
+        db.session.refresh(run)
     response = jsonify(serialize_run(run, g.principal.tenant_name))
-    response.status_code = 202 if run.status == RunStatus.RUNNING.value else 200
+    response.status_code = 202 if run.status == RunStatus.RUNNING else 200
     return response
 
 

@@ -17,9 +17,10 @@ from flask import current_app
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from .task_names import EXECUTE_RUN
+
 log = logging.getLogger(__name__)
 
-EXECUTE_TASK = "runs.execute"
 _PENDING = "poimen_pending_enqueue"
 
 
@@ -32,12 +33,12 @@ def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
     """Publish one ``runs.execute`` message; task id = run id so Flower shows the run."""
     try:
         celery_app.send_task(
-            EXECUTE_TASK,
+            EXECUTE_RUN,
             args=[str(run_id)],
             task_id=str(run_id),
             countdown=countdown,
             # Shown by Flower next to the task: which workflow this run is.
-            shadow=f"{EXECUTE_TASK}[{workflow_ref}]",
+            shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
         )
         return True
     except Exception:  # noqa: BLE001 - the broker is down; beat repairs queued runs

@@ -17,10 +17,10 @@ from prometheus_client import (
     Counter,
     generate_latest,
 )
-from sqlalchemy import func, select
 
+from . import runs
+from .events import outbox_lag
 from .extensions import db
-from .models import OutboxEvent, Run
 
 ADMISSIONS = Counter(
     "poimen_admissions_total",
@@ -48,21 +48,16 @@ def _run_gauges() -> str:
         "# HELP poimen_runs Runs by status.",
         "# TYPE poimen_runs gauge",
     ]
-    for status, count in db.session.execute(
-        select(Run.status, func.count()).group_by(Run.status)
-    ):
+    for status, count in runs.status_counts(db.session).items():
         lines.append(f'poimen_runs{{status="{status}"}} {count}')
-    pending, oldest = db.session.execute(
-        select(func.count(), func.extract("epoch", func.now() - func.min(OutboxEvent.created_at)))
-        .where(OutboxEvent.published_at.is_(None))
-    ).one()
+    pending, oldest = outbox_lag(db.session)
     lines += [
         "# HELP poimen_outbox_unpublished Outbox events not yet published.",
         "# TYPE poimen_outbox_unpublished gauge",
         f"poimen_outbox_unpublished {pending}",
         "# HELP poimen_outbox_oldest_age_seconds Age of the oldest unpublished event.",
         "# TYPE poimen_outbox_oldest_age_seconds gauge",
-        f"poimen_outbox_oldest_age_seconds {float(oldest or 0)}",
+        f"poimen_outbox_oldest_age_seconds {oldest}",
     ]
     db.session.rollback()
     return "\n".join(lines) + "\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .models import RunStatus
+
 
 def _error(description: str) -> dict[str, Any]:
     return {
@@ -184,8 +186,7 @@ def openapi_document() -> dict[str, Any]:
                         "input": {"type": "object"},
                         "goal_id": {"type": "string", "nullable": True},
                         "dispatch_key": {"type": "string", "nullable": True},
-                        "status": {"type": "string", "enum": ["queued", "running", "succeeded",
-                                                              "failed", "cancelled"]},
+                        "status": {"type": "string", "enum": [s.value for s in RunStatus]},
                         "attempt": {"type": "integer"},
                         "cancel_requested": {"type": "boolean"},
                         "result": {"nullable": True},

@@ -29,18 +29,11 @@ def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
 
 def _ensure_token(path: Path, tenant: str | None, service: bool, label: str) -> str:
     """Return the dev token stored at ``path``, registering it if the database lacks it."""
-    from sqlalchemy import select
-
-    from app.auth import hash_token, new_token
-    from app.cli import create_tenant, create_token
-    from app.extensions import db
-    from app.models import ApiToken
+    from app.auth import new_token
+    from app.tenants import create_tenant, create_token, token_registered
 
     token = path.read_text().strip() if path.exists() else new_token()
-    known = db.session.execute(
-        select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
-    ).scalar_one_or_none()
-    if known is None:
+    if not token_registered(token):
         owner = create_tenant(tenant, exist_ok=True) if tenant else None
         create_token(owner, service, label, token=token)
     path.write_text(token + "\n")

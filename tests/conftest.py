@@ -73,10 +73,47 @@ def pg(database_url):
         yield conn
 
 
+@pytest.fixture
+def db_session(app):
+    """``db.session`` inside one transaction that is rolled back after the test.
+
+    For fast tests (pypi/warehouse's ``db_session``): the app's commits only
+    release savepoints, so the test leaves nothing behind and needs no
+    TRUNCATE. What it writes is invisible to other connections; race tests
+    and tests of real processes use real commits and ``clean_tables``.
+    """
+    from sqlalchemy.orm import scoped_session, sessionmaker
+
+    from app.extensions import db
+
+    with app.app_context():
+        conn = db.engine.connect()
+        outer = conn.begin()
+        session = scoped_session(
+            sessionmaker(bind=conn, join_transaction_mode="create_savepoint",
+                         expire_on_commit=False),
+            scopefunc=lambda: "test",
+        )
+        app_session, db.session = db.session, session
+        try:
+            yield session
+        finally:
+            db.session = app_session
+            session.remove()
+            outer.rollback()
+            conn.close()
+
+
+@pytest.fixture
+def tx_tenant(db_session, make_tenant):
+    """A tenant and token that exist only inside ``db_session``'s transaction."""
+    return make_tenant()
+
+
 @pytest.fixture(autouse=True)
 def clean_tables(request):
-    """Empty every table before a test that uses the database."""
-    if "database_url" not in request.fixturenames:
+    """Empty every table before a test that commits to the database for real."""
+    if "database_url" not in request.fixturenames or "db_session" in request.fixturenames:
         yield
         return
     url = request.getfixturevalue("database_url")
@@ -111,7 +148,7 @@ class TenantCreds:
 @pytest.fixture
 def make_tenant(app):
     """Create a tenant and a token for it; ``service=True`` makes a service token."""
-    from app.cli import create_tenant, create_token
+    from app.tenants import create_tenant, create_token
 
     def make(name: str | None = None, service: bool = False) -> TenantCreds:
         with app.app_context():
@@ -125,6 +162,23 @@ def make_tenant(app):
 @pytest.fixture
 def tenant(make_tenant) -> TenantCreds:
     return make_tenant()
+
+
+@pytest.fixture
+def admit(app, tenant):
+    """Admit a run (through the one admission function) and return its id."""
+    from app.admission import admit_run
+    from app.extensions import db
+
+    def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs) -> uuid.UUID:
+        with app.app_context():
+            admission = admit_run(db.session, tenant_id=tenant.id, workflow_ref=workflow_ref,
+                                  input=input or {}, **kwargs)
+            run_id = admission.run.id
+            db.session.commit()
+            return run_id
+
+    return make
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +28,65 @@ def test_procfile_declares_the_design_processes():
             assert (ROOT / "bridge" / f"{name}.py").exists()
 
 
-def test_every_task_the_platform_sends_is_registered_by_the_worker():
-    from app.enqueue import EXECUTE_TASK
+def test_every_task_the_platform_sends_is_registered_by_the_worker(app):
+    from app import task_names
     from workers import tasks
 
     names = {tasks.execute.name, tasks.repair.name}
-    assert EXECUTE_TASK in names
-    assert names == {"runs.execute", "runs.repair"}
+    # The wire names are a contract with queued messages: pinned here, not read from code.
+    assert names == task_names.ALL == {"runs.execute", "runs.repair"}
+    celery_app = app.extensions["celery"]
+    assert {entry["task"] for entry in celery_app.conf.beat_schedule.values()} <= names
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute names), at any depth of the file."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+# app/ may use the workflow registry (to validate and pin workflow_ref) and
+# nothing else of workers/: dependencies point from workers/ to app/.
+APP_MAY_IMPORT_FROM_WORKERS = {"workers", "workers.registry"}
+
+
+def test_app_imports_nothing_from_workers_but_the_registry():
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        bad = sorted(m for m in _imported_modules(path)
+                     if m.split(".")[0] == "workers" and m not in APP_MAY_IMPORT_FROM_WORKERS)
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_importing_app_loads_no_worker_module():
+    modules = [p.stem for p in (ROOT / "app").glob("*.py") if p.stem != "__init__"]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('app.' + m)\n"
+        f"allowed = {sorted(APP_MAY_IMPORT_FROM_WORKERS)!r}\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'workers' and m not in allowed)\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_one_module_writes_the_outbox():
+    writers = sorted(str(p.relative_to(ROOT)) for pkg in ("app", "workers", "bridge")
+                     for p in (ROOT / pkg).rglob("*.py")
+                     if "INSERT INTO outbox" in p.read_text())
+    assert writers == ["app/events.py"]
 
 
 def test_celery_settings_are_at_least_once():
@@ -56,7 +109,8 @@ def test_heroku_postgres_urls_are_accepted():
 
 def test_importing_the_packages_reads_no_settings():
     """Config is read by the factory, never at import: imports work with an empty env."""
-    code = "import app, app.api, app.admission, workers, workers.claims, workers.tasks, bridge"
+    code = ("import app, app.api, app.admission, app.runs, app.tenants, workers, workers.claims, "
+            "workers.tasks, bridge")
     proc = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"},
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

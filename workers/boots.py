@@ -4,7 +4,8 @@ A boot registers a row in ``worker_boots`` and takes a session-level advisory
 lock ``(LOCK_NAMESPACE, lock_key)`` on a dedicated connection that it keeps for
 its whole life. Postgres releases that lock exactly when the process or its
 connection dies, so "is boot B alive?" is a question about the lock table, not
-about clocks: no heartbeat age, no timeout guess.
+about clocks: no heartbeat age, no timeout guess. What "live" means in SQL is
+defined once, in ``app/liveness.py``.
 """
 
 from __future__ import annotations
@@ -18,35 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
-from sqlalchemy import text
-from sqlalchemy.orm import Session
+
+from app.liveness import LOCK_NAMESPACE
 
 log = logging.getLogger(__name__)
-
-# "POIM": the first key of every boot's two-key advisory lock.
-LOCK_NAMESPACE = 0x504F494D
-
-# The one definition of a live boot: its row joined to its granted advisory
-# lock in this database. Repair and metrics reuse it as a SQL fragment.
-LIVE_BOOTS_SQL = f"""
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST({LOCK_NAMESPACE} AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-"""
-
-_BOOT_ALIVE_SQL = text(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot_id)")
-
-
-def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
-    """Return whether ``boot_id``'s process still holds its advisory lock."""
-    return bool(session.execute(_BOOT_ALIVE_SQL, {"boot_id": boot_id}).scalar_one())
-
 
 @dataclass
 class Boot:

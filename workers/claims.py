@@ -10,6 +10,9 @@ by time:
   on the old boot id: TAKEN_OVER (the attempt is counted);
 * terminal: FINISHED, never executed again.
 
+This module holds only the fenced transitions, the ones a worker makes under
+its claim; unfenced ones (cancel, repair) are in ``app/runs.py``.
+
 Every later write for the run (release, retry, finish) is fenced by the claim:
 ``WHERE claimed_by = <this boot>``. A worker that lost its claim (it was cut
 off and taken over) finds its writes refused instead of finishing twice.
@@ -23,12 +26,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, TextClause, text
+from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.events import record_event
-
-from .boots import boot_alive
+from app.events import with_event
+from app.liveness import boot_alive
+from app.models import TERMINAL_STATUSES, RunStatus
+from app.runs import finish_requested_cancel
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -58,26 +62,10 @@ class Claim:
 # executing a run costs no extra read.
 _RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, failures, " \
     "cancel_requested"
+_ATTEMPT = "jsonb_build_object('attempt', attempt)"
 
 
-def _with_event(update: str, event_type: str, extra: str = "") -> TextClause:
-    """``update`` (RETURNING the run) plus its outbox event, in one statement."""
-    return text(
-        f"""
-        WITH changed AS ({update} RETURNING {_RUN_COLUMNS}),
-        event AS (
-            INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-            SELECT tenant_id, id, {event_type},
-                   jsonb_build_object('run_id', id::text, 'type', {event_type},
-                                      'attempt', attempt){extra}
-              FROM changed
-        )
-        SELECT * FROM changed
-        """
-    )
-
-
-_CLAIM_QUEUED = _with_event(
+_CLAIM_QUEUED = with_event(
     """
     UPDATE runs
        SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
@@ -85,28 +73,54 @@ _CLAIM_QUEUED = _with_event(
      WHERE id = :run AND status = 'queued' AND NOT cancel_requested
        AND (not_before IS NULL OR not_before <= now())
     """,
+    _RUN_COLUMNS,
     "'run.started'",
+    _ATTEMPT,
 )
 
-_TAKE_OVER = _with_event(
+_TAKE_OVER = with_event(
     """
     UPDATE runs
        SET claimed_by = :boot, attempt = attempt + 1, updated_at = now()
      WHERE id = :run AND status = 'running' AND claimed_by = :dead
     """,
+    _RUN_COLUMNS,
     "'run.resumed'",
-    " || jsonb_build_object('previous_boot', CAST(:dead AS text))",
+    f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text))",
 )
 
-_FINISH = _with_event(
+_FINISH = with_event(
     """
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
      WHERE id = :run AND status = 'running' AND claimed_by = :boot
     """,
+    _RUN_COLUMNS,
     "CAST(:event_type AS text)",
-    " || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb)",
+    f"{_ATTEMPT} || coalesce(CAST(:event_extra AS jsonb), '{{}}'::jsonb)",
+)
+
+_RELEASE = with_event(
+    """
+    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now()
+     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+    """,
+    _RUN_COLUMNS,
+    "'run.released'",
+)
+
+_RETRY = with_event(
+    """
+    UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
+           error = CAST(:error AS jsonb), updated_at = now(),
+           not_before = now() + make_interval(secs => :delay)
+     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+    """,
+    _RUN_COLUMNS,
+    "'run.retrying'",
+    f"{_ATTEMPT} || jsonb_build_object('delay', CAST(:delay AS float8), "
+    "'error', CAST(:error AS jsonb))",
 )
 
 
@@ -123,11 +137,11 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
     ).one_or_none()
     if current is None:
         return Claim(ClaimOutcome.MISSING, run_id, boot_id)
-    if current.status in ("succeeded", "failed", "cancelled"):
+    if current.status in TERMINAL_STATUSES:
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
-    if current.status == "queued":
+    if current.status == RunStatus.QUEUED:
         if current.cancel_requested:
-            cancel_queued(session, run_id)
+            finish_requested_cancel(session, run_id)
             return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
         # A retry scheduled for later (its own delayed message will come), or a
         # row another delivery claimed and released between our two statements.
@@ -146,33 +160,13 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
     return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row)
 
 
-def cancel_queued(session: Session, run_id: uuid.UUID) -> bool:
-    """Cancel a queued run whose cancellation was requested."""
-    row = session.execute(
-        text("UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now() "
-             "WHERE id = :run AND status = 'queued' RETURNING tenant_id"),
-        {"run": run_id},
-    ).one_or_none()
-    if row is not None:
-        record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.cancelled")
-    return row is not None
-
-
 def release_claim(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> bool:
     """Put a run this boot claimed back to ``queued`` (a failure before user code started).
 
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.
     """
-    row = session.execute(
-        text("UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now() "
-             "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
-             "RETURNING tenant_id"),
-        {"run": run_id, "boot": boot_id},
-    ).one_or_none()
-    if row is not None:
-        record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.released")
-    return row is not None
+    return session.execute(_RELEASE, {"run": run_id, "boot": boot_id}).one_or_none() is not None
 
 
 def finish_run(
@@ -185,10 +179,10 @@ def finish_run(
     error: dict | None = None,
 ) -> bool:
     """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
-    assert status in ("succeeded", "failed", "cancelled")
+    assert status in TERMINAL_STATUSES
     row = session.execute(_FINISH, {
         "run": run_id, "boot": boot_id, "status": status, "result": _json(result),
-        "error": _json(error), "failed": int(status == "failed"),
+        "error": _json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
     }).one_or_none()
     return row is not None
@@ -198,20 +192,9 @@ def schedule_retry(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
                    delay: float, error: dict) -> bool:
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
-        text(
-            "UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1, "
-            "error = CAST(:error AS jsonb), updated_at = now(), "
-            "not_before = now() + make_interval(secs => :delay) "
-            "WHERE id = :run AND status = 'running' AND claimed_by = :boot "
-            "RETURNING tenant_id, attempt"
-        ),
-        {"run": run_id, "boot": boot_id, "delay": delay, "error": _json(error)},
+        _RETRY, {"run": run_id, "boot": boot_id, "delay": delay, "error": _json(error)},
     ).one_or_none()
-    if row is None:
-        return False
-    record_event(session, tenant_id=row.tenant_id, run_id=run_id, event_type="run.retrying",
-                 attempt=row.attempt, delay=delay, error=error)
-    return True
+    return row is not None
 
 
 def _json(value: Any) -> str | None:

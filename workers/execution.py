@@ -15,6 +15,7 @@ from sqlalchemy.exc import DataError
 from app.config import libpq_url
 from app.enqueue import send_run
 from app.extensions import db
+from app.models import RunStatus
 
 from . import registry
 from .boots import current_boot, end_current_boot
@@ -127,19 +128,19 @@ def _run_claimed(claim: Claim, boot_id: uuid.UUID) -> None:
         _record_failure(ctx, row.failures, err)
         return
 
-    status = "cancelled" if ctx._cancelled else "succeeded"
+    status = RunStatus.CANCELLED if ctx._cancelled else RunStatus.SUCCEEDED
     try:
         finished = finish_run(session, run_id, boot_id, status=status, result=result)
     except DataError as err:
         # The result itself cannot be stored (jsonb refuses it): a workflow bug,
         # recorded as a failure instead of retried forever.
         session.rollback()
-        finished = finish_run(session, run_id, boot_id, status="failed", error={
+        finished = finish_run(session, run_id, boot_id, status=RunStatus.FAILED, error={
             "type": "poimen.ResultNotStorable",
             "message": f"the workflow's result could not be stored: {err.orig}",
             "traceback": "",
         })
-        status = "failed"
+        status = RunStatus.FAILED
     if finished:
         session.commit()
         log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
@@ -162,7 +163,7 @@ def _record_failure(ctx: RunContext, failures: int, err: Exception) -> None:
             send_run(current_app.extensions["celery"], ctx.run_id, workflow.ref,
                      countdown=delay)
             return
-    elif finish_run(session, ctx.run_id, ctx.boot_id, status="failed", error=error):
+    elif finish_run(session, ctx.run_id, ctx.boot_id, status=RunStatus.FAILED, error=error):
         session.commit()
         log.error("run %s: failed: %s: %s", ctx.run_id, error["type"], error["message"])
         return

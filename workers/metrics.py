@@ -11,13 +11,12 @@ import os
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import text
 
-from .boots import LIVE_BOOTS_SQL
+from app.extensions import db
+from app.liveness import live_boot_count
+from app.runs import status_counts
 
 log = logging.getLogger(__name__)
-
-_LIVE_BOOTS = text(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL}) AS live")
 
 
 class WorkerCollector:
@@ -28,19 +27,17 @@ class WorkerCollector:
         self.celery_app = celery_app
 
     def collect(self):
-        from app.extensions import db
-
         runs = GaugeMetricFamily("poimen_worker_runs", "Runs by status.", labels=["status"])
         boots = GaugeMetricFamily("poimen_worker_live_boots",
                                   "Worker boots holding their liveness lock.")
         depth = GaugeMetricFamily("poimen_worker_queue_depth",
                                   "Messages waiting in the Celery queue.", labels=["queue"])
         try:
-            with self.flask_app.app_context(), db.engine.connect() as conn:
-                for status, count in conn.execute(
-                        text("SELECT status, count(*) FROM runs GROUP BY status")):
+            with self.flask_app.app_context():
+                for status, count in status_counts(db.session).items():
                     runs.add_metric([status], count)
-                boots.add_metric([], conn.execute(_LIVE_BOOTS).scalar())
+                boots.add_metric([], live_boot_count(db.session))
+                db.session.remove()
             queue = self.celery_app.conf.task_default_queue
             with self.celery_app.connection_for_read() as connection:
                 client = connection.default_channel.client

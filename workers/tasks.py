@@ -1,33 +1,35 @@
-"""Celery tasks, declared with explicit, stable names (renaming code never orphans messages)."""
+"""Celery tasks, declared with the stable names of ``app.task_names``."""
 
 from __future__ import annotations
 
 import logging
 
+from celery import current_app as current_celery_app
 from celery import shared_task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 from flask import current_app
 
 from app.extensions import db
+from app.runs import redrive_stranded_runs
+from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 
 from .boots import current_boot, end_current_boot
 from .execution import boot_dsn, execute_run
-from .repair import repair_stranded_runs
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="runs.execute")
+@shared_task(name=EXECUTE_RUN)
 def execute(run_id: str) -> str:
     """Execute run ``run_id`` (claims make duplicate deliveries do nothing)."""
     return execute_run(run_id).outcome.value
 
 
-@shared_task(name="runs.repair")
+@shared_task(name=REPAIR_RUNS)
 def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
-    sent, _ = repair_stranded_runs(db.session, current_app.extensions["celery"],
-                                   min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+    sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
+                                    min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
     return sent
 
 
@@ -41,9 +43,7 @@ def _serve_metrics(sender=None, **_):
 @worker_process_init.connect
 def _register_boot(**_):
     # Each pool process is its own boot: if the process dies, so does its lock.
-    from workers import app as celery_app
-
-    flask_app = celery_app.flask_app
+    flask_app = current_celery_app.flask_app
     with flask_app.app_context():
         # Connections inherited across fork must not be shared with the parent.
         db.engine.dispose(close=False)

@@ -7,6 +7,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 import requests
 
@@ -15,15 +16,20 @@ def post_run(client, creds, **body):
     return client.post("/v1/runs", json=body, headers=creds.headers)
 
 
-def count_runs(pg, tenant_id=None, dispatch_key=None) -> int:
-    sql, params = "SELECT count(*) FROM runs WHERE true", []
+def count_runs(db, tenant_id=None, dispatch_key=None) -> int:
+    """Count runs through ``db``: a psycopg connection, or the test's ``db_session``."""
+    sql, params = "SELECT count(*) FROM runs WHERE true", {}
     if tenant_id is not None:
-        sql += " AND tenant_id = %s"
-        params.append(tenant_id)
+        sql += " AND tenant_id = %(tenant_id)s"
+        params["tenant_id"] = tenant_id
     if dispatch_key is not None:
-        sql += " AND dispatch_key = %s"
-        params.append(dispatch_key)
-    return pg.execute(sql, params).fetchone()[0]
+        sql += " AND dispatch_key = %(dispatch_key)s"
+        params["dispatch_key"] = dispatch_key
+    if isinstance(db, psycopg.Connection):
+        return db.execute(sql, params).fetchone()[0]
+    from sqlalchemy import text
+
+    return db.execute(text(sql.replace("%(", ":").replace(")s", "")), params).scalar_one()
 
 
 def queued_task_ids(redis_client, queue_name) -> list[str]:
@@ -37,7 +43,8 @@ def queued_task_ids(redis_client, queue_name) -> list[str]:
 
 # 1 and 2 -------------------------------------------------------------------------------------
 
-def test_first_spawn_creates_and_replay_returns_the_same_run(client, tenant, pg):
+def test_first_spawn_creates_and_replay_returns_the_same_run(client, tx_tenant, db_session):
+    tenant, pg = tx_tenant, db_session
     first = post_run(client, tenant, workflow_ref="echo", input={"n": 1}, dispatch_key="K")
     assert first.status_code == 201
     run_id = first.json["id"]
@@ -111,7 +118,8 @@ def test_concurrent_admission_calls_on_separate_connections_create_one_run(app, 
 
 # 4, 5, 6 ------------------------------------------------------------------------------------
 
-def test_no_key_means_every_call_is_a_new_run(client, tenant, pg):
+def test_no_key_means_every_call_is_a_new_run(client, tx_tenant, db_session):
+    tenant, pg = tx_tenant, db_session
     a = post_run(client, tenant, workflow_ref="echo", input={"same": 1})
     b = post_run(client, tenant, workflow_ref="echo", input={"same": 1})
     assert a.status_code == b.status_code == 201
@@ -124,8 +132,9 @@ def test_no_key_means_every_call_is_a_new_run(client, tenant, pg):
     [{"input": {"n": 2}}, {"workflow_ref": "echo@1"}, {"goal_id": "another-goal"}],
     ids=["input", "workflow_ref", "goal_id"],
 )
-def test_same_key_with_a_different_request_is_a_conflict_naming_the_run(client, tenant, pg,
-                                                                       change):
+def test_same_key_with_a_different_request_is_a_conflict_naming_the_run(client, tx_tenant,
+                                                                       db_session, change):
+    tenant, pg = tx_tenant, db_session
     original = {"workflow_ref": "echo", "input": {"n": 1}, "goal_id": "g", "dispatch_key": "K"}
     first = post_run(client, tenant, **original)
     assert first.status_code == 201
@@ -139,7 +148,8 @@ def test_same_key_with_a_different_request_is_a_conflict_naming_the_run(client, 
     assert count_runs(pg, tenant.id) == 1
 
 
-def test_same_key_under_two_tenants_is_two_runs(client, make_tenant, pg):
+def test_same_key_under_two_tenants_is_two_runs(client, db_session, make_tenant):
+    pg = db_session
     a, b = make_tenant(), make_tenant()
     ra = post_run(client, a, workflow_ref="echo", input={}, dispatch_key="shared")
     rb = post_run(client, b, workflow_ref="echo", input={}, dispatch_key="shared")
@@ -338,14 +348,16 @@ def test_origin_records_the_http_layer(client, tenant, pg):
     assert pg.execute("SELECT origin FROM runs WHERE id = %s", [run_id]).fetchone()[0] == "http"
 
 
-def test_pinned_version_is_the_newest_at_admission(client, tenant):
+def test_pinned_version_is_the_newest_at_admission(client, tx_tenant):
+    tenant = tx_tenant
     r = post_run(client, tenant, workflow_ref="versioned", input={})
     assert r.json["workflow"] == {"name": "versioned", "version": "10"}
     r = post_run(client, tenant, workflow_ref="versioned@2", input={})
     assert r.json["workflow"] == {"name": "versioned", "version": "2"}
 
 
-def test_uuid_run_ids_that_do_not_exist_are_404(client, tenant):
+def test_uuid_run_ids_that_do_not_exist_are_404(client, tx_tenant):
+    tenant = tx_tenant
     for run_id in (str(uuid.uuid4()), "not-a-uuid"):
         r = client.get(f"/v1/runs/{run_id}", headers=tenant.headers)
         assert r.status_code == 404

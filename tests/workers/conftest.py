@@ -55,23 +55,6 @@ def dead_boot(dsn):
 
 
 @pytest.fixture
-def admit(app, tenant):
-    """Admit a run (through the one admission function) and return its id."""
-    from app.admission import admit_run
-    from app.extensions import db
-
-    def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs) -> uuid.UUID:
-        with app.app_context():
-            admission = admit_run(db.session, tenant_id=tenant.id, workflow_ref=workflow_ref,
-                                  input=input or {}, **kwargs)
-            run_id = admission.run.id
-            db.session.commit()
-            return run_id
-
-    return make
-
-
-@pytest.fixture
 def side_effects(pg):
     """The table test workflows write one row per side effect into."""
     pg.execute("CREATE TABLE IF NOT EXISTS side_effects (id bigserial PRIMARY KEY, "

@@ -120,7 +120,7 @@ def test_kill_9_mid_run_is_resumed_by_another_worker(admit, side_effects, test_e
         "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
     assert events == ["run.admitted", "run.started", "run.resumed", "run.succeeded"]
     # Nothing is left running under a dead boot.
-    from workers.boots import LIVE_BOOTS_SQL
+    from app.liveness import LIVE_BOOTS_SQL
 
     stranded = pg.execute(
         f"SELECT count(*) FROM runs WHERE status = 'running' AND claimed_by NOT IN ({LIVE_BOOTS_SQL})"

@@ -1,0 +1,160 @@
+"""Runs: reading them, and every run transition that is not fenced by a claim.
+
+Admission (``admission.py``) creates runs; a worker's fenced transitions
+(claim, release, retry, finish) live in ``workers/claims.py``. Everything else
+that changes a run is here, so each transition has one statement and one home:
+
+* cancel: a queued run becomes ``cancelled``; a running one gets
+  ``cancel_requested`` and stops at its workflow's next checkpoint;
+* repair: re-sending runs whose Celery message may be lost.
+
+Views and CLI commands call these; they hold no SQL of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Row, and_, func, or_, select, text
+from sqlalchemy.orm import Session
+
+from .enqueue import send_run
+from .events import with_event
+from .liveness import LIVE_BOOTS_SQL
+from .models import Run, RunStatus, Tenant
+
+log = logging.getLogger(__name__)
+
+# One statement, so no interleaving can slip between "cancel if queued" and
+# "flag if running": a run that moves running -> queued (a retry, a release)
+# while we wait on its row lock is re-checked on its new version by Postgres
+# and cancelled outright.
+_CANCEL = with_event(
+    f"""
+    UPDATE runs
+       SET status = CASE WHEN status = '{RunStatus.QUEUED}' THEN '{RunStatus.CANCELLED}'
+                         ELSE status END,
+           finished_at = CASE WHEN status = '{RunStatus.QUEUED}' THEN now()
+                              ELSE finished_at END,
+           cancel_requested = true, updated_at = now()
+     WHERE id = :run AND tenant_id = :tenant
+       AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}')
+    """,
+    "*",
+    "'run.cancelled'",
+    only_if=f"status = '{RunStatus.CANCELLED}'",
+)
+
+# A delivery found a queued run whose cancellation was requested.
+_CANCEL_QUEUED = with_event(
+    f"""
+    UPDATE runs SET status = '{RunStatus.CANCELLED}', finished_at = now(), updated_at = now()
+     WHERE id = :run AND status = '{RunStatus.QUEUED}' AND cancel_requested
+    """,
+    "id, tenant_id",
+    "'run.cancelled'",
+)
+
+
+def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
+    """Cancel ``run_id`` (queued: at once; running: at its next checkpoint).
+
+    Return the changed row, or None when the run was already finished (then
+    there is nothing to cancel). The caller commits.
+    """
+    return session.execute(_CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
+
+
+def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
+    """End a queued run whose cancellation was requested; True if it was."""
+    return session.execute(_CANCEL_QUEUED, {"run": run_id}).one_or_none() is not None
+
+
+def get_run(session: Session, tenant_id: int, run_id: str) -> Run | None:
+    """Return ``tenant_id``'s run ``run_id`` (None for a malformed id or another tenant's)."""
+    try:
+        parsed = uuid.UUID(run_id)
+    except ValueError:
+        return None
+    run = session.get(Run, parsed)
+    return run if run is not None and run.tenant_id == tenant_id else None
+
+
+def find_run(session: Session, run_id: uuid.UUID) -> tuple[Run, str] | None:
+    """Return any tenant's run ``run_id`` and its tenant's name (for operators)."""
+    row = session.execute(
+        select(Run, Tenant.name).join(Tenant, Tenant.id == Run.tenant_id).where(Run.id == run_id)
+    ).one_or_none()
+    return (row[0], row[1]) if row else None
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    statuses: list[str] | None = None
+    goal_id: str | None = None
+    workflow_ref: str | None = None
+    dispatch_key: str | None = None
+    before: tuple[datetime, uuid.UUID] | None = None  # cursor: strictly older than this
+
+
+def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) -> list[Run]:
+    """Return up to ``limit`` of ``tenant_id``'s runs matching ``where``, newest first."""
+    query = select(Run).where(Run.tenant_id == tenant_id)
+    if where.statuses is not None:
+        query = query.where(Run.status.in_(where.statuses))
+    for name in ("goal_id", "workflow_ref", "dispatch_key"):
+        value = getattr(where, name)
+        if value is not None:
+            query = query.where(getattr(Run, name) == value)
+    if where.before is not None:
+        created, run_id = where.before
+        query = query.where(
+            or_(Run.created_at < created, and_(Run.created_at == created, Run.id < run_id))
+        )
+    return list(session.scalars(
+        query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
+    ))
+
+
+def status_counts(session: Session) -> dict[str, int]:
+    """Return how many runs are in each status (all tenants)."""
+    return dict(session.execute(select(Run.status, func.count()).group_by(Run.status)).all())
+
+
+_STRANDED = text(
+    f"""
+    SELECT r.id, r.workflow_name, r.workflow_version, r.status
+      FROM runs r
+     WHERE (r.status = '{RunStatus.QUEUED}'
+            AND r.updated_at <= now() - make_interval(secs => :min_age)
+            AND (r.not_before IS NULL OR r.not_before <= now()))
+        OR (r.status = '{RunStatus.RUNNING}'
+            AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL}))
+     ORDER BY r.updated_at
+     LIMIT :limit
+    """
+)
+
+
+def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
+                          limit: int | None = 1000) -> tuple[int, int]:
+    """Re-send queued runs older than ``min_age`` s and runs held by dead boots.
+
+    Re-sending is always safe (claims absorb duplicates), so repair only has
+    to find runs that might be stranded: queued runs nobody picked up, and
+    running runs whose boot is dead (decided by its lock, never by time).
+    Return ``(sent, found)``; ``limit=None`` means every stranded run.
+    """
+    rows = session.execute(_STRANDED, {"min_age": min_age, "limit": limit}).all()
+    session.rollback()
+    sent = 0
+    for row in rows:
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+    if rows:
+        dead = sum(1 for r in rows if r.status == RunStatus.RUNNING)
+        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots)", sent,
+                 len(rows) - dead, dead)
+    return sent, len(rows)

@@ -1,0 +1,99 @@
+"""Tenants and their API tokens: the domain writes behind the operator CLI.
+
+These raise ``TenantError`` subclasses; the CLI translates them into messages.
+"""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import func, select, update
+
+from .auth import hash_token, new_token
+from .extensions import db
+from .models import ApiToken, Tenant
+
+# Tenant names appear in topic names: lowercase, digits, '_' and '-'.
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class TenantError(ValueError):
+    """A tenant or token operation that cannot be done as asked."""
+
+
+class InvalidTenantName(TenantError):
+    pass
+
+
+class TenantExists(TenantError):
+    pass
+
+
+class UnknownTenant(TenantError):
+    pass
+
+
+class NoActiveToken(TenantError):
+    pass
+
+
+def find_tenant(name: str) -> Tenant:
+    """Return tenant ``name`` or raise ``UnknownTenant``."""
+    tenant = db.session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
+    if tenant is None:
+        raise UnknownTenant(f"no tenant named {name!r}")
+    return tenant
+
+
+def list_tenants() -> list[Tenant]:
+    return list(db.session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+def create_tenant(name: str, exist_ok: bool = False) -> Tenant:
+    """Create and commit tenant ``name`` (a lowercase, topic-safe name)."""
+    if not TENANT_NAME.match(name):
+        raise InvalidTenantName(
+            "tenant names are 1-63 chars of a-z, 0-9, '_' or '-' (they appear in topic names)"
+        )
+    existing = db.session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
+    if existing is not None:
+        if exist_ok:
+            return existing
+        raise TenantExists(f"tenant {name!r} already exists")
+    tenant = Tenant(name=name)
+    db.session.add(tenant)
+    db.session.commit()
+    return tenant
+
+
+def create_token(tenant: Tenant | None, service: bool, label: str | None = None,
+                 token: str | None = None) -> str:
+    """Create and commit a token; return it. Only its SHA-256 is stored."""
+    token = token or new_token()
+    db.session.add(ApiToken(tenant_id=tenant.id if tenant else None, is_service=service,
+                            label=label, token_hash=hash_token(token), prefix=token[:12]))
+    db.session.commit()
+    return token
+
+
+def revoke_token(token_or_prefix: str) -> int:
+    """Revoke the token given by itself or by its 12-character prefix; return how many."""
+    revoked = db.session.execute(
+        update(ApiToken)
+        .where((ApiToken.token_hash == hash_token(token_or_prefix))
+               | (ApiToken.prefix == token_or_prefix[:12]))
+        .where(ApiToken.revoked_at.is_(None))
+        .values(revoked_at=func.now())
+        .returning(ApiToken.id)
+    ).scalars().all()
+    db.session.commit()
+    if not revoked:
+        raise NoActiveToken("no active token matches")
+    return len(revoked)
+
+
+def token_registered(token: str) -> bool:
+    """Return whether ``token`` is known (revoked or not)."""
+    return db.session.execute(
+        select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
+    ).scalar_one_or_none() is not None
