@@ -5,13 +5,19 @@ admission, so every run it creates went through the same validation, auth and
 ``dispatch_key`` dedup as a request made with curl. It keeps no idempotency
 state of its own: a redelivered message is replayed at admission (200), not
 filtered here, because two dedup layers disagree exactly when things go wrong.
+A message without a ``dispatch_key`` is admitted under one derived from its
+place in the log (``kafka:<topic>:<partition>:<offset>``), so it too is one run
+under any redelivery.
 
 Offsets are committed per partition, in order, and only past messages that
-either the API accepted (2xx) or the dead-letter topic acknowledged. A message
-the API cannot take *now* (5xx, 429, timeouts, refused connections) is retried
-with capped, jittered exponential backoff while its partition is paused; it
-is never skipped. A message the API will never take (4xx, malformed) goes to
-``<prefix>.<tenant>.dispatch.dlq`` with the reason and its origin in headers.
+either the API admitted (a 200/201 whose body is a run) or the dead-letter
+topic acknowledged. Failures are of two kinds (``bridge.inbox_faults``): a
+*message fault* goes to ``<prefix>.<tenant>.dispatch.dlq`` with the reason and
+its origin in headers, at once, so no message can stall its partition; a
+*delivery fault* is retried with capped, jittered exponential backoff while its
+partition is paused, and is never skipped. An exception from the relay's own
+code is retried, and becomes a message fault on the third consecutive try on
+the same offset: a bug must not strand a partition.
 
 Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
 from the environment when it starts; see ``InboxConfig.from_env``.
@@ -20,7 +26,6 @@ from the environment when it starts; see ``InboxConfig.from_env``.
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import random
@@ -29,10 +34,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from importlib import metadata
 from typing import Any
 
@@ -49,17 +56,31 @@ from prometheus_client import (
 )
 from requests.adapters import HTTPAdapter
 
+from .inbox_faults import (
+    DETAIL_CHARS,
+    TENANT_NOT_FOUND,
+    Fault,
+    FaultKind,
+    MessageFault,
+    response_fault,
+    run_request_body,
+)
 from .kafka import client_settings, describe
 from .topics import dead_letter_topic, ensure_topics, topic_prefix
 
 log = logging.getLogger("poimen.inbox")
 
-RUN_FIELDS = ("workflow_ref", "input", "goal_id", "dispatch_key")
-# 401/403 mean the relay's own token is wrong or revoked, and 408 is a timeout:
-# none says anything about the message, so dead-lettering the whole stream
-# while an operator fixes a token would be the wrong failure.
-RETRY_STATUSES = frozenset({401, 403, 408, 429})
-BODY_EXCERPT = 1000
+# Our own code raising on one message this many times in a row makes it a message
+# fault: a bug then costs one dead-lettered message, not a stalled partition.
+INTERNAL_ERROR_TRIES = 3
+TRACEBACK_CHARS = 2000
+# librdkafka's default message.max.bytes: the largest record the DLQ producer sends.
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
+# Room left for the record's framing when a dead letter is fitted under that limit.
+DLQ_RECORD_OVERHEAD = 512
+# Dead-letter writes refused for size are retried this many times, at half the size each.
+DLQ_SIZE_TRIES = 4
+SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 
 
 def _version() -> str:
@@ -74,15 +95,18 @@ USER_AGENT = f"poimen-inbox/{_version()}"
 
 @dataclass(frozen=True)
 class InboxConfig:
-    """The relay's settings; ``from_env`` documents the variable behind each."""
+    """The relay's settings and their defaults, the only place defaults are written.
+
+    ``SETTINGS`` names the environment variable behind each field.
+    """
 
     api_url: str
     api_token: str
     kafka: Mapping[str, str]
     prefix: str = "poimen"
     group: str = "poimen-inbox"
-    concurrency: int = 8
-    partition_window: int = 1
+    concurrency: int = 8              # parallel partitions, and so HTTP sessions (one per thread)
+    partition_window: int = 1         # calls in flight per partition; 1 is strict order
     http_timeout: float = 15.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
@@ -94,6 +118,11 @@ class InboxConfig:
     lag_interval: float = 5.0
     progress_interval: float = 30.0
     commit_interval: float = 0.2
+    shutdown_grace: float = 25.0      # Heroku sends SIGKILL 30 s after SIGTERM
+    # Test only: a message whose value contains these bytes makes the relay's own
+    # code raise, to prove that a bug cannot strand a partition. Never set it in
+    # production; empty (the default) disables the check.
+    test_raise_on: bytes = b""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InboxConfig:
@@ -103,32 +132,44 @@ class InboxConfig:
         if missing:
             raise SystemExit(f"{' and '.join(missing)} must be set: the inbox POSTs runs to the "
                              "API with a service token (flask --app app tokens create --service)")
-        metrics_port = env.get("METRICS_PORT") or env.get("PORT") or "9101"
-        return cls(
-            api_url=env["POIMEN_API_URL"].rstrip("/"),
-            api_token=env["POIMEN_API_TOKEN"],
-            kafka=client_settings(env),
-            prefix=topic_prefix(env),
-            group=env.get("POIMEN_INBOX_GROUP") or "poimen-inbox",
-            # Parallel partitions, and so HTTP sessions (one per thread).
-            concurrency=int(env.get("POIMEN_INBOX_CONCURRENCY", "8")),
-            # Calls in flight per partition; 1 admits each partition strictly in order.
-            partition_window=int(env.get("POIMEN_INBOX_PARTITION_WINDOW", "1")),
-            http_timeout=float(env.get("POIMEN_INBOX_HTTP_TIMEOUT", "15")),
-            backoff_initial=float(env.get("POIMEN_INBOX_BACKOFF_INITIAL", "0.5")),
-            backoff_max=float(env.get("POIMEN_INBOX_BACKOFF_MAX", "30")),
-            max_buffered=int(env.get("POIMEN_INBOX_MAX_BUFFERED", "1000")),
-            metadata_refresh_ms=int(env.get("POIMEN_INBOX_METADATA_REFRESH_MS", "2000")),
-            session_timeout_ms=int(env.get("POIMEN_INBOX_SESSION_TIMEOUT_MS", "10000")),
-            dlq_partitions=int(env.get("POIMEN_INBOX_DLQ_PARTITIONS", "1")),
-            metrics_port=int(metrics_port),
-            lag_interval=float(env.get("POIMEN_INBOX_LAG_INTERVAL", "5")),
-            progress_interval=float(env.get("POIMEN_INBOX_PROGRESS_INTERVAL", "30")),
-        )
+        defaults = {f.name: f.default for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, variable in SETTINGS.items():
+            raw = env.get(variable, "").strip()
+            if not raw:
+                continue
+            kind = type(defaults[name])
+            try:
+                values[name] = raw.encode() if kind is bytes else kind(raw)
+            except ValueError:
+                raise SystemExit(f"{variable}={raw!r} is not a valid {kind.__name__}") from None
+        if "metrics_port" not in values and env.get("PORT"):
+            values["metrics_port"] = int(env["PORT"])
+        return cls(api_url=env["POIMEN_API_URL"].rstrip("/"), api_token=env["POIMEN_API_TOKEN"],
+                   kafka=client_settings(env), prefix=topic_prefix(env), **values)
 
     @property
     def subscription(self) -> str:
         return rf"^{re.escape(self.prefix)}\..+\.dispatch$"
+
+
+SETTINGS = {
+    "group": "POIMEN_INBOX_GROUP",
+    "concurrency": "POIMEN_INBOX_CONCURRENCY",
+    "partition_window": "POIMEN_INBOX_PARTITION_WINDOW",
+    "http_timeout": "POIMEN_INBOX_HTTP_TIMEOUT",
+    "backoff_initial": "POIMEN_INBOX_BACKOFF_INITIAL",
+    "backoff_max": "POIMEN_INBOX_BACKOFF_MAX",
+    "max_buffered": "POIMEN_INBOX_MAX_BUFFERED",
+    "metadata_refresh_ms": "POIMEN_INBOX_METADATA_REFRESH_MS",
+    "session_timeout_ms": "POIMEN_INBOX_SESSION_TIMEOUT_MS",
+    "dlq_partitions": "POIMEN_INBOX_DLQ_PARTITIONS",
+    "metrics_port": "METRICS_PORT",  # else PORT
+    "lag_interval": "POIMEN_INBOX_LAG_INTERVAL",
+    "progress_interval": "POIMEN_INBOX_PROGRESS_INTERVAL",
+    "shutdown_grace": "POIMEN_SHUTDOWN_GRACE",
+    "test_raise_on": "POIMEN_INBOX_TEST_RAISE_ON",
+}
 
 
 class InboxMetrics:
@@ -156,45 +197,44 @@ class InboxMetrics:
                                      registry=r)
         self.assigned = Gauge("poimen_inbox_assigned_partitions",
                               "Dispatch partitions assigned to this relay.", registry=r)
+        self.derived_keys = Counter(
+            "poimen_inbox_derived_keys_total",
+            "Messages without a dispatch_key admitted under kafka:<topic>:<partition>:<offset>.",
+            registry=r)
+        self.internal_errors = Counter("poimen_inbox_internal_errors_total",
+                                       "Exceptions raised by the relay's own code on a message.",
+                                       registry=r)
+        self.dlq_in_flight = Gauge("poimen_inbox_dlq_writes_in_flight",
+                                   "Dead-letter writes waiting for the broker's acknowledgement.",
+                                   registry=r)
+        self.dlq_truncated = Counter("poimen_inbox_dlq_truncated_total",
+                                     "Dead letters cut to fit the producer's message size limit.",
+                                     registry=r)
+
+
+class OutcomeKind(StrEnum):
+    """What became of one delivery of a message."""
+
+    ADMITTED = "admitted"            # 201: a new run
+    REPLAYED = "replayed"            # 200: admission recognised the dispatch_key
+    DEAD_LETTERED = "dead_lettered"  # a message fault, acknowledged by the dead-letter topic
+    RETRY = "retry"                  # a delivery fault (or our own error, tries 1 and 2)
 
 
 @dataclass
 class Outcome:
-    """What became of one message: admitted, replayed, dead_lettered, or retry."""
+    """What became of one delivery of a message, and why."""
 
-    kind: str
+    kind: OutcomeKind
     reason: str = ""
     status: int | None = None
     detail: str = ""
+    derived_key: bool = False  # admitted under kafka:<topic>:<partition>:<offset>
 
-
-class BadMessage(ValueError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-def run_request(value: bytes | None) -> dict[str, Any]:
-    """Return the ``POST /v1/runs`` body for a dispatch message, or raise ``BadMessage``.
-
-    Only the fields of a run request are copied, verbatim; the API validates the
-    rest (``input`` type, lengths, the workflow's existence).
-    """
-    if value is None:
-        raise BadMessage("invalid_json", "the message has no value")
-    try:
-        body = json.loads(value)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise BadMessage("invalid_json", f"not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise BadMessage("not_an_object", f"a JSON {type(body).__name__}, not an object")
-    if "workflow_ref" not in body:
-        raise BadMessage("missing_workflow_ref", "no workflow_ref")
-    if not isinstance(body["workflow_ref"], str):
-        raise BadMessage("invalid_workflow_ref", "workflow_ref is not a string")
-    if "dispatch_key" in body and not isinstance(body["dispatch_key"], str):
-        raise BadMessage("invalid_dispatch_key", "dispatch_key is not a string")
-    return {name: body[name] for name in RUN_FIELDS if name in body}
+    @property
+    def done(self) -> bool:
+        """Whether the message is finished with, so its offset may be committed."""
+        return self.kind is not OutcomeKind.RETRY
 
 
 def backoff_delay(attempt: int, initial: float, cap: float) -> float:
@@ -211,15 +251,41 @@ def _where(msg: Message) -> str:
     return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
 
 
+def traceback_summary(err: BaseException, frames: int = 5) -> str:
+    """Return the exception and its innermost frames on a few lines, for a DLQ header."""
+    tb = traceback.TracebackException.from_exception(err)
+    lines = [f"{f.filename}:{f.lineno} in {f.name}" for f in list(tb.stack)[-frames:]]
+    lines.append("".join(tb.format_exception_only()).strip())
+    return "\n".join(lines)[-TRACEBACK_CHARS:]
+
+
+class SlotState(StrEnum):
+    """Where one fetched message is: queued -> running -> done, or -> failed -> running ..."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # its last delivery is to be retried
+
+
 @dataclass
 class Slot:
     message: Message
-    state: str = "queued"  # queued -> running -> done, or -> failed -> running ...
+    state: SlotState = SlotState.QUEUED
+    # Consecutive exceptions from our own code on this offset. Only the drain task
+    # holding the slot (state RUNNING) touches it.
+    internal_errors: int = 0
 
 
 @dataclass
 class PartitionWork:
-    """The fetched, not yet committed messages of one partition, in offset order."""
+    """The fetched, not yet committed messages of one partition, in offset order.
+
+    Every field is guarded by ``Inbox._lock`` (the relay's one lock; ``Inbox._changed``
+    is a condition on it): the consumer thread appends and pauses, drain tasks take
+    and settle, rebalance callbacks close. The class takes no lock of its own and
+    reads no clock, so its rules are tested without threads or a broker.
+    """
 
     topic: str
     partition: int
@@ -255,33 +321,105 @@ class PartitionWork:
         self.waiting += 1
 
     def take(self, now: float, window: int) -> Slot | None:
+        """Return the first message to deliver now, marked running, or None."""
         if self.closing or now < self.retry_at or self.in_flight >= window:
             return None
         for slot in self.slots:
-            if slot.state in ("queued", "failed"):
-                if slot.state == "failed":
+            if slot.state in (SlotState.QUEUED, SlotState.FAILED):
+                if slot.state is SlotState.FAILED:
                     self.failed -= 1
-                slot.state = "running"
+                slot.state = SlotState.RUNNING
                 self.waiting -= 1
                 self.in_flight += 1
                 return slot
         return None
 
-    def settle(self, slot: Slot, outcome: Outcome, retry_delay: float) -> None:
+    def settle(self, slot: Slot, outcome: Outcome, now: float, retry_delay: float = 0.0) -> None:
+        """Record a delivery's outcome; a retry holds the whole partition for ``retry_delay``."""
         self.in_flight -= 1
-        if outcome.kind == "retry":
-            slot.state = "failed"
+        if not outcome.done:
+            slot.state = SlotState.FAILED
             self.failed += 1
             self.waiting += 1
             self.attempts += 1
-            self.retry_at = time.monotonic() + retry_delay
+            self.retry_at = now + retry_delay
             return
-        slot.state = "done"
+        slot.state = SlotState.DONE
         if self.in_flight == 0 and self.failed == 0:
             self.attempts = 0
         # In-order commit: only the prefix of done messages moves the offset.
-        while self.slots and self.slots[0].state == "done":
+        while self.slots and self.slots[0].state is SlotState.DONE:
             self.commit_offset = self.slots.popleft().message.offset() + 1
+
+    def should_pause(self, max_buffered: int) -> bool:
+        """Whether to stop fetching: a message is failing, or the backlog is full.
+
+        Fetching more while a message fails would only pile up work that cannot go
+        anywhere; other partitions are not affected.
+        """
+        return not self.paused and (self.failing or len(self.slots) >= max_buffered)
+
+    def should_resume(self, max_buffered: int) -> bool:
+        return self.paused and not self.failing and len(self.slots) <= max_buffered // 2
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A dead-letter record, fitted under the producer's size limit."""
+
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    truncated: tuple[str, ...] = ()  # what was cut to fit: "value", "key", "headers"
+
+
+def _headers_size(headers: Iterable[tuple[str, bytes | None]]) -> int:
+    # Name, value and generous varint framing per header.
+    return sum(len(k.encode()) + len(v or b"") + 10 for k, v in headers)
+
+
+def dead_letter_record(*, key: bytes | None, value: bytes | None,
+                       headers: list[tuple[str, bytes]] | None, topic: str, partition: int,
+                       offset: int, reason: str, status: int | None = None, detail: str = "",
+                       extra_headers: Iterable[tuple[str, bytes]] = (),
+                       limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> DeadLetter:
+    """Return the dead letter of a message: the original plus ``poimen.dlq.*`` headers.
+
+    It always fits under ``limit`` bytes: a message that is malformed *because*
+    it is large must still be dead-lettered, or it stalls its partition. The
+    value is cut first, then the key, then the producer's own headers; the
+    ``poimen.dlq.*`` headers (reason, origin) are always kept, and a cut record
+    says so in ``poimen.dlq.truncated`` and ``poimen.dlq.original.size``.
+    """
+    own = [
+        ("poimen.dlq.reason", reason.encode()),
+        ("poimen.dlq.http.status", str(status or "").encode()),
+        ("poimen.dlq.detail", detail[:DETAIL_CHARS].encode("utf-8", "replace")),
+        ("poimen.dlq.origin.topic", topic.encode()),
+        ("poimen.dlq.origin.partition", str(partition).encode()),
+        ("poimen.dlq.origin.offset", str(offset).encode()),
+        *extra_headers,
+    ]
+    kept = list(headers or [])
+    original_size = len(value or b"")
+    # Reserve room for the two headers a cut record gets.
+    room = limit - DLQ_RECORD_OVERHEAD - _headers_size(own) - 80
+    over = len(value or b"") + len(key or b"") + _headers_size(kept) - room
+    cut: list[str] = []
+    if over > 0 and value:
+        keep = max(len(value) - over, 0)
+        over -= len(value) - keep
+        value, cut = value[:keep], [*cut, "value"]
+    if over > 0 and key:
+        keep = max(len(key) - over, 0)
+        over -= len(key) - keep
+        key, cut = key[:keep], [*cut, "key"]
+    if over > 0 and kept:
+        kept, cut = [], [*cut, "headers"]
+    if cut:
+        own += [("poimen.dlq.truncated", ",".join(cut).encode()),
+                ("poimen.dlq.original.size", str(original_size).encode())]
+    return DeadLetter(key, value, kept + own, tuple(cut))
 
 
 class Inbox:
@@ -293,7 +431,9 @@ class Inbox:
         self._topic = re.compile(rf"^{re.escape(config.prefix)}\.(.+)\.dispatch$")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._stop = threading.Event()
+        self._stop = threading.Event()    # stop consuming; set by SIGTERM
+        self._closed = threading.Event()  # in-flight work is over: stop the helper threads
+        self._deadline: float | None = None  # monotonic: when shutdown must be complete
         self._works: dict[tuple[str, int], PartitionWork] = {}
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="inbox-http")
@@ -305,12 +445,21 @@ class Inbox:
         self._producer: Producer | None = None
         self._admin: AdminClient | None = None
         self._dlq_ack_timeout = 60.0
+        self._dlq_max_bytes = DEFAULT_MAX_MESSAGE_BYTES
+        self.abandoned = 0  # calls still in flight when the shutdown grace ran out
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def stop(self, *_: Any) -> None:
-        """Ask the relay to finish in-flight calls, commit and leave the group."""
+        """Ask the relay to finish in-flight calls, commit and leave the group, within the grace."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.config.shutdown_grace
         self._stop.set()
+
+    @property
+    def _reserve(self) -> float:
+        """Seconds of the shutdown grace kept for flushing, committing and leaving the group."""
+        return min(5.0, self.config.shutdown_grace / 4)
 
     def run(self) -> None:
         """Consume until ``stop``; then finish in-flight calls, commit and close."""
@@ -332,11 +481,11 @@ class Inbox:
         # A dead-letter write that cannot be acknowledged within message.timeout.ms
         # fails and is retried like an API outage; the default (5 min) would hold a
         # worker through a whole broker restart.
-        self._producer = Producer({"message.timeout.ms": 30000, **kafka,
-                                   "client.id": "poimen-inbox-dlq", "acks": "all",
-                                   "linger.ms": 5})
+        self._producer = Producer({"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
+                                   "client.id": "poimen-inbox-dlq", "acks": "all"})
         self._admin = AdminClient(kafka)
         self._dlq_ack_timeout = int(kafka.get("message.timeout.ms", 30000)) / 1000 + 10
+        self._dlq_max_bytes = int(kafka.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES))
         log.info("inbox %s: group %s, topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
                  cfg.group, cfg.subscription, cfg.api_url, cfg.concurrency, describe(kafka))
         helpers = [threading.Thread(target=self._serve_producer, name="inbox-dlq", daemon=True),
@@ -370,21 +519,53 @@ class Inbox:
                 last_progress = now
 
     def _shutdown(self, helpers: list[threading.Thread]) -> None:
-        log.info("stopping: finishing in-flight calls, then committing and leaving the group")
+        """Stop within the grace: finish in-flight calls, flush, commit, leave the group.
+
+        The order matters. The producer's poll thread keeps serving acknowledgements
+        until every in-flight call is over: a dead-letter write waiting for its ack
+        while nothing polls would wait out its whole timeout and overrun the grace
+        (and be written twice after the restart, its offset never committed).
+        """
+        self.stop()  # sets the deadline if the loop ended on its own (a fatal error)
+        log.info("stopping: finishing in-flight calls, then committing and leaving the group "
+                 "(%.0fs grace)", self.config.shutdown_grace)
         with self._changed:
             for work in self._works.values():
                 work.closing = True
             self._changed.wait_for(lambda: all(w.tasks == 0 for w in self._works.values()),
-                                   timeout=self.config.http_timeout + 35)
+                                   timeout=self._left(self._reserve))
+            busy = sum(w.tasks for w in self._works.values())
+        if busy:
+            log.warning("shutdown grace running out: %d call(s) still in flight are abandoned; "
+                        "their messages are not committed and will be redelivered", busy)
+        self.abandoned = busy
+        unsent = self._producer.flush(self._left(self._reserve / 2))
+        if unsent:
+            log.warning("%d dead-letter write(s) not acknowledged before shutdown", unsent)
         self._commit(asynchronous=False, again=True)
-        self._stop.set()
+        self._closed.set()
         for thread in helpers:
-            thread.join(10)
+            thread.join(self._left(1.0))
         self._consumer.close()  # leaves the group, so its partitions move at once
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._producer.flush(10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._log_progress()
         log.info("stopped")
+
+    def _left(self, reserve: float = 0.0) -> float:
+        """Seconds until the shutdown deadline less ``reserve``, at least 0; inf if none."""
+        if self._deadline is None:
+            return float("inf")
+        return max(0.0, self._deadline - reserve - time.monotonic())
+
+    def _wait(self, event: threading.Event, timeout: float) -> bool:
+        """Wait for ``event`` up to ``timeout``, but never past the shutdown reserve."""
+        end = time.monotonic() + timeout
+        while not event.is_set():
+            left = min(end - time.monotonic(), self._left(self._reserve))
+            if left <= 0:
+                break
+            event.wait(min(left, 0.2))
+        return event.is_set()
 
     # -- rebalancing -------------------------------------------------------------------------
 
@@ -424,8 +605,11 @@ class Inbox:
             works = [w for k, w in self._works.items() if k in keys]
             for work in works:
                 work.closing = True
+            # A call or a dead-letter write in flight ends within its own timeout;
+            # during shutdown, within the grace.
             self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
-                                   timeout=self.config.http_timeout + 35)
+                                   timeout=min(self.config.http_timeout + 35,
+                                               self._left(self._reserve / 2)))
         if commit:
             self._commit(asynchronous=False, only=keys, again=True)
         with self._lock:
@@ -462,13 +646,10 @@ class Inbox:
                         work.tasks += 1
                         unclaimed += 1
                         self._pool.submit(self._drain, work)
-                # Pause while a message fails (fetching more would only pile up
-                # work that cannot go anywhere) or while the backlog is full.
-                buffered = len(work.slots)
-                if not work.paused and (work.failing or buffered >= self.config.max_buffered):
+                if work.should_pause(self.config.max_buffered):
                     work.paused = True
                     pause.append(work.tp)
-                elif work.paused and not work.failing and buffered <= self.config.max_buffered // 2:
+                elif work.should_resume(self.config.max_buffered):
                     work.paused = False
                     resume.append(work.tp)
         if pause:
@@ -488,42 +669,67 @@ class Inbox:
                         return
                 try:
                     outcome = self.deliver(slot.message, work.tenant)
+                    slot.internal_errors = 0
                 except Exception as err:  # noqa: BLE001 - a bug must not strand the partition
-                    log.exception("unexpected error delivering %s", _where(slot.message))
-                    outcome = Outcome("retry", "internal_error", detail=repr(err))
+                    outcome = self._internal_error(slot, work.tenant, err)
                 delay = 0.0
                 with self._lock:
-                    if outcome.kind == "retry":
+                    if not outcome.done:
                         delay = backoff_delay(work.attempts + 1, self.config.backoff_initial,
                                               self.config.backoff_max)
-                    work.settle(slot, outcome, delay)
+                    work.settle(slot, outcome, time.monotonic(), delay)
                     attempt = work.attempts
-                self._record(slot.message, outcome, delay, attempt)
+                self._record(slot.message, work.tenant, outcome, delay, attempt)
         except BaseException:
             with self._lock:
                 work.tasks -= 1
                 self._changed.notify_all()
             raise
 
-    def _record(self, msg: Message, outcome: Outcome, delay: float, attempt: int) -> None:
+    def _internal_error(self, slot: Slot, tenant: str, err: Exception) -> Outcome:
+        """Retry a message our own code raised on; dead-letter it on the third try in a row."""
+        msg = slot.message
+        slot.internal_errors += 1
+        self.metrics.internal_errors.inc()
+        summary = traceback_summary(err)
+        log.error("our own error on %s (try %d of %d)", _where(msg), slot.internal_errors,
+                  INTERNAL_ERROR_TRIES, exc_info=err)
+        if slot.internal_errors < INTERNAL_ERROR_TRIES:
+            return Outcome(OutcomeKind.RETRY, "internal_error", detail=repr(err))
+        try:
+            return self.dead_letter(msg, tenant, "internal_error", detail=repr(err),
+                                    extra_headers=[("poimen.dlq.traceback",
+                                                    summary.encode("utf-8", "replace"))])
+        except Exception:  # noqa: BLE001 - the dead-letter path itself is broken: keep the message
+            log.exception("could not dead-letter %s after our own errors", _where(msg))
+            return Outcome(OutcomeKind.RETRY, "internal_error", detail=repr(err))
+
+    def _record(self, msg: Message, tenant: str, outcome: Outcome, delay: float,
+                attempt: int) -> None:
         m = self.metrics
+        kind = outcome.kind
         with self._lock:
-            if outcome.kind in self._counts:
-                self._counts[outcome.kind] += 1
-            elif outcome.kind == "retry":
-                self._counts["retries"] += 1
-        if outcome.kind == "admitted":
+            self._counts["retries" if kind is OutcomeKind.RETRY else kind.value] += 1
+        if kind is OutcomeKind.ADMITTED:
             m.admitted.inc()
-        elif outcome.kind == "replayed":
+        elif kind is OutcomeKind.REPLAYED:
             m.replayed.inc()
-        elif outcome.kind == "dead_lettered":
+        elif kind is OutcomeKind.DEAD_LETTERED:
             m.dead_lettered.labels(outcome.reason).inc()
-            log.warning("dead-lettered %s: reason=%s status=%s %s", _where(msg), outcome.reason,
-                        outcome.status or "-", outcome.detail)
-        elif outcome.kind == "retry":
+            log.warning("dead-lettered %s (message fault): reason=%s status=%s %s", _where(msg),
+                        outcome.reason, outcome.status or "-", outcome.detail)
+        else:
             m.retries.labels(outcome.reason).inc()
-            log.warning("retrying %s in %.1fs (attempt %d, partition paused): %s %s",
-                        _where(msg), delay, attempt, outcome.reason, outcome.detail)
+            if outcome.reason == TENANT_NOT_FOUND:
+                log.warning("tenant %r does not exist (yet): %s waits for it, retrying in %.1fs "
+                            "(attempt %d, partition paused); create the tenant, or delete %s",
+                            tenant, _where(msg), delay, attempt, msg.topic())
+            else:
+                log.warning("retrying %s in %.1fs (attempt %d, partition paused): %s %s %s",
+                            _where(msg), delay, attempt, outcome.reason, outcome.status or "",
+                            outcome.detail)
+        if outcome.derived_key and kind in (OutcomeKind.ADMITTED, OutcomeKind.REPLAYED):
+            m.derived_keys.inc()
 
     # -- delivery ----------------------------------------------------------------------------
 
@@ -543,48 +749,81 @@ class Inbox:
         return session
 
     def deliver(self, msg: Message, tenant: str) -> Outcome:
-        """POST one message as a run request; dead-letter it if it can never be admitted."""
+        """POST one message as a run request; dead-letter it on a message fault.
+
+        Nothing is raised for a fault of the message or of the delivery: the outcome
+        says which. An exception from here is a bug in the relay (see ``_drain``).
+        """
+        value = msg.value()
+        if self.config.test_raise_on and self.config.test_raise_on in (value or b""):
+            raise RuntimeError("injected by POIMEN_INBOX_TEST_RAISE_ON (a test-only setting)")
         try:
-            body = run_request(msg.value())
-        except BadMessage as bad:
-            return self.dead_letter(msg, tenant, bad.reason, detail=str(bad))
+            body, derived = run_request_body(value, msg.topic(), msg.partition(), msg.offset())
+        except MessageFault as bad:
+            return self._fault(msg, tenant, bad.fault)
         started = time.monotonic()
         try:
             response = self._session().post(
                 f"{self.config.api_url}/v1/runs",
-                data=json.dumps(body, separators=(",", ":")).encode(),
+                data=body,
                 headers={"X-Poimen-Tenant": tenant},
                 timeout=(5.0, self.config.http_timeout),
+                # A followed 301/302 turns the POST into a GET of /v1/runs, whose
+                # 200 looked like a replay: the message was committed and lost.
+                allow_redirects=False,
             )
+            content = response.content
         except requests.Timeout as err:
-            return Outcome("retry", "timeout", detail=str(err))
+            return Outcome(OutcomeKind.RETRY, "timeout", detail=str(err))
         except requests.RequestException as err:
-            return Outcome("retry", "connection", detail=str(err))
+            return Outcome(OutcomeKind.RETRY, "connection", detail=str(err))
         finally:
             self.metrics.api_latency.observe(time.monotonic() - started)
         status = response.status_code
-        if status == 201:
-            return Outcome("admitted", status=status)
-        if 200 <= status < 300:
-            return Outcome("replayed", status=status)
-        excerpt = response.text[:BODY_EXCERPT]
-        if status >= 500 or status in RETRY_STATUSES:
-            return Outcome("retry", f"http_{status}", status, excerpt)
-        return self.dead_letter(msg, tenant, f"http_{status}", status=status, detail=excerpt)
+        fault = response_fault(status, response.headers.get("Content-Type", ""), content,
+                               response.headers.get("Location"))
+        if fault is None:
+            kind = OutcomeKind.ADMITTED if status == 201 else OutcomeKind.REPLAYED
+            return Outcome(kind, status=status, derived_key=derived)
+        return self._fault(msg, tenant, fault)
+
+    def _fault(self, msg: Message, tenant: str, fault: Fault) -> Outcome:
+        if fault.kind is FaultKind.MESSAGE:
+            return self.dead_letter(msg, tenant, fault.reason, fault.status, fault.detail)
+        return Outcome(OutcomeKind.RETRY, fault.reason, fault.status, fault.detail)
 
     def dead_letter(self, msg: Message, tenant: str, reason: str, status: int | None = None,
-                    detail: str = "") -> Outcome:
-        """Write ``msg`` (key, value, headers kept) to its tenant's DLQ and wait for the ack."""
+                    detail: str = "",
+                    extra_headers: Iterable[tuple[str, bytes]] = ()) -> Outcome:
+        """Write ``msg`` to its tenant's DLQ (key, value, headers kept) and wait for the ack.
+
+        A record over the producer's size limit is cut to fit (``dead_letter_record``);
+        if the broker still refuses it as too large, it is cut to half and sent again.
+        A write that fails otherwise is a delivery fault: the message is retried.
+        """
         topic = dead_letter_topic(self.config.prefix, tenant)
         self._ensure_dead_letter_topic(topic)
-        headers = list(msg.headers() or []) + [
-            ("poimen.dlq.reason", reason.encode()),
-            ("poimen.dlq.http.status", str(status or "").encode()),
-            ("poimen.dlq.detail", detail[:BODY_EXCERPT].encode("utf-8", "replace")),
-            ("poimen.dlq.origin.topic", msg.topic().encode()),
-            ("poimen.dlq.origin.partition", str(msg.partition()).encode()),
-            ("poimen.dlq.origin.offset", str(msg.offset()).encode()),
-        ]
+        limit = self._dlq_max_bytes
+        error: KafkaError | str = ""
+        with self.metrics.dlq_in_flight.track_inprogress():
+            for _ in range(DLQ_SIZE_TRIES):
+                record = dead_letter_record(
+                    key=msg.key(), value=msg.value(), headers=msg.headers(), topic=msg.topic(),
+                    partition=msg.partition(), offset=msg.offset(), reason=reason, status=status,
+                    detail=detail, extra_headers=extra_headers, limit=limit)
+                error = self._produce(topic, record)
+                if not error:
+                    if record.truncated:
+                        self.metrics.dlq_truncated.inc()
+                        detail = f"{detail} (dead letter cut to fit: {', '.join(record.truncated)})"
+                    return Outcome(OutcomeKind.DEAD_LETTERED, reason, status, detail)
+                if not (isinstance(error, KafkaError) and error.code() in SIZE_ERRORS):
+                    break
+                limit //= 2
+        return Outcome(OutcomeKind.RETRY, "dlq_write_failed", detail=f"{topic}: {error}")
+
+    def _produce(self, topic: str, record: DeadLetter) -> KafkaError | str:
+        """Send one record and wait for the broker's acknowledgement; return the error, if any."""
         acked = threading.Event()
         failure: list[KafkaError] = []
 
@@ -593,18 +832,22 @@ class Inbox:
                 failure.append(err)
             acked.set()
 
+        end = time.monotonic() + self._dlq_ack_timeout
         while True:
             try:
-                self._producer.produce(topic, value=msg.value(), key=msg.key(), headers=headers,
-                                       on_delivery=delivered)
+                self._producer.produce(topic, value=record.value, key=record.key,
+                                       headers=record.headers, on_delivery=delivered)
                 break
-            except BufferError:
+            except BufferError:  # the producer's queue is full: wait for room
+                if time.monotonic() > end or self._left(self._reserve) == 0:
+                    return "the producer's queue stayed full"
                 time.sleep(0.05)
+            except KafkaException as err:  # refused before sending, e.g. too large
+                return err.args[0]
         # The producer's message.timeout.ms bounds the wait; this is a backstop.
-        if not acked.wait(self._dlq_ack_timeout) or failure:
-            error = failure[0] if failure else "no acknowledgement"
-            return Outcome("retry", "dlq_write_failed", detail=f"{topic}: {error}")
-        return Outcome("dead_lettered", reason, status, detail)
+        if not self._wait(acked, self._dlq_ack_timeout):
+            return "no acknowledgement"
+        return failure[0] if failure else ""
 
     def _ensure_dead_letter_topic(self, topic: str) -> None:
         with self._dlq_lock:
@@ -620,7 +863,8 @@ class Inbox:
             self._dlq_ready.add(topic)
 
     def _serve_producer(self) -> None:
-        while not self._stop.is_set():
+        # Until in-flight work is over, not merely until SIGTERM: see ``_shutdown``.
+        while not self._closed.is_set():
             self._producer.poll(0.2)
 
     # -- offsets, lag, logs ------------------------------------------------------------------
@@ -669,7 +913,7 @@ class Inbox:
         observer = Consumer({**self.config.kafka, "group.id": self.config.group,
                              "client.id": "poimen-inbox-lag", "enable.auto.commit": False})
         try:
-            while not self._stop.wait(self.config.lag_interval):
+            while not self._closed.wait(self.config.lag_interval):
                 self._measure_lag(observer)
         finally:
             observer.close()
@@ -726,6 +970,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, inbox.stop)
     signal.signal(signal.SIGINT, inbox.stop)
     inbox.run()
+    if inbox.abandoned:
+        # Calls that outlived the grace would hold the interpreter's exit (it joins the
+        # HTTP threads) past Heroku's SIGKILL; their messages were not committed.
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

@@ -1,0 +1,142 @@
+"""The inbox's in-order commit rule (``PartitionWork``), without a broker or threads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bridge.inbox import Outcome, OutcomeKind, PartitionWork, SlotState
+
+
+@dataclass
+class FakeMessage:
+    """The one thing ``PartitionWork`` asks of a message: its offset."""
+
+    at: int
+
+    def offset(self) -> int:
+        return self.at
+
+
+DONE = Outcome(OutcomeKind.ADMITTED, status=201)
+DEAD = Outcome(OutcomeKind.DEAD_LETTERED, "invalid_json")
+RETRY = Outcome(OutcomeKind.RETRY, "http_503", 503)
+
+
+def work_with(*offsets: int, topic: str = "poimen.acme.dispatch", partition: int = 0
+              ) -> PartitionWork:
+    work = PartitionWork(topic, partition, "acme")
+    for offset in offsets:
+        work.append(FakeMessage(offset))
+    return work
+
+
+def test_commit_waits_for_the_oldest_message_when_later_ones_finish_first():
+    work = work_with(10, 11, 12)
+    first, second, third = (work.take(now=0, window=3) for _ in range(3))
+    work.settle(third, DONE, now=0)
+    work.settle(second, DEAD, now=0)  # a dead-lettered message is finished with, too
+    assert work.commit_offset is None  # offset 10 is still in flight
+    work.settle(first, DONE, now=0)
+    assert work.commit_offset == 13
+    assert not work.slots and work.in_flight == 0 and work.waiting == 0
+
+
+def test_window_of_one_delivers_strictly_in_order():
+    work = work_with(0, 1)
+    first = work.take(now=0, window=1)
+    assert work.take(now=0, window=1) is None  # one call in flight per partition
+    work.settle(first, DONE, now=0)
+    second = work.take(now=0, window=1)
+    assert second.message.offset() == 1 and work.commit_offset == 1
+
+
+def test_window_above_one_commits_only_the_done_prefix():
+    work = work_with(0, 1, 2, 3)
+    a, b = work.take(now=0, window=2), work.take(now=0, window=2)
+    assert work.take(now=0, window=2) is None  # the window is full
+    work.settle(b, DONE, now=0)
+    c = work.take(now=0, window=2)
+    work.settle(c, DONE, now=0)
+    assert work.commit_offset is None  # 1 and 2 are done, 0 is not
+    work.settle(a, DONE, now=0)
+    assert work.commit_offset == 3
+    d = work.take(now=0, window=2)
+    assert d.message.offset() == 3
+
+
+def test_a_retry_holds_its_partition_until_the_backoff_is_over():
+    work = work_with(0, 1)
+    slot = work.take(now=100, window=1)
+    work.settle(slot, RETRY, now=100, retry_delay=2.0)
+    assert slot.state is SlotState.FAILED and work.failing
+    assert work.commit_offset is None
+    assert work.take(now=101, window=1) is None  # backing off
+    again = work.take(now=102, window=1)
+    assert again is slot  # the failed message first, never the one behind it
+    work.settle(again, DONE, now=102)
+    assert not work.failing and work.commit_offset == 1
+
+
+def test_a_retry_with_a_wider_window_never_commits_past_the_failed_message():
+    work = work_with(0, 1, 2)
+    a, b = work.take(now=0, window=2), work.take(now=0, window=2)
+    work.settle(a, RETRY, now=0, retry_delay=1.0)
+    work.settle(b, DONE, now=0)
+    assert work.commit_offset is None and work.failing  # 1 is done, 0 is not
+    assert work.take(now=0.5, window=2) is None
+    retried = work.take(now=1.0, window=2)
+    assert retried is a
+    work.settle(retried, DONE, now=1.0)
+    assert work.commit_offset == 2 and not work.failing
+
+
+def test_a_retry_pauses_only_its_own_partition():
+    failing, healthy = work_with(0, 1, partition=0), work_with(0, 1, partition=1)
+    work = failing.take(now=0, window=1)
+    failing.settle(work, RETRY, now=0, retry_delay=5.0)
+    assert failing.should_pause(max_buffered=1000)
+    assert not healthy.should_pause(max_buffered=1000)
+    assert healthy.take(now=0, window=1) is not None  # the other partition keeps going
+    failing.paused = True
+    assert not failing.should_resume(max_buffered=1000)
+    failing.settle(failing.take(now=5, window=1), DONE, now=5)
+    assert failing.should_resume(max_buffered=1000)
+
+
+def test_a_full_backlog_pauses_fetching_and_half_empty_resumes_it():
+    work = work_with(*range(4))
+    assert work.should_pause(max_buffered=4)
+    work.paused = True
+    for _ in range(2):
+        work.settle(work.take(now=0, window=1), DONE, now=0)
+    assert work.should_resume(max_buffered=4)
+
+
+def test_revoke_stops_delivery_and_drops_uncommitted_work():
+    work = work_with(0, 1, 2)
+    first = work.take(now=0, window=2)
+    second = work.take(now=0, window=2)
+    work.closing = True  # revoked: take nothing new, let the calls in flight finish
+    assert work.take(now=0, window=3) is None
+    work.settle(first, DONE, now=0)
+    work.settle(second, RETRY, now=0, retry_delay=0.1)
+    assert work.take(now=10, window=3) is None  # not even the retry
+    # Only the done prefix is committed; 1 and 2 belong to the next owner.
+    assert work.commit_offset == 1
+    # The next owner starts from the committed offset with nothing held over.
+    successor = PartitionWork(work.topic, work.partition, work.tenant)
+    successor.append(FakeMessage(1))
+    assert successor.take(now=0, window=1).message.offset() == 1
+
+
+def test_a_refetched_offset_is_held_once():
+    work = work_with(0, 1)
+    work.append(FakeMessage(1))  # a resume re-fetched from the consumer's position
+    work.append(FakeMessage(0))
+    assert [s.message.offset() for s in work.slots] == [0, 1] and work.waiting == 2
+
+
+def test_states_and_outcomes_are_string_enums():
+    # They appear in logs and metric labels as plain strings.
+    assert SlotState.FAILED == "failed" and OutcomeKind.DEAD_LETTERED == "dead_lettered"
+    assert f"{OutcomeKind.RETRY}" == "retry"
