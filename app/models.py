@@ -79,6 +79,8 @@ class Run(db.Model):
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     # ... but only workflow exceptions count against the workflow's max_attempts.
     failures: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", default=0)
+    # ... and takeovers count the lost workers, compared with the workflow's max_takeovers.
+    takeovers: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", default=0)
     claimed_by: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("worker_boots.boot_id")
     )
@@ -148,6 +150,8 @@ class OutboxEvent(db.Model):
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # xid8 of the writing transaction (migration 0002); the relay reads below the horizon.
+    txid: Mapped[str] = mapped_column(String, server_default=text("pg_current_xact_id()"))
 
     __table_args__ = (
         Index("ix_outbox_unpublished", "id", postgresql_where=text("published_at IS NULL")),

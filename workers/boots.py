@@ -6,6 +6,16 @@ its whole life. Postgres releases that lock exactly when the process or its
 connection dies, so "is boot B alive?" is a question about the lock table, not
 about clocks: no heartbeat age, no timeout guess. What "live" means in SQL is
 defined once, in ``app/liveness.py``.
+
+The lock can also vanish while the process lives: Postgres restarted, a
+failover, ``pg_terminate_backend``, ``idle_session_timeout``, a dropped TCP
+flow. psycopg only notices that when the connection is next used, and nothing
+else uses a lock connection, so a *watchdog* thread asks Postgres every
+``POIMEN_BOOT_PROBE_INTERVAL`` seconds (2) whether this backend still holds
+the lock. When it does not, the boot is *lost*: ``current_boot()`` starts a new
+one, every claim statement refuses the old one (liveness is part of the
+claim), and ``on_lost`` (set by ``workers/execution.py``) decides what happens
+to runs this process is executing under it.
 """
 
 from __future__ import annotations
@@ -14,8 +24,9 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -24,33 +35,98 @@ from app.liveness import LOCK_NAMESPACE
 
 log = logging.getLogger(__name__)
 
+# Does *this* backend hold the boot's lock? Asked on the lock connection itself.
+_PROBE = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+    "AND classid = CAST(%(ns)s AS oid) AND objid = CAST(%(key)s AS oid) AND objsubid = 2 "
+    "AND granted AND pid = pg_backend_pid())"
+)
+_HOLDER = (
+    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = CAST(%(ns)s AS oid) "
+    "AND objid = CAST(%(key)s AS oid) AND objsubid = 2 AND granted"
+)
+
+
+class LockKeyTaken(RuntimeError):
+    """The boot's advisory lock key is held by a connection that is not ours."""
+
+
+class PooledLockConnection(RuntimeError):
+    """The lock connection goes through a transaction pooler: liveness would mean nothing."""
+
+
+def probe_interval() -> float:
+    return float(os.environ.get("POIMEN_BOOT_PROBE_INTERVAL", "2"))
+
+
 @dataclass
 class Boot:
-    """A registered, live boot and the connection that holds its lock."""
+    """A registered boot and the connection that holds its lock."""
 
     boot_id: uuid.UUID
     lock_key: int
     pid: int
+    backend_pid: int
     conn: psycopg.Connection = field(repr=False)
+    lost: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
     def register(cls, dsn: str) -> Boot:
-        """Register a new boot and take its lock on a connection of its own."""
-        conn = psycopg.connect(dsn, autocommit=True, application_name="poimen-boot")
-        boot_id = uuid.uuid4()
-        lock_key = conn.execute(
-            "INSERT INTO worker_boots (boot_id, hostname, pid) VALUES (%s, %s, %s) "
-            "RETURNING lock_key",
-            [boot_id, socket.gethostname()[:255], os.getpid()],
-        ).fetchone()[0]
-        conn.execute("SELECT pg_advisory_lock(%s, %s)", [LOCK_NAMESPACE, lock_key])
-        log.info("boot %s registered (pid %s, lock key %s)", boot_id, os.getpid(), lock_key)
-        return cls(boot_id=boot_id, lock_key=lock_key, pid=os.getpid(), conn=conn)
+        """Register a new boot and take its lock on a connection of its own.
+
+        Fails loudly (never blocks) when the lock key is held elsewhere, and
+        refuses a connection that does not keep its session (a transaction
+        pooler such as PgBouncer in transaction mode).
+        """
+        conn = psycopg.connect(
+            dsn, autocommit=True, application_name="poimen-boot", connect_timeout=10,
+            # A silently dropped TCP flow must end the session on both sides
+            # within seconds, not hours (unix sockets ignore these).
+            keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
+        )
+        try:
+            boot_id = uuid.uuid4()
+            lock_key = conn.execute(
+                "INSERT INTO worker_boots (boot_id, hostname, pid) VALUES (%s, %s, %s) "
+                "RETURNING lock_key",
+                [boot_id, socket.gethostname()[:255], os.getpid()],
+            ).fetchone()[0]
+            params = {"ns": LOCK_NAMESPACE, "key": lock_key}
+            if not conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)",
+                                params).fetchone()[0]:
+                holder = conn.execute(_HOLDER, params).fetchone()
+                raise LockKeyTaken(
+                    f"advisory lock ({LOCK_NAMESPACE}, {lock_key}) for boot {boot_id} is held "
+                    f"by backend pid {holder[0] if holder else '?'}: another application or "
+                    "deployment uses this database's advisory lock keys"
+                )
+            backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            _check_session_kept(dsn, conn, backend_pid, params)
+        except BaseException:
+            conn.close()
+            raise
+        log.info("boot %s registered (pid %s, lock key %s, backend %s)", boot_id, os.getpid(),
+                 lock_key, backend_pid)
+        return cls(boot_id=boot_id, lock_key=lock_key, pid=os.getpid(),
+                   backend_pid=backend_pid, conn=conn)
+
+    def probe(self) -> bool:
+        """Ask Postgres whether this boot's backend still holds its lock."""
+        try:
+            return bool(self.conn.execute(
+                _PROBE, {"ns": LOCK_NAMESPACE, "key": self.lock_key}).fetchone()[0])
+        except psycopg.Error:
+            return False
 
     @property
     def usable(self) -> bool:
-        """Whether this process can still act as this boot (same process, lock connection up)."""
-        return self.pid == os.getpid() and not self.conn.closed and not self.conn.broken
+        """Whether this process can still act as this boot."""
+        return (self.pid == os.getpid() and not self.lost.is_set() and not self.conn.closed
+                and not self.conn.broken)
+
+    def mark_lost(self) -> None:
+        self.lost.set()
+        self.close()
 
     def close(self) -> None:
         """End the boot: closing the connection releases the lock (the boot is dead)."""
@@ -60,33 +136,116 @@ class Boot:
             pass
 
 
+def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
+                        params: dict) -> None:
+    """Refuse a lock connection whose session is not its own (a transaction pooler).
+
+    Behind PgBouncer in transaction mode a session lock sits on a pooled server
+    connection: it outlives the worker, or is released under a live one. Two
+    signs, checked from a second connection holding a transaction open (which
+    pins its own server connection): it must not share our backend, and our
+    next statement must still run on the backend that took the lock.
+    """
+    with psycopg.connect(dsn, connect_timeout=10, application_name="poimen-boot-check") as check:
+        other_pid = check.execute("SELECT pg_backend_pid()").fetchone()[0]
+        again = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        held = check.execute(_HOLDER, params).fetchone()
+        if other_pid == backend_pid or again != backend_pid or not held or held[0] != backend_pid:
+            raise PooledLockConnection(
+                "the boot's lock connection does not keep its own Postgres session (is it a "
+                "transaction-mode pooler such as PgBouncer?). Liveness locks need a direct "
+                "connection: set POIMEN_LOCK_DATABASE_URL to the database's direct URL."
+            )
+
+
 _current: Boot | None = None
 _current_lock = threading.Lock()
 
+# Runs this process is executing, and every boot of this process that held each
+# one (a run adopted by a new boot keeps its old holder too: both are ours).
+_holding: dict[uuid.UUID, set[uuid.UUID]] = {}
+_holding_lock = threading.Lock()
+
+# Called from the watchdog thread with a boot that lost its lock.
+on_lost: Callable[[Boot], None] | None = None
+
 
 def current_boot(dsn: Callable[[], str]) -> Boot:
-    """Return this process's boot, registering a new one after a fork or a lost connection.
+    """Return this process's boot, registering a new one after a fork or a lost lock.
 
-    A boot whose lock connection broke is dead to everyone else (its lock is
-    gone and its claims may be taken over), so this process must not keep
-    acting as it: it starts a new boot, and its fenced writes as the old one
-    are refused.
+    A boot whose lock is gone is dead to everyone else (its claims may be taken
+    over), so this process must not keep acting as it: it starts a new boot,
+    and claims under the old one are refused by Postgres.
     """
     global _current
     with _current_lock:
         if _current is None or not _current.usable:
             if _current is not None and _current.pid == os.getpid():
-                log.warning("boot %s lost its lock connection; starting a new boot",
-                            _current.boot_id)
+                log.warning("boot %s lost its lock; starting a new boot", _current.boot_id)
                 _current.close()
             _current = Boot.register(dsn())  # the DSN is worked out only when needed
+            _start_watchdog()
         return _current
 
 
 def end_current_boot() -> None:
-    """Close this process's boot (on shutdown)."""
+    """Close this process's boot (on shutdown, or when its claims cannot be trusted)."""
     global _current
     with _current_lock:
         if _current is not None and _current.pid == os.getpid():
             _current.close()
         _current = None
+
+
+def hold(run_id: uuid.UUID, boot_id: uuid.UUID) -> None:
+    """Record that this process executes ``run_id`` under ``boot_id``."""
+    with _holding_lock:
+        _holding.setdefault(run_id, set()).add(boot_id)
+
+
+def holders(run_id: uuid.UUID) -> list[uuid.UUID]:
+    """Return the boots of this process that held ``run_id`` (the fence of its writes)."""
+    with _holding_lock:
+        return list(_holding.get(run_id, ()))
+
+
+def runs_held_by(boot_id: uuid.UUID) -> list[uuid.UUID]:
+    with _holding_lock:
+        return [run for run, boots in _holding.items() if boot_id in boots]
+
+
+def let_go(run_ids: Iterable[uuid.UUID]) -> None:
+    with _holding_lock:
+        for run_id in run_ids:
+            _holding.pop(run_id, None)
+
+
+_watchdog_pid: int | None = None
+
+
+def _start_watchdog() -> None:
+    """Start this process's watchdog thread once (per process: threads do not survive fork)."""
+    global _watchdog_pid
+    if _watchdog_pid == os.getpid():
+        return
+    _watchdog_pid = os.getpid()
+    threading.Thread(target=_watch, name="poimen-boot-watchdog", daemon=True).start()
+
+
+def _watch() -> None:
+    interval = probe_interval()
+    while True:
+        time.sleep(interval)
+        boot = _current
+        if boot is None or boot.pid != os.getpid() or boot.lost.is_set():
+            continue
+        if boot.probe():
+            continue
+        log.error("boot %s no longer holds its liveness lock (Postgres restarted, or its "
+                  "connection was cut); it is dead and claims nothing more", boot.boot_id)
+        boot.mark_lost()
+        if on_lost is not None:
+            try:
+                on_lost(boot)
+            except Exception:  # noqa: BLE001 - the watchdog must keep watching
+                log.exception("handling the loss of boot %s failed", boot.boot_id)

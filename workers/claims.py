@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,11 @@ from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from app.events import with_event
-from app.liveness import boot_alive
+from app.liveness import LIVE_BOOTS_SQL, boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 from app.runs import finish_requested_cancel
+
+from . import registry
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -42,6 +45,7 @@ class ClaimOutcome(enum.StrEnum):
     FINISHED = "finished"
     NOT_DUE = "not_due"
     MISSING = "missing"
+    CLAIMER_DEAD = "claimer_dead"  # the claiming boot itself lost its lock
 
     @property
     def execute(self) -> bool:
@@ -64,29 +68,71 @@ _RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, 
     "cancel_requested"
 _ATTEMPT = "jsonb_build_object('attempt', attempt)"
 
+# Liveness is part of every claim: the claiming boot must hold its lock *in
+# the same statement*. A process whose lock vanished (Postgres restarted, its
+# connection was cut) may not know yet; Postgres does, and refuses.
+_CLAIMER_LIVE = f"EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot)"
+
+# How many dead workers a run may outlive before it fails with worker_lost.
+DEFAULT_MAX_TAKEOVERS = 5
+
 
 _CLAIM_QUEUED = with_event(
-    """
+    f"""
     UPDATE runs
        SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
            started_at = coalesce(started_at, now()), updated_at = now()
      WHERE id = :run AND status = 'queued' AND NOT cancel_requested
        AND (not_before IS NULL OR not_before <= now())
+       AND {_CLAIMER_LIVE}
     """,
     _RUN_COLUMNS,
     "'run.started'",
     _ATTEMPT,
 )
 
+# Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
+# resumed; a run that has already outlived max_takeovers workers fails with
+# worker_lost (it is probably what kills them: OOM, a segfault); else resume it.
 _TAKE_OVER = with_event(
-    """
+    f"""
     UPDATE runs
-       SET claimed_by = :boot, attempt = attempt + 1, updated_at = now()
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead
+       SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                         WHEN takeovers >= :max_takeovers THEN 'failed'
+                         ELSE 'running' END,
+           claimed_by = :boot,
+           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                    THEN 0 ELSE 1 END,
+           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                        THEN 0 ELSE 1 END,
+           error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
+                        THEN jsonb_build_object(
+                            'code', 'worker_lost', 'type', 'poimen.WorkerLost',
+                            'message', 'the run outlived ' || takeovers || ' lost workers '
+                                       || '(max_takeovers); it is not resumed again',
+                            'traceback', '')
+                        ELSE error END,
+           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                              THEN now() ELSE finished_at END,
+           updated_at = now()
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
+    """,
+    _RUN_COLUMNS + ", status, takeovers, error",
+    "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
+    f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
+    "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END",
+)
+
+# The process that lost its lock is still executing the run and registered a
+# new boot: it moves its own claim over, unless someone took the run over first.
+_ADOPT = with_event(
+    f"""
+    UPDATE runs SET claimed_by = :boot, updated_at = now()
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
     """,
     _RUN_COLUMNS,
-    "'run.resumed'",
-    f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text))",
+    "'run.adopted'",
+    "jsonb_build_object('previous_boot', CAST(:dead AS text))",
 )
 
 _FINISH = with_event(
@@ -94,7 +140,7 @@ _FINISH = with_event(
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
     "CAST(:event_type AS text)",
@@ -104,7 +150,7 @@ _FINISH = with_event(
 _RELEASE = with_event(
     """
     UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now()
-     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
     "'run.released'",
@@ -115,7 +161,7 @@ _RETRY = with_event(
     UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
            error = CAST(:error AS jsonb), updated_at = now(),
            not_before = now() + make_interval(secs => :delay)
-     WHERE id = :run AND status = 'running' AND claimed_by = :boot
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
     "'run.retrying'",
@@ -131,14 +177,17 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
 
     current = session.execute(
-        text("SELECT status, claimed_by, cancel_requested, not_before > now() AS early "
-             "FROM runs WHERE id = :run"),
-        {"run": run_id},
+        text(f"SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, "
+             f"{_CLAIMER_LIVE} AS claimer_live FROM runs WHERE id = :run"),
+        {"run": run_id, "boot": boot_id},
     ).one_or_none()
     if current is None:
         return Claim(ClaimOutcome.MISSING, run_id, boot_id)
     if current.status in TERMINAL_STATUSES:
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
+    if not current.claimer_live:
+        # This process's boot lost its lock: it may claim nothing more.
+        return Claim(ClaimOutcome.CLAIMER_DEAD, run_id, boot_id)
     if current.status == RunStatus.QUEUED:
         if current.cancel_requested:
             finish_requested_cancel(session, run_id)
@@ -153,26 +202,66 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
 
     # The holder is dead (its lock is gone, and a dead boot never comes back):
     # take the wreckage over, unless another delivery beat us to it.
-    row = session.execute(_TAKE_OVER, {"run": run_id, "boot": boot_id, "dead": holder}
-                          ).one_or_none()
+    row = session.execute(_TAKE_OVER, {
+        "run": run_id, "boot": boot_id, "dead": holder,
+        "max_takeovers": _max_takeovers(current.workflow_name, current.workflow_version),
+    }).one_or_none()
     if row is None:
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
+    if row.status != RunStatus.RUNNING:
+        # Cancelled while its worker was lost, or too many workers lost: ended, not resumed.
+        return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder)
     return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row)
 
 
-def release_claim(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> bool:
+def _max_takeovers(name: str, version: str) -> int:
+    try:
+        return registry.get(name, version).max_takeovers
+    except registry.UnknownWorkflow:
+        return DEFAULT_MAX_TAKEOVERS
+
+
+class Adoption(enum.StrEnum):
+    ADOPTED = "adopted"
+    OURS = "ours"  # already moved, or finished, by one of this process's boots
+    LOST = "lost"  # another boot took it over, or it ended elsewhere
+
+
+def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uuid.UUID,
+              ours: Collection[uuid.UUID]) -> Adoption:
+    """Move ``run_id`` from this process's lost boot ``dead`` to its new boot ``boot_id``.
+
+    A compare-and-set on the dead boot, like any takeover, and only for a live
+    ``boot_id``: if someone else took the run over meanwhile, it is theirs.
+    """
+    row = session.execute(_ADOPT, {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
+    if row is not None:
+        return Adoption.ADOPTED
+    holder = session.execute(text("SELECT claimed_by FROM runs WHERE id = :run"),
+                             {"run": run_id}).scalar_one_or_none()
+    return Adoption.OURS if holder in set(ours) else Adoption.LOST
+
+
+def _fence(boot_id: uuid.UUID | Collection[uuid.UUID]) -> list[uuid.UUID]:
+    """The boots whose claim a write accepts: this process's boot(s) for the run."""
+    return [boot_id] if isinstance(boot_id, uuid.UUID) else list(boot_id)
+
+
+def release_claim(session: Session, run_id: uuid.UUID,
+                  boot_id: uuid.UUID | Collection[uuid.UUID]) -> bool:
     """Put a run this boot claimed back to ``queued`` (a failure before user code started).
 
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.
     """
-    return session.execute(_RELEASE, {"run": run_id, "boot": boot_id}).one_or_none() is not None
+    return session.execute(_RELEASE, {"run": run_id, "boots": _fence(boot_id)}
+                           ).one_or_none() is not None
 
 
 def finish_run(
     session: Session,
     run_id: uuid.UUID,
-    boot_id: uuid.UUID,
+    boot_id: uuid.UUID | Collection[uuid.UUID],
     *,
     status: str,
     result: Any = None,
@@ -181,18 +270,20 @@ def finish_run(
     """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
     assert status in TERMINAL_STATUSES
     row = session.execute(_FINISH, {
-        "run": run_id, "boot": boot_id, "status": status, "result": _json(result),
+        "run": run_id, "boots": _fence(boot_id), "status": status, "result": _json(result),
         "error": _json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
     }).one_or_none()
     return row is not None
 
 
-def schedule_retry(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+def schedule_retry(session: Session, run_id: uuid.UUID,
+                   boot_id: uuid.UUID | Collection[uuid.UUID], *,
                    delay: float, error: dict) -> bool:
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
-        _RETRY, {"run": run_id, "boot": boot_id, "delay": delay, "error": _json(error)},
+        _RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
+                 "error": _json(error)},
     ).one_or_none()
     return row is not None
 

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flask import current_app
 from sqlalchemy import text
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.orm import Session
 
 from app.config import libpq_url
 from app.enqueue import send_run
 from app.extensions import db
-from app.models import RunStatus
+from app.models import TERMINAL_STATUSES, RunStatus
 
-from . import registry
+from . import boots, registry
 from .boots import current_boot, end_current_boot
 from .claims import (
+    Adoption,
     Claim,
     ClaimOutcome,
+    adopt_run,
     claim_run,
     finish_run,
     release_claim,
@@ -50,14 +57,31 @@ class RunContext:
 
     @property
     def cancelled(self) -> bool:
-        """Whether cancellation was requested (a checkpoint: reads the database)."""
+        """Whether cancellation was requested (a checkpoint: reads the database).
+
+        While the database is unreachable the answer is the last one known: a
+        restart of Postgres must not fail the runs that happen to ask.
+        """
         if not self._cancelled:
-            with db.engine.connect() as conn:
-                self._cancelled = bool(conn.execute(
-                    text("SELECT cancel_requested FROM runs WHERE id = :run"),
-                    {"run": self.run_id},
-                ).scalar())
+            try:
+                with db.engine.connect() as conn:
+                    self._cancelled = bool(conn.execute(
+                        text("SELECT cancel_requested FROM runs WHERE id = :run"),
+                        {"run": self.run_id},
+                    ).scalar())
+            except Exception as err:  # noqa: BLE001
+                if not _retryable(err):
+                    raise
         return self._cancelled
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether this worker got SIGTERM (a deploy): a long workflow may checkpoint."""
+        try:
+            from .shutdown import shutting_down
+        except ImportError:
+            return False
+        return shutting_down()
 
 
 def _error_info(err: BaseException) -> dict[str, Any]:
@@ -67,17 +91,20 @@ def _error_info(err: BaseException) -> dict[str, Any]:
 
 
 def boot_dsn() -> str:
-    """The database a boot's lock connection uses: the app's, in libpq form."""
-    return libpq_url(current_app.config["SQLALCHEMY_DATABASE_URI"])
+    """The database a boot's lock connection uses, in libpq form.
+
+    ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
+    goes through a pooler), else the app's database.
+    """
+    return libpq_url(os.environ.get("POIMEN_LOCK_DATABASE_URL")
+                     or current_app.config["SQLALCHEMY_DATABASE_URI"])
 
 
 def execute_run(run_id: str) -> Claim:
     """Execute run ``run_id`` if this delivery wins its claim; return the claim outcome."""
     run_uuid = uuid.UUID(run_id)
-    boot = current_boot(boot_dsn)
-    session = db.session
-    claim = claim_run(session, run_uuid, boot.boot_id)
-    session.commit()
+    _watch_boots()
+    claim = _claim(run_uuid)
     if not claim.outcome.execute:
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
@@ -87,25 +114,111 @@ def execute_run(run_id: str) -> Claim:
         log.warning("run %s: took over from dead boot %s (attempt %s)", run_id, claim.holder,
                     claim.attempt)
 
+    boots.hold(run_uuid, claim.boot_id)
     try:
-        _run_claimed(claim, boot.boot_id)
+        _run_claimed(claim)
     except ClaimReleased:
         raise
     except Exception:
-        # We hold a claim we could not release or finish (the database went
-        # away mid-run, say). Ending this boot drops its lock, which makes the
-        # run wreckage that repair re-sends and the next delivery takes over;
-        # keeping the boot would leave the run "running" under a live boot.
+        # We hold a claim we could not release or finish (the database stayed
+        # away longer than POIMEN_RECORD_RETRY_SECONDS, say). Ending this boot
+        # drops its lock, which makes the run wreckage that repair re-sends and
+        # the next delivery takes over; keeping the boot would leave the run
+        # "running" under a live boot.
         log.exception("run %s: could not record its outcome; ending boot %s", run_id,
-                      boot.boot_id)
-        db.session.rollback()
+                      claim.boot_id)
+        _rollback()
         end_current_boot()
         raise
+    finally:
+        boots.let_go([run_uuid])
     return claim
 
 
-def _run_claimed(claim: Claim, boot_id: uuid.UUID) -> None:
+def _claim(run_id: uuid.UUID) -> Claim:
     session = db.session
+    for _ in range(2):
+        boot = current_boot(boot_dsn)
+        try:
+            claim = claim_run(session, run_id, boot.boot_id)
+            session.commit()
+        except Exception:
+            # The claim's outcome is unknown: its commit may have been applied
+            # with the acknowledgement lost. Ending the boot makes any claim it
+            # did take wreckage (repair re-sends it, the next delivery takes it
+            # over) instead of a run stranded under a live boot that answers
+            # "duplicate" forever.
+            log.exception("run %s: claim outcome unknown; ending boot %s", run_id, boot.boot_id)
+            _rollback()
+            end_current_boot()
+            raise
+        if claim.outcome != ClaimOutcome.CLAIMER_DEAD:
+            return claim
+        # Postgres says our lock is gone before our watchdog did: start a new boot.
+        log.warning("boot %s lost its lock (seen at claim); registering a new boot",
+                    boot.boot_id)
+        boot.mark_lost()
+    return claim
+
+
+def _rollback() -> None:
+    try:
+        db.session.rollback()
+    except Exception:  # noqa: BLE001 - a dead connection may refuse even this
+        db.session.remove()
+
+
+def _retryable(err: Exception) -> bool:
+    """A database error that says the connection or server went away, not the statement."""
+    return isinstance(err, (OperationalError, InterfaceError)) or bool(
+        getattr(err, "connection_invalidated", False))
+
+
+def _record(run_id: uuid.UUID, write: Callable[[Session, list[uuid.UUID]], bool],
+            already_done: Callable[[Any], bool]) -> bool:
+    """Make one fenced write for ``run_id`` and commit it; False if the claim was lost.
+
+    The fence is every boot of this process that held the run (a lost boot's
+    run adopted by our new boot stays ours). While the database is unreachable
+    (a restart, a failover) the write is retried for POIMEN_RECORD_RETRY_SECONDS:
+    a finished run must not be executed again because a pooled connection was
+    stale. When an earlier try's commit may have applied with its reply lost,
+    ``already_done(row)`` recognises our own write.
+    """
+    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    uncertain = False
+    delay = 0.2
+    while True:
+        session = db.session
+        try:
+            if write(session, boots.holders(run_id)):
+                session.commit()
+                return True
+            row = session.execute(
+                text("SELECT status, claimed_by FROM runs WHERE id = :run"), {"run": run_id}
+            ).one_or_none()
+            session.rollback()
+            return uncertain and row is not None and already_done(row)
+        except Exception as err:
+            _rollback()
+            if not _retryable(err) or time.monotonic() > deadline:
+                raise
+            uncertain = True
+            log.warning("run %s: database unreachable while recording (%s); retrying",
+                        run_id, type(err).__name__)
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+def _finished_by_us(run_id: uuid.UUID) -> Callable[[Any], bool]:
+    return lambda row: row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(run_id)
+
+
+def _requeued(row) -> bool:
+    return row.status == RunStatus.QUEUED
+
+
+def _run_claimed(claim: Claim) -> None:
     run_id = claim.run_id
     # Between the claim and user code: any failure releases the claim, scoped
     # to this boot, so the run goes back to queued rather than being stranded.
@@ -113,59 +226,116 @@ def _run_claimed(claim: Claim, boot_id: uuid.UUID) -> None:
     try:
         workflow = registry.get(row.workflow_name, row.workflow_version)
     except Exception as err:
-        session.rollback()
-        released = release_claim(session, run_id, boot_id)
-        session.commit()
+        _rollback()
+        released = _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued)
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
-    ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, boot_id,
+    ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
                      _cancelled=row.cancel_requested)
 
     try:
         result = workflow.fn(ctx, row.input)
     except Exception as err:  # noqa: BLE001 - a workflow failure is recorded, not raised
-        session.rollback()
+        _rollback()
         _record_failure(ctx, row.failures, err)
         return
 
     status = RunStatus.CANCELLED if ctx._cancelled else RunStatus.SUCCEEDED
     try:
-        finished = finish_run(session, run_id, boot_id, status=status, result=result)
+        finished = _record(run_id, lambda s, ours: finish_run(s, run_id, ours, status=status,
+                                                              result=result),
+                           _finished_by_us(run_id))
     except DataError as err:
         # The result itself cannot be stored (jsonb refuses it): a workflow bug,
         # recorded as a failure instead of retried forever.
-        session.rollback()
-        finished = finish_run(session, run_id, boot_id, status=RunStatus.FAILED, error={
+        _rollback()
+        error = {
             "type": "poimen.ResultNotStorable",
             "message": f"the workflow's result could not be stored: {err.orig}",
             "traceback": "",
-        })
+        }
+        finished = _record(run_id, lambda s, ours: finish_run(s, run_id, ours,
+                                                              status=RunStatus.FAILED,
+                                                              error=error),
+                           _finished_by_us(run_id))
         status = RunStatus.FAILED
     if finished:
-        session.commit()
         log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
     else:
-        session.rollback()
         log.warning("run %s: claim lost before finishing; result discarded", run_id)
 
 
 def _record_failure(ctx: RunContext, failures: int, err: Exception) -> None:
-    session = db.session
     error = _error_info(err)
     workflow = ctx.workflow
+    run_id = ctx.run_id
     retryable = isinstance(err, workflow.retry_on) and failures + 1 < workflow.max_attempts
     if retryable:
         delay = workflow.retry_delay(failures + 1)
-        if schedule_retry(session, ctx.run_id, ctx.boot_id, delay=delay, error=error):
-            session.commit()
-            log.warning("run %s: %s; retry %s/%s in %.1fs", ctx.run_id, error["type"],
+        if _record(run_id, lambda s, ours: schedule_retry(s, run_id, ours, delay=delay,
+                                                          error=error), _requeued):
+            log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
-            send_run(current_app.extensions["celery"], ctx.run_id, workflow.ref,
-                     countdown=delay)
+            send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay)
             return
-    elif finish_run(session, ctx.run_id, ctx.boot_id, status=RunStatus.FAILED, error=error):
-        session.commit()
-        log.error("run %s: failed: %s: %s", ctx.run_id, error["type"], error["message"])
+    elif _record(run_id, lambda s, ours: finish_run(s, run_id, ours, status=RunStatus.FAILED,
+                                                    error=error), _finished_by_us(run_id)):
+        log.error("run %s: failed: %s: %s", run_id, error["type"], error["message"])
         return
-    session.rollback()
-    log.warning("run %s: claim lost before recording failure", ctx.run_id)
+    log.warning("run %s: claim lost before recording failure", run_id)
+
+
+# -- a boot that lost its lock while this process executes runs under it --------------------
+
+EXIT_CLAIM_LOST = 75
+_watching: int | None = None
+
+
+def _watch_boots() -> None:
+    """Install the handler the boot watchdog calls when this process's boot dies."""
+    global _watching
+    if _watching != os.getpid():
+        _watching = os.getpid()
+        boots.on_lost = functools.partial(_adopt_runs, current_app._get_current_object())
+
+
+def _adopt_runs(flask_app, lost: boots.Boot) -> None:
+    """Keep executing our runs under a new boot, or stop executing them at once.
+
+    The lost boot is dead to everyone: its runs belong to repair, and another
+    worker may take them over. The one thing this process may do is what any
+    rescuer does: a compare-and-set from the dead boot to a live one (its new
+    boot). If it wins, nobody else is executing the run and it carries on; if
+    someone took the run over first, this execution is now a duplicate and the
+    process exits (Celery replaces it; the message is redelivered and finds the
+    run held by a live boot).
+    """
+    runs = boots.runs_held_by(lost.boot_id)
+    if not runs:
+        return
+    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    with flask_app.app_context():
+        while True:
+            try:
+                new = current_boot(boot_dsn)
+                outcomes = {run_id: adopt_run(db.session, run_id, lost.boot_id, new.boot_id,
+                                              boots.holders(run_id)) for run_id in runs}
+                db.session.commit()
+                break
+            except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
+                _rollback()
+                if time.monotonic() > deadline:
+                    log.error("runs %s: no new boot within the retry window (%s); stopping",
+                              [str(r) for r in runs], err)
+                    os._exit(EXIT_CLAIM_LOST)
+                time.sleep(0.5)
+        db.session.remove()
+    for run_id, outcome in outcomes.items():
+        if outcome == Adoption.ADOPTED:
+            boots.hold(run_id, new.boot_id)
+            log.warning("run %s: adopted by new boot %s after boot %s lost its lock", run_id,
+                        new.boot_id, lost.boot_id)
+        elif outcome == Adoption.LOST:
+            log.error("run %s was taken over while boot %s was cut off; stopping this "
+                      "execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
+            os._exit(EXIT_CLAIM_LOST)

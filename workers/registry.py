@@ -28,6 +28,8 @@ class Workflow:
     version: str
     fn: Callable[..., Any]
     max_attempts: int = 1
+    # Lost workers (OOM, segfault, kill -9) a run may outlive; then it fails worker_lost.
+    max_takeovers: int = 5
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
     retry_on: tuple[type[BaseException], ...] = field(default=(Exception,))
@@ -49,6 +51,7 @@ def workflow(
     version: str = "1",
     *,
     max_attempts: int = 1,
+    max_takeovers: int = 5,
     backoff_seconds: float = 1.0,
     backoff_max_seconds: float = 60.0,
     retry_on: Iterable[type[BaseException]] = (Exception,),
@@ -63,6 +66,7 @@ def workflow(
             version=version,
             fn=fn,
             max_attempts=max(1, max_attempts),
+            max_takeovers=max(0, max_takeovers),
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
             retry_on=tuple(retry_on),

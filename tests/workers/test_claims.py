@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import psycopg
 import pytest
 
 from workers.claims import ClaimOutcome, claim_run, finish_run, release_claim
@@ -20,6 +23,23 @@ def claim(session, run_id, boot_id):
     result = claim_run(session, run_id, boot_id)
     session.commit()
     return result
+
+
+def connect_to(dsn):
+    return psycopg.connect(dsn, autocommit=True)
+
+
+def hold_as(pg, run_id, boot_id, **columns):
+    """Put ``run_id`` in the state a claim by ``boot_id`` leaves (attempt 1), plus ``columns``."""
+    sets = ", ".join(f"{name} = %({name})s" for name in columns)
+    pg.execute("UPDATE runs SET status = 'running', claimed_by = %(boot)s, attempt = 1"
+               + (f", {sets}" if sets else "") + " WHERE id = %(run)s",
+               {"boot": boot_id, "run": run_id, **columns})
+
+
+def events_of(pg, run_id):
+    return [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
 
 
 def status_of(pg, run_id):
@@ -58,15 +78,13 @@ def test_a_dead_boots_claim_is_taken_over_and_the_attempt_counted(session, admit
                                                                    dead_boot, pg):
     """3: the holder's process was killed, its lock is gone."""
     run_id, dead = admit(), dead_boot()
-    assert claim(session, run_id, dead).outcome == ClaimOutcome.CLAIMED
+    hold_as(pg, run_id, dead)
     rescuer = boot_factory()
     result = claim(session, run_id, rescuer.boot_id)
     assert result.outcome == ClaimOutcome.TAKEN_OVER
     assert result.holder == dead
     assert status_of(pg, run_id) == ("running", rescuer.boot_id, 2)
-    events = [r[0] for r in pg.execute(
-        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
-    assert events == ["run.admitted", "run.started", "run.resumed"]
+    assert events_of(pg, run_id) == ["run.admitted", "run.resumed"]
 
 
 def test_a_boot_whose_lock_connection_closed_is_dead(session, admit, boot_factory, pg):
@@ -189,3 +207,136 @@ def test_a_failure_before_user_code_releases_the_claim(app, admit, pg, fresh_boo
     events = [r[0] for r in pg.execute(
         "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
     assert events == ["run.admitted", "run.started", "run.released"]
+
+
+# Liveness is part of the claim -------------------------------------------------------------
+
+def terminate_lock_backend(pg, boot) -> None:
+    """Cut the boot's lock connection server-side, as a restart or a failover would."""
+    assert pg.execute("SELECT pg_terminate_backend(%s)", [boot.backend_pid]).fetchone()[0]
+    deadline = time.monotonic() + 10
+    while pg.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                     [boot.backend_pid]).fetchone()[0]:
+        assert time.monotonic() < deadline, "the backend did not go away"
+        time.sleep(0.02)
+
+
+def test_a_boot_cut_off_server_side_claims_nothing(session, admit, boot_factory, pg):
+    """The process lives and psycopg still says the connection is fine; Postgres refuses."""
+    run_id, boot = admit(), boot_factory()
+    terminate_lock_backend(pg, boot)
+    assert not boot.conn.closed and not boot.conn.broken  # the client has not noticed
+    assert claim(session, run_id, boot.boot_id).outcome == ClaimOutcome.CLAIMER_DEAD
+    assert status_of(pg, run_id) == ("queued", None, 0)
+    assert events_of(pg, run_id) == ["run.admitted"]
+
+
+def test_a_cut_off_boot_cannot_take_over_wreckage(session, admit, boot_factory, dead_boot, pg):
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead)
+    rescuer = boot_factory()
+    terminate_lock_backend(pg, rescuer)
+    assert claim(session, run_id, rescuer.boot_id).outcome == ClaimOutcome.CLAIMER_DEAD
+    assert status_of(pg, run_id) == ("running", dead, 1)
+
+
+def test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims(
+        app, admit, pg, dsn, monkeypatch):
+    from workers import boots
+
+    monkeypatch.setenv("POIMEN_BOOT_PROBE_INTERVAL", "0.1")
+    boots.end_current_boot()
+    boots._watchdog_pid = None
+    try:
+        first = boots.current_boot(lambda: dsn)
+        terminate_lock_backend(pg, first)
+        deadline = time.monotonic() + 10
+        while not first.lost.is_set():
+            assert time.monotonic() < deadline, "the watchdog never noticed"
+            time.sleep(0.05)
+        second = boots.current_boot(lambda: dsn)
+        assert second.boot_id != first.boot_id and second.probe()
+        run_id = admit()
+        with app.app_context():
+            from app.extensions import db
+
+            assert claim(db.session, run_id, second.boot_id).outcome == ClaimOutcome.CLAIMED
+    finally:
+        boots.end_current_boot()
+
+
+def test_a_lock_key_held_elsewhere_fails_loudly_naming_the_holder(dsn, pg):
+    from app.liveness import LOCK_NAMESPACE
+    from workers.boots import Boot, LockKeyTaken
+
+    next_key = pg.execute("SELECT last_value + 1 FROM worker_boot_lock_key").fetchone()[0]
+    with connect_to(dsn) as squatter:
+        squatter.execute("SELECT pg_advisory_lock(%s, %s)", [LOCK_NAMESPACE, next_key])
+        squatter_pid = squatter.execute("SELECT pg_backend_pid()").fetchone()[0]
+        started = time.monotonic()
+        with pytest.raises(LockKeyTaken, match=f"backend pid {squatter_pid}"):
+            Boot.register(dsn)
+        assert time.monotonic() - started < 5
+
+
+# Takeover limits and cancellation --------------------------------------------------------
+
+def test_a_run_that_outlived_max_takeovers_workers_fails_worker_lost(session, admit,
+                                                                     boot_factory, dead_boot,
+                                                                     pg):
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead, takeovers=5)  # the default max_takeovers
+    outcome = claim(session, run_id, boot_factory().boot_id)
+    assert outcome.outcome == ClaimOutcome.FINISHED
+    status, error = pg.execute("SELECT status, error FROM runs WHERE id = %s",
+                               [run_id]).fetchone()
+    assert status == "failed" and error["code"] == "worker_lost"
+    assert events_of(pg, run_id) == ["run.admitted", "run.failed"]
+
+
+def test_takeovers_below_the_limit_resume_and_count(session, admit, boot_factory, dead_boot, pg):
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead, takeovers=4)
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.TAKEN_OVER
+    assert pg.execute("SELECT takeovers, attempt FROM runs WHERE id = %s",
+                      [run_id]).fetchone() == (5, 2)
+
+
+def test_taking_over_a_cancelled_run_ends_it_cancelled(session, admit, boot_factory, dead_boot,
+                                                        pg):
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead, cancel_requested=True)
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
+    assert status_of(pg, run_id)[0] == "cancelled"
+    assert events_of(pg, run_id) == ["run.admitted", "run.cancelled"]
+
+
+# Adoption: the process that lost its lock keeps its run only by a compare-and-set ---------
+
+def test_adoption_moves_the_claim_to_the_new_boot(session, admit, boot_factory, dead_boot, pg):
+    from workers.claims import Adoption, adopt_run
+
+    run_id, lost = admit(), dead_boot()
+    hold_as(pg, run_id, lost)
+    new = boot_factory()
+    assert adopt_run(session, run_id, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    session.commit()
+    assert status_of(pg, run_id) == ("running", new.boot_id, 1)  # not a new attempt
+    assert finish_run(session, run_id, [lost, new.boot_id], status="succeeded")
+    session.commit()
+
+
+def test_adoption_after_a_takeover_is_refused(session, admit, boot_factory, dead_boot, pg):
+    from workers.claims import Adoption, adopt_run
+
+    run_id, lost = admit(), dead_boot()
+    hold_as(pg, run_id, lost)
+    rescuer = boot_factory()
+    assert claim(session, run_id, rescuer.boot_id).outcome == ClaimOutcome.TAKEN_OVER
+    new = boot_factory()
+    assert adopt_run(session, run_id, lost, new.boot_id, [lost]) == Adoption.LOST
+    session.commit()
+    assert status_of(pg, run_id)[1] == rescuer.boot_id
+    # ... and the lost boot's late finish is refused by the fence.
+    assert not finish_run(session, run_id, [lost, new.boot_id], status="succeeded")
+    session.rollback()
