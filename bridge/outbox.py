@@ -1,0 +1,675 @@
+"""The outbox relay: ``outbox`` rows become events on ``<prefix>.<tenant>.events``.
+
+Every state change of a run writes its event to the ``outbox`` table in the
+transaction of the change. This relay ships those rows to Kafka, in id order,
+keyed ``<tenant>:<run_id>`` (one run's events share a partition and stay in
+order), with CloudEvents binary-binding headers (``ce_id`` is the row id, for
+consumers that dedupe). A row is marked published only after the broker
+acknowledged it, so a crash anywhere repeats events and never loses one.
+
+Which rows: ``published_at IS NULL`` and ``txid`` below the snapshot horizon
+(``pg_snapshot_xmin(pg_current_snapshot())``). There is no "last id" cursor:
+transactions commit out of id order, and a cursor skips the row of a
+transaction that drew a lower id but committed later. The horizon makes each
+read a prefix of history that can no longer change: a row is read only once
+every transaction older than its own has ended. See docs/outbox.md.
+
+One relay is active at a time: the one holding a session advisory lock on a
+dedicated, direct connection (``POIMEN_LOCK_DATABASE_URL``). Others stand by
+and take over within ``POIMEN_OUTBOX_STANDBY_INTERVAL`` of the lock's release,
+which Postgres does exactly when the holder's process or connection dies. The
+active relay checks in ``pg_locks`` that it still holds the lock before every
+batch, while waiting for acknowledgements, and before marking a batch, so a
+relay that lost it publishes at most the batch in flight.
+
+Run it as ``python -m bridge.outbox`` (the Procfile's ``outbox``). It imports
+nothing from ``app`` or ``workers``: its SQL is its own.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import logging
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+
+from .kafka import client_settings, describe
+from .topics import DEFAULT_PARTITIONS, ensure_topics, events_topic, topic_prefix
+
+log = logging.getLogger("poimen.outbox")
+
+# The relay's advisory lock: pg_advisory_lock(OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY).
+# Worker boots use (0x504F494D "POIM", lock_key); "POOB" keeps the two apart.
+OUTBOX_LOCK_NAMESPACE = 0x504F4F42
+OUTBOX_LOCK_KEY = 1
+LOCK_APPLICATION = "poimen-outbox-lock"
+SPECVERSION = "1.0"
+DEFAULT_RETENTION = 7 * 86400.0
+
+# The event, built by Postgres: json_build_object keeps the documented key order
+# (docs/events.schema.json), and the relay passes the text through untouched.
+READ_SQL = """
+SELECT o.id,
+       t.name,
+       t.name || ':' || o.run_id::text,
+       o.event_type,
+       o.run_id::text,
+       ts.occurred_at,
+       json_build_object(
+           'event_id', o.id::text,
+           'type', o.event_type,
+           'tenant', t.name,
+           'run_id', o.run_id,
+           'goal_id', r.goal_id,
+           'parent_run_id', r.parent_run_id,
+           'occurred_at', ts.occurred_at,
+           'data', o.payload
+       )::text
+  FROM outbox o
+  JOIN tenants t ON t.id = o.tenant_id
+  LEFT JOIN runs r ON r.id = o.run_id
+ CROSS JOIN LATERAL (
+       SELECT to_char(o.created_at AT TIME ZONE 'UTC',
+                      'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS occurred_at) ts
+ WHERE o.published_at IS NULL
+   -- The horizon: every transaction older than this one has ended, so no row
+   -- can still appear below it. Rows of younger, open transactions wait.
+   AND o.txid < pg_snapshot_xmin(pg_current_snapshot())
+ ORDER BY o.id
+ LIMIT %s
+"""
+
+MARK_SQL = "UPDATE outbox SET published_at = now() WHERE id = ANY(%s::bigint[])"
+
+# The probe runs on the lock connection itself and asks the server, not the
+# client library: psycopg only notices a dead connection when a query fails,
+# and a lock can be gone while the client still looks connected.
+LOCK_HELD_SQL = f"""
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+     WHERE locktype = 'advisory'
+       AND classid = CAST({OUTBOX_LOCK_NAMESPACE} AS oid)
+       AND objid = CAST({OUTBOX_LOCK_KEY} AS oid)
+       AND objsubid = 2
+       AND granted
+       AND pid = pg_backend_pid()
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+"""
+
+PENDING_SQL = """
+SELECT t.name, count(*), extract(epoch FROM now() - min(o.created_at))
+  FROM outbox o JOIN tenants t ON t.id = o.tenant_id
+ WHERE o.published_at IS NULL
+ GROUP BY t.name
+"""
+
+PRUNE_SQL = """
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox
+     WHERE published_at < now() - make_interval(secs => %s)
+     ORDER BY published_at
+     LIMIT %s
+       FOR UPDATE SKIP LOCKED)
+"""
+
+
+def libpq_url(raw: str) -> str:
+    """Return a URL libpq accepts from a Postgres, Heroku (``postgres://``) or SQLAlchemy URL."""
+    for prefix in ("postgres://", "postgresql+psycopg://", "postgresql+psycopg2://"):
+        if raw.startswith(prefix):
+            return "postgresql://" + raw[len(prefix):]
+    return raw
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_retention(value: str | None) -> float | None:
+    """Return ``POIMEN_OUTBOX_RETENTION`` in seconds, or ``None`` to keep published rows.
+
+    A plain number is seconds; ``s``, ``m``, ``h`` and ``d`` suffixes name the unit
+    (``7d``, ``36h``). ``0``, ``never`` and ``off`` disable pruning.
+    """
+    if value is None or not value.strip():
+        return DEFAULT_RETENTION
+    if value.strip().lower() in ("never", "off", "none"):
+        return None
+    match = _DURATION.match(value)
+    if match is None:
+        raise SystemExit(f"POIMEN_OUTBOX_RETENTION={value!r}: use seconds or e.g. 7d, 36h, never")
+    seconds = float(match.group(1)) * _UNIT[match.group(2).lower()]
+    return seconds or None
+
+
+def backoff_delay(attempt: int, initial: float, cap: float) -> float:
+    """Return the wait before retry ``attempt`` (1-based): capped exponential, half jittered."""
+    ceiling = min(cap, initial * 2 ** min(attempt - 1, 30))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    """The relay's settings; ``from_env`` documents the variable behind each."""
+
+    database_url: str
+    lock_database_url: str
+    kafka: Mapping[str, str]
+    prefix: str = "poimen"
+    batch_size: int = 1000
+    poll_interval: float = 0.2
+    standby_interval: float = 1.0
+    lock_check_interval: float = 1.0
+    topic_partitions: int = DEFAULT_PARTITIONS
+    retention: float | None = DEFAULT_RETENTION
+    prune_interval: float = 60.0
+    prune_batch: int = 1000
+    lag_interval: float = 5.0
+    shutdown_grace: float = 25.0
+    backoff_max: float = 10.0
+    metrics_port: int = 9102
+    progress_interval: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxConfig:
+        """Read the relay's settings from ``env`` (default: ``os.environ``)."""
+        env = os.environ if env is None else env
+        if not env.get("DATABASE_URL"):
+            raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
+        database_url = libpq_url(env["DATABASE_URL"])
+        return cls(
+            database_url=database_url,
+            # Session advisory locks need a direct connection: a transaction-mode
+            # pooler would hand the lock's session to someone else.
+            lock_database_url=libpq_url(env.get("POIMEN_LOCK_DATABASE_URL") or database_url),
+            kafka=client_settings(env),
+            prefix=topic_prefix(env),
+            batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", "1000")),
+            poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", "0.2")),
+            standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL", "1")),
+            lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL", "1")),
+            topic_partitions=int(env.get("POIMEN_OUTBOX_TOPIC_PARTITIONS",
+                                         str(DEFAULT_PARTITIONS))),
+            retention=parse_retention(env.get("POIMEN_OUTBOX_RETENTION")),
+            prune_interval=float(env.get("POIMEN_OUTBOX_PRUNE_INTERVAL", "60")),
+            prune_batch=int(env.get("POIMEN_OUTBOX_PRUNE_BATCH", "1000")),
+            lag_interval=float(env.get("POIMEN_OUTBOX_LAG_INTERVAL", "5")),
+            shutdown_grace=float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),
+            backoff_max=float(env.get("POIMEN_OUTBOX_BACKOFF_MAX", "10")),
+            metrics_port=int(env.get("METRICS_PORT") or env.get("PORT") or "9102"),
+            progress_interval=float(env.get("POIMEN_OUTBOX_PROGRESS_INTERVAL", "30")),
+        )
+
+
+class OutboxMetrics:
+    """The relay's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.pending = Gauge("poimen_outbox_pending",
+                             "Outbox lag: unpublished events, by tenant.", ["tenant"], registry=r)
+        self.oldest_age = Gauge("poimen_outbox_oldest_age_seconds",
+                                "Outbox lag: age of the oldest unpublished event, by tenant.",
+                                ["tenant"], registry=r)
+        self.published = Counter("poimen_outbox_published_total",
+                                 "Events the broker acknowledged and this relay marked published.",
+                                 registry=r)
+        self.errors = Counter("poimen_outbox_publish_errors_total",
+                              "Events whose produce failed (they are sent again), by error.",
+                              ["error"], registry=r)
+        self.active = Gauge("poimen_outbox_active",
+                            "1 while this relay holds the outbox lock and publishes, else 0.",
+                            registry=r)
+        self.reads = Counter("poimen_outbox_reads_total",
+                             "Reads of the outbox by the active relay (empty ones included).",
+                             registry=r)
+        self.pruned = Counter("poimen_outbox_pruned_total",
+                              "Published events deleted after POIMEN_OUTBOX_RETENTION.",
+                              registry=r)
+        self.batch_seconds = Histogram("poimen_outbox_batch_seconds",
+                                       "Read, produce, acknowledgement and mark of one batch.",
+                                       registry=r)
+
+
+class RelayLock:
+    """The advisory lock that makes one relay active, on a dedicated direct connection."""
+
+    def __init__(self, dsn: str, name: str):
+        self.dsn = dsn
+        self.name = name
+        self.conn: psycopg.Connection | None = None
+        self.backend_pid: int | None = None
+        self._mutex = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free; connect first if needed. Raise on a database error."""
+        with self._mutex:
+            if self.conn is None or self.conn.closed:
+                self.conn = psycopg.connect(
+                    self.dsn, autocommit=True, application_name=self.name,
+                    # A half-open connection must fail instead of hanging a probe
+                    # forever (TCP only; ignored on unix sockets).
+                    keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
+                    tcp_user_timeout=10000, connect_timeout=10,
+                )
+                self.backend_pid = self.conn.info.backend_pid
+            got = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                                    [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY]).fetchone()[0]
+            return bool(got)
+
+    def held(self) -> bool:
+        """Ask Postgres whether this connection's backend still holds the lock."""
+        with self._mutex:
+            if self.conn is None or self.conn.closed:
+                return False
+            try:
+                return bool(self.conn.execute(LOCK_HELD_SQL).fetchone()[0])
+            except psycopg.Error as err:
+                log.warning("outbox lock connection failed: %s", err)
+                return False
+
+    def release(self) -> None:
+        """Close the connection, which releases the lock if it is still held."""
+        with self._mutex:
+            if self.conn is not None:
+                try:
+                    self.conn.close()
+                except Exception:  # noqa: BLE001 - closing a broken connection may raise
+                    pass
+            self.conn = None
+            self.backend_pid = None
+
+
+class LockLost(Exception):
+    """This relay no longer holds the outbox lock: stop publishing."""
+
+
+@dataclass
+class Deliveries:
+    """Delivery reports of one batch."""
+
+    outstanding: int = 0
+    acked: list[int] = field(default_factory=list)
+    failed: dict[int, KafkaError] = field(default_factory=dict)
+
+    def report(self, row_id: int, err: KafkaError | None, _msg: Message) -> None:
+        self.outstanding -= 1
+        if err is None:
+            self.acked.append(row_id)
+        else:
+            self.failed[row_id] = err
+
+
+class OutboxRelay:
+    """Ship outbox rows to Kafka while holding the outbox lock; stand by otherwise."""
+
+    def __init__(self, config: OutboxConfig, metrics: OutboxMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or OutboxMetrics()
+        self.lock = RelayLock(config.lock_database_url, f"{LOCK_APPLICATION}/{os.getpid()}")
+        self._stop = threading.Event()
+        self._stop_at: float | None = None
+        self._conn: psycopg.Connection | None = None
+        self._producer: Producer | None = None
+        self._fatal: KafkaError | None = None
+        self._admin: AdminClient | None = None
+        self._topics: dict[str, str] = {}  # tenant -> events topic known to exist
+        self._active = False
+        self._standing_by = False
+        self._last_probe = 0.0
+        self._next_prune = 0.0
+        self._failures = 0
+        self._published = 0
+        self._tenants_seen: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def stop(self, *_: Any) -> None:
+        """Ask the relay to finish (and mark) the batch in flight, then exit."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+        self._stop.set()
+
+    @property
+    def _shutdown_deadline(self) -> float | None:
+        # Leave time to mark the batch and close within the grace period.
+        if self._stop_at is None:
+            return None
+        return self._stop_at + max(self.config.shutdown_grace - 5.0, 1.0)
+
+    def run(self) -> None:
+        """Publish (or stand by) until ``stop``."""
+        cfg = self.config
+        log.info("outbox relay: topics %s.<tenant>.events, batch %d, retention %s; kafka %s",
+                 cfg.prefix, cfg.batch_size,
+                 "never" if cfg.retention is None else f"{cfg.retention:.0f}s",
+                 describe(cfg.kafka))
+        helpers = [threading.Thread(target=self._watch_lag, name="outbox-lag", daemon=True)]
+        for thread in helpers:
+            thread.start()
+        last_progress = time.monotonic()
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._active and not self._elect():
+                        self._stop.wait(cfg.standby_interval)
+                        continue
+                    shipped = self._ship_batch()
+                    attempt = 0
+                    if shipped < cfg.batch_size:
+                        self._prune_if_due()
+                        if shipped == 0:
+                            self._stop.wait(cfg.poll_interval)
+                except LockLost as lost:
+                    log.warning("lost the outbox lock (%s): standing by", lost)
+                    self._step_down()
+                except psycopg.Error as err:
+                    attempt += 1
+                    delay = backoff_delay(attempt, 0.5, cfg.backoff_max)
+                    log.warning("database error, retrying in %.1fs: %s", delay, err)
+                    self._close_work_connection()
+                    self._stop.wait(delay)
+                except Exception:  # noqa: BLE001 - a bug must not end the relay's duty
+                    attempt += 1
+                    delay = backoff_delay(attempt, 0.5, cfg.backoff_max)
+                    log.exception("unexpected error, retrying in %.1fs", delay)
+                    self._step_down()
+                    self._close_work_connection()
+                    self._stop.wait(delay)
+                now = time.monotonic()
+                if now - last_progress >= cfg.progress_interval:
+                    last_progress = now
+                    log.info("progress: %s, published %d",
+                             "active" if self._active else "standby", self._published)
+        finally:
+            self._step_down(quiet=True)
+            self._close_work_connection()
+            log.info("outbox relay stopped (published %d)", self._published)
+
+    def _elect(self) -> bool:
+        """Try to become the active relay."""
+        try:
+            got = self.lock.try_acquire()
+        except psycopg.Error as err:
+            log.warning("cannot reach the lock database: %s", err)
+            self.lock.release()
+            return False
+        if got:
+            self._active, self._standing_by = True, False
+            self._last_probe = time.monotonic()
+            self.metrics.active.set(1)
+            log.info("active: holding the outbox lock (lock backend pid %s)",
+                     self.lock.backend_pid)
+        elif not self._standing_by:
+            self._standing_by = True
+            self.metrics.active.set(0)
+            log.info("standby: another relay holds the outbox lock")
+        return got
+
+    def _step_down(self, quiet: bool = False) -> None:
+        """Stop publishing: drop what the producer still holds and let the lock go."""
+        if self._producer is not None:
+            # Nothing more of this relay's reaches the broker: at most the batch in
+            # flight was published by a relay that had lost the lock.
+            self._producer.purge(in_queue=True, in_flight=True)
+            self._producer.poll(0)
+            self._producer = None
+        if self._active and not quiet:
+            log.info("standby")
+        self._active = False
+        self.metrics.active.set(0)
+        self.lock.release()
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def _work_connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            # No prepared statements: DATABASE_URL may be a transaction-mode pooler.
+            self._conn = psycopg.connect(self.config.database_url, autocommit=True,
+                                         application_name=f"poimen-outbox/{os.getpid()}",
+                                         prepare_threshold=None, connect_timeout=10)
+        return self._conn
+
+    def _close_work_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._conn = None
+
+    def _confirm_lock(self, always: bool = False) -> None:
+        now = time.monotonic()
+        if always or now - self._last_probe >= self.config.lock_check_interval:
+            if not self.lock.held():
+                raise LockLost("pg_locks no longer shows it for the lock connection")
+            self._last_probe = now
+
+    def _make_producer(self) -> Producer:
+        if self._producer is None:
+            self._fatal = None
+            self._producer = Producer({
+                # Unbounded: during a broker outage the batch waits in the producer
+                # and goes out in order when the broker is back. A finite timeout
+                # would fail part of a batch and let later events of a run overtake
+                # its earlier ones when re-sent.
+                "message.timeout.ms": 0,
+                "linger.ms": 5,
+                **self.config.kafka,
+                "client.id": "poimen-outbox",
+                "enable.idempotence": True,
+                "acks": "all",
+                "error_cb": self._on_error,
+            })
+            self._admin = AdminClient(dict(self.config.kafka))
+        return self._producer
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+            log.error("producer fatal error (it will be recreated): %s", err)
+        elif err.code() not in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+            log.warning("producer: %s", err)
+
+    def _topic(self, tenant: str) -> str:
+        topic = self._topics.get(tenant)
+        if topic is None:
+            topic = self._topics[tenant] = events_topic(self.config.prefix, tenant)
+            # Declared by `flask --app app topics declare`; created here if missing
+            # rather than left to broker auto-creation (often off, wrong partitions).
+            # One attempt per tenant and process: during a broker outage this
+            # must not cost every batch a timeout.
+            try:
+                ensure_topics(self._admin, [topic], self.config.topic_partitions, timeout=5)
+            except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
+                log.warning("could not make sure %s exists (%s); producing to it anyway",
+                            topic, str(err) or type(err).__name__)
+        return topic
+
+    def _ship_batch(self) -> int:
+        """Publish one batch and mark what the broker acknowledged; return the rows read."""
+        cfg = self.config
+        self._confirm_lock()
+        started = time.monotonic()
+        rows = self._work_connection().execute(READ_SQL, [cfg.batch_size]).fetchall()
+        self.metrics.reads.inc()
+        if not rows:
+            return 0
+        producer = self._make_producer()
+        deliveries = Deliveries()
+        for row_id, tenant, key, event_type, run_id, occurred_at, value in rows:
+            headers = [
+                ("ce_id", str(row_id)), ("ce_type", event_type),
+                ("ce_source", f"/poimen/{tenant}/runs/{run_id}"),
+                ("ce_specversion", SPECVERSION), ("ce_time", occurred_at),
+                ("content-type", "application/json"),
+            ]
+            while True:
+                try:
+                    producer.produce(self._topic(tenant), value.encode(), key.encode(),
+                                     headers=headers,
+                                     on_delivery=functools.partial(deliveries.report, row_id))
+                    deliveries.outstanding += 1
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+                except KafkaException as err:
+                    deliveries.failed[row_id] = err.args[0]
+                    break
+        self._await(producer, deliveries)
+        # Only a relay that still holds the lock marks; a relay that lost it has
+        # published this batch once more, which consumers dedupe on ce_id.
+        self._confirm_lock(always=True)
+        if deliveries.acked:
+            self._work_connection().execute(MARK_SQL, [deliveries.acked])
+            self._published += len(deliveries.acked)
+            self.metrics.published.inc(len(deliveries.acked))
+        self.metrics.batch_seconds.observe(time.monotonic() - started)
+        if deliveries.failed and not self._stop.is_set():
+            self._failed(deliveries)
+        elif not deliveries.failed:
+            self._failures = 0
+        return len(rows)
+
+    def _await(self, producer: Producer, deliveries: Deliveries) -> None:
+        """Wait until every message of the batch is acknowledged or failed.
+
+        Returns early (purging what is left) on a fatal producer error or when a
+        shutdown's grace runs out; raises ``LockLost`` if the lock goes meanwhile.
+        """
+        while deliveries.outstanding > 0:
+            try:
+                producer.poll(0.05)
+            except KafkaException as err:  # raised by poll once the producer is fatally broken
+                if not err.args[0].fatal():
+                    raise
+                self._fatal = err.args[0]
+            if self._fatal is not None:
+                log.warning("producer failed fatally (%s): %d events go out again with a new "
+                            "producer", self._fatal, deliveries.outstanding)
+                break
+            deadline = self._shutdown_deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                log.warning("shutting down with %d events unacknowledged; they stay "
+                            "unpublished and go out again", deliveries.outstanding)
+                break
+            self._confirm_lock()
+        if deliveries.outstanding > 0:
+            producer.purge(in_queue=True, in_flight=True)
+            producer.poll(0)  # serves the purged messages' reports
+        if self._fatal is not None:
+            self._producer = None  # an idempotent producer cannot continue after a fatal error
+
+    def _failed(self, deliveries: Deliveries) -> None:
+        for err in deliveries.failed.values():
+            name = err.name() if isinstance(err, KafkaError) else type(err).__name__
+            self.metrics.errors.labels(name).inc()
+            if isinstance(err, KafkaError) and err.code() in (
+                    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                self._topics.clear()  # try creating the topics again
+        self._failures += 1
+        first_id, first = min(deliveries.failed.items())
+        delay = backoff_delay(self._failures, 0.5, self.config.backoff_max)
+        log.warning("%d events not published (first: id %d, %s); retrying in %.1fs",
+                    len(deliveries.failed), first_id, first, delay)
+        self._stop.wait(delay)
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def _prune_if_due(self) -> None:
+        cfg = self.config
+        now = time.monotonic()
+        if cfg.retention is None or now < self._next_prune:
+            return
+        self._next_prune = now + cfg.prune_interval
+        total, budget = 0, now + 1.0
+        # Small deletes, each its own transaction, so pruning never holds locks on
+        # many rows nor delays the next batch for long.
+        while time.monotonic() < budget and not self._stop.is_set():
+            deleted = self._work_connection().execute(
+                PRUNE_SQL, [cfg.retention, cfg.prune_batch]).rowcount
+            total += deleted
+            if deleted < cfg.prune_batch:
+                break
+        if total:
+            self.metrics.pruned.inc(total)
+            log.info("pruned %d published events older than %.0fs", total, cfg.retention)
+
+    # -- lag ---------------------------------------------------------------------------------
+
+    def _watch_lag(self) -> None:
+        """Publish pending rows and the oldest one's age per tenant, active or standby.
+
+        A standby reports it too: if the active relay is frozen, the standby's
+        numbers are the ones that show the stall.
+        """
+        conn: psycopg.Connection | None = None
+        while True:
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.config.database_url, autocommit=True,
+                                           application_name=f"poimen-outbox-lag/{os.getpid()}",
+                                           prepare_threshold=None, connect_timeout=10)
+                rows = conn.execute(PENDING_SQL).fetchall()
+                seen = set()
+                for tenant, count, age in rows:
+                    seen.add(tenant)
+                    self.metrics.pending.labels(tenant).set(count)
+                    self.metrics.oldest_age.labels(tenant).set(float(age or 0))
+                for tenant in self._tenants_seen - seen:
+                    self.metrics.pending.labels(tenant).set(0)
+                    self.metrics.oldest_age.labels(tenant).set(0)
+                self._tenants_seen |= seen
+            except psycopg.Error as err:
+                log.warning("outbox lag not measured: %s", err)
+                if conn is not None:
+                    conn.close()
+                conn = None
+            if self._stop.wait(self.config.lag_interval):
+                break
+        if conn is not None:
+            conn.close()
+
+
+def main() -> int:
+    """Run the outbox relay until SIGTERM or SIGINT."""
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = OutboxConfig.from_env()
+    relay = OutboxRelay(config)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=relay.metrics.registry)
+        log.info("metrics on :%d/metrics", config.metrics_port)
+    # `kill -USR1 <pid>` prints every thread's stack: where a stuck relay is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    signal.signal(signal.SIGTERM, relay.stop)
+    signal.signal(signal.SIGINT, relay.stop)
+    relay.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,657 @@
+"""The outbox relay over real processes: real Postgres, a real Kafka-protocol broker, and
+``python -m bridge.outbox`` as a subprocess (plus gunicorn and a Celery worker where runs
+really execute).
+
+Each test has its own tenant and topic prefix, so nothing it reads was written by
+another test. Events are written either by real runs or, where a test needs to
+control transactions, by plain INSERTs into ``outbox`` as the app's writers do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import psycopg
+import pytest
+import requests
+from confluent_kafka import Consumer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
+from bridge.topics import declare_topics, events_topic
+from poimen_dev import _noida_binary
+from tests.processes import (
+    ROOT,
+    Process,
+    free_port,
+    start_web,
+    start_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+SCHEMA = json.loads((ROOT / "docs" / "events.schema.json").read_text())
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Scrape a Prometheus endpoint into ``{(sample name, sorted labels): value}``."""
+    text = requests.get(url, timeout=5).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@dataclass
+class Relay:
+    proc: Process
+    metrics_url: str
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.metrics_url, name, **labels)
+
+    @property
+    def published(self) -> float:
+        return self.metric("poimen_outbox_published_total")
+
+    @property
+    def active(self) -> bool:
+        return self.metric("poimen_outbox_active") == 1
+
+
+class TopicReader:
+    """Reads one topic from the start, every partition, accumulating messages."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        self.topic = topic
+        self.messages: list = []
+        self.consumer = Consumer({"bootstrap.servers": bootstrap,
+                                  "group.id": f"reader-{uuid.uuid4()}",
+                                  "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                                  "session.timeout.ms": 6000})
+        meta = self.consumer.list_topics(topic, timeout=10).topics[topic]
+        assert meta.error is None, f"{topic}: {meta.error}"
+        self.partitions = sorted(meta.partitions)
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in self.partitions])
+
+    def drain(self, seconds: float = 0.2) -> list:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = self.consumer.poll(0.05)
+            if msg is not None and not msg.error():
+                self.messages.append(msg)
+        return self.messages
+
+    def read_to_end(self, timeout: float = 15) -> list:
+        """Read until every partition's position reaches its current high watermark."""
+        ends = {p: self.consumer.get_watermark_offsets(TopicPartition(self.topic, p),
+                                                       timeout=10, cached=False)[1]
+                for p in self.partitions}
+
+        def caught_up() -> bool:
+            self.drain(0.1)
+            positions = {tp.partition: tp.offset
+                         for tp in self.consumer.position(
+                             [TopicPartition(self.topic, p) for p in self.partitions])}
+            return all(ends[p] == 0 or positions[p] >= ends[p] for p in self.partitions)
+
+        wait_until(caught_up, timeout=timeout, what=f"reading {self.topic} to its end")
+        return self.messages
+
+    def ce_ids(self) -> list[int]:
+        return [int(headers(m)["ce_id"]) for m in self.messages]
+
+    def wait_for_ids(self, ids: set[int], timeout: float = 30) -> list:
+        try:
+            wait_until(lambda: ids <= set(self.ce_ids()) or self.drain() and False,
+                       timeout=timeout, interval=0.05, what="events on the topic")
+        except AssertionError as err:
+            raise AssertionError(f"{err}; missing ce_ids {sorted(ids - set(self.ce_ids()))}, "
+                                 f"topic has {sorted(set(self.ce_ids()))}") from None
+        return self.messages
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def headers(msg) -> dict[str, str]:
+    return {k: v.decode() for k, v in (msg.headers() or [])}
+
+
+@dataclass
+class World:
+    """One test's world: a tenant, a topic prefix, a broker, relays started on demand."""
+
+    database_url: str
+    bootstrap: str
+    env: dict[str, str]
+    log_dir: Path
+    tenant: str = ""
+    tenant_id: int = 0
+    relays: list[Relay] = field(default_factory=list)
+    readers: list[TopicReader] = field(default_factory=list)
+    others: list[Process] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return self.env["POIMEN_TOPIC_PREFIX"]
+
+    @property
+    def topic(self) -> str:
+        return events_topic(self.prefix, self.tenant)
+
+    def connect(self, autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(libpq_url(self.database_url), autocommit=autocommit)
+
+    def add_tenant(self, name: str | None = None) -> None:
+        self.tenant = name or f"ob{uuid.uuid4().hex[:10]}"
+        with self.connect() as conn:
+            self.tenant_id = conn.execute("INSERT INTO tenants (name) VALUES (%s) RETURNING id",
+                                          [self.tenant]).fetchone()[0]
+
+    def declare(self, partitions: int = 2) -> None:
+        declare_topics(self.bootstrap, self.prefix, [self.tenant], partitions)
+
+    def start_relay(self, name: str | None = None, **env: str) -> Relay:
+        port = free_port()
+        name = name or f"outbox-{len(self.relays)}"
+        proc = Process(name, [sys.executable, "-m", "bridge.outbox"],
+                       {**self.env, "METRICS_PORT": str(port), **env}, self.log_dir).start()
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def answering() -> bool:
+            if not proc.alive():
+                raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
+            return requests.get(url, timeout=1).ok
+
+        wait_until(answering, timeout=30, what=f"{name} metrics on {url}")
+        relay = Relay(proc, url)
+        self.relays.append(relay)
+        return relay
+
+    def reader(self) -> TopicReader:
+        reader = TopicReader(self.bootstrap, self.topic)
+        self.readers.append(reader)
+        return reader
+
+    def table_ids(self, published: bool | None = None) -> set[int]:
+        where = ("" if published is None
+                 else " AND published_at IS NOT NULL" if published else " AND published_at IS NULL")
+        with self.connect() as conn:
+            return {r[0] for r in conn.execute(
+                f"SELECT id FROM outbox WHERE tenant_id = %s{where}", [self.tenant_id])}
+
+
+def insert_events(conn: psycopg.Connection, tenant_id: int, count: int = 1,
+                  run_id: uuid.UUID | None = None, event_type: str = "run.test") -> list[int]:
+    """Insert ``count`` events as the app's writers do (in ``conn``'s transaction)."""
+    run_id = run_id or uuid.uuid4()
+    rows = conn.execute(
+        "INSERT INTO outbox (tenant_id, run_id, event_type, payload) "
+        "SELECT %(t)s, %(r)s, %(e)s::text, jsonb_build_object('run_id', %(r)s::text, 'type', %(e)s::text, "
+        "'n', n) FROM generate_series(1, %(c)s) AS n RETURNING id",
+        {"t": tenant_id, "r": run_id, "e": event_type, "c": count}).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+@pytest.fixture
+def world(test_env, database_url, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    env = {
+        **test_env,
+        "POIMEN_TOPIC_PREFIX": f"ot{tag}",
+        "POIMEN_OUTBOX_POLL_INTERVAL": "0.05",
+        "POIMEN_OUTBOX_LAG_INTERVAL": "0.3",
+        "POIMEN_OUTBOX_PROGRESS_INTERVAL": "5",
+        "POIMEN_OUTBOX_TOPIC_PARTITIONS": "2",
+    }
+    w = World(database_url, test_env["KAFKA_BOOTSTRAP_SERVERS"], env, tmp_path)
+    yield w
+    for relay in w.relays:
+        relay.proc.stop()
+        # Shown by pytest when the test failed.
+        print(f"--- {relay.proc.name} ---\n{relay.proc.log()[-6000:]}")
+    for proc in w.others:
+        proc.stop()
+    for reader in w.readers:
+        reader.close()
+
+
+@pytest.fixture(scope="module")
+def api(test_env, tmp_path_factory) -> str:
+    proc, url = start_web(test_env, tmp_path_factory.mktemp("outbox-web"), workers=1, threads=4)
+    yield url
+    proc.stop()
+
+
+def start_broker(data: Path, port: int, log_dir: Path) -> Process:
+    """A private Kafka-protocol broker (noida-db) on ``port``, keeping its data in ``data``.
+
+    The broker binary itself, not the ``noida-db`` wrapper script: stopping the
+    wrapper's process group SIGKILLs the broker while it saves its data, and it
+    then comes back without the messages it had acknowledged.
+    """
+    proc = Process("kafka-private", [_noida_binary(), "start", "--data-dir", str(data),
+                                     "--host", "127.0.0.1", "--only", "kafka",
+                                     "--kafka-port", str(port)], os.environ, log_dir).start()
+
+    def listening() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"the broker exited:\n{proc.log()[-3000:]}")
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    wait_until(listening, timeout=30, what=f"the private broker on port {port}")
+    return proc
+
+
+def start_ready_worker(world: World) -> Process:
+    # Per test: the tables (worker_boots included) are emptied between tests.
+    worker = start_worker(world.env, world.log_dir, name=f"worker-{len(world.others)}")
+    world.others.append(worker)
+    wait_until(lambda: "ready" in worker.log(), timeout=60, what="the Celery worker")
+    return worker
+
+
+def admit(api: str, token: str, workflow_ref: str = "echo", **fields) -> str:
+    response = requests.post(f"{api}/v1/runs", headers={"Authorization": f"Bearer {token}"},
+                             json={"workflow_ref": workflow_ref, "input": {}, **fields},
+                             timeout=10)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def wait_succeeded(api: str, token: str, run_ids: list[str], timeout: float = 60) -> None:
+    def done() -> bool:
+        return all(requests.get(f"{api}/v1/runs/{run_id}", timeout=5,
+                                headers={"Authorization": f"Bearer {token}"}
+                                ).json()["status"] == "succeeded" for run_id in run_ids)
+
+    wait_until(done, timeout=timeout, what=f"runs {run_ids} to succeed")
+
+
+def run_events(world: World, run_id: str) -> list[tuple[int, str]]:
+    with world.connect() as conn:
+        return [tuple(r) for r in conn.execute(
+            "SELECT id, event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def assert_per_run_order(messages: list) -> None:
+    """Each run's events, first copies only, appear in id order and on one partition."""
+    firsts: dict[str, list[int]] = {}
+    partitions: dict[str, set[int]] = {}
+    seen: set[int] = set()
+    for msg in sorted(messages, key=lambda m: (m.partition(), m.offset())):
+        key, ce_id = msg.key().decode(), int(headers(msg)["ce_id"])
+        partitions.setdefault(key, set()).add(msg.partition())
+        if ce_id not in seen:
+            seen.add(ce_id)
+            firsts.setdefault(key, []).append(ce_id)
+    for key, ids in firsts.items():
+        assert ids == sorted(ids), f"{key}: events out of order: {ids}"
+        assert len(partitions[key]) == 1, f"{key} spread over partitions {partitions[key]}"
+
+
+# -- Verify 1: a run's events, in order, keyed, with ce_id ---------------------------------------
+
+
+def test_a_succeeding_run_publishes_its_events_in_order(world, api, make_tenant):
+    creds = make_tenant(f"ob{uuid.uuid4().hex[:10]}")
+    world.tenant, world.tenant_id = creds.name, creds.id
+    world.declare(partitions=3)
+    start_ready_worker(world)
+    relay = world.start_relay()
+
+    run_id = admit(api, creds.token, input={"hello": "events"}, goal_id="goal-7",
+                   dispatch_key="outbox-1")
+    wait_succeeded(api, creds.token, [run_id])
+    rows = run_events(world, run_id)
+    types = [t for _, t in rows]
+    assert types[0] == "run.admitted" and types[-1] == "run.succeeded"
+    assert "run.started" in types
+
+    messages = world.reader().wait_for_ids({i for i, _ in rows})
+    mine = [m for m in messages if m.key() == f"{creds.name}:{run_id}".encode()]
+    assert len(mine) == len(messages) == len(rows)
+    assert len({m.partition() for m in mine}) == 1
+    mine.sort(key=lambda m: m.offset())
+    assert [(int(headers(m)["ce_id"]), headers(m)["ce_type"]) for m in mine] == rows
+
+    for msg, (row_id, event_type) in zip(mine, rows, strict=True):
+        h = headers(msg)
+        value = json.loads(msg.value())
+        jsonschema.validate(value, SCHEMA, format_checker=jsonschema.FormatChecker())
+        assert h["ce_specversion"] == "1.0" and h["content-type"] == "application/json"
+        assert h["ce_source"] == f"/poimen/{creds.name}/runs/{run_id}"
+        assert h["ce_time"] == value["occurred_at"] and h["ce_time"].endswith("Z")
+        assert value["event_id"] == h["ce_id"] == str(row_id)
+        assert value["type"] == event_type
+        assert (value["tenant"], value["run_id"]) == (creds.name, run_id)
+        assert (value["goal_id"], value["parent_run_id"]) == ("goal-7", None)
+        assert value["data"]["run_id"] == run_id and value["data"]["type"] == event_type
+    assert json.loads(mine[0].value())["data"]["dispatch_key"] == "outbox-1"
+
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+    assert relay.published == len(rows)
+
+
+# -- Verify 2: broker down, events pile up, none lost --------------------------------------------
+
+
+def test_broker_outage_piles_events_up_and_loses_none(world, api, make_tenant, tmp_path):
+    port, data = free_port(), tmp_path / "broker-data"
+    data.mkdir()
+    broker = start_broker(data, port, tmp_path)
+    try:
+        world.bootstrap = f"127.0.0.1:{port}"
+        world.env["KAFKA_BOOTSTRAP_SERVERS"] = world.bootstrap
+        world.env["KAFKA_RECONNECT_BACKOFF_MAX_MS"] = "500"
+        creds = make_tenant(f"ob{uuid.uuid4().hex[:10]}")
+        world.tenant, world.tenant_id = creds.name, creds.id
+        world.declare(partitions=2)
+        start_ready_worker(world)
+        relay = world.start_relay()
+
+        first = admit(api, creds.token)
+        wait_succeeded(api, creds.token, [first])
+        wait_until(lambda: world.table_ids(published=False) == set() and world.table_ids(),
+                   timeout=30, what="the first run's events published")
+
+        broker.stop()  # SIGTERM, and wait for it to save its data and exit
+        during = [admit(api, creds.token, input={"n": i}) for i in range(3)]
+        wait_succeeded(api, creds.token, during)
+        piled = world.table_ids(published=False)
+        assert len(piled) >= 3 * 3, "admitted, started and succeeded of 3 runs"
+        wait_until(lambda: relay.metric("poimen_outbox_pending", tenant=creds.name)
+                   >= len(piled), timeout=10, what="the lag metric to rise")
+        assert relay.metric("poimen_outbox_oldest_age_seconds", tenant=creds.name) > 0
+        assert relay.proc.alive()
+
+        broker = start_broker(data, port, tmp_path)
+        wait_until(lambda: world.table_ids(published=False) == set(), timeout=60,
+                   what="the piled-up events published after the broker came back")
+        wait_until(lambda: relay.metric("poimen_outbox_pending", tenant=creds.name) == 0,
+                   timeout=10, what="the lag metric to fall")
+
+        messages = world.reader().read_to_end()
+        assert {int(headers(m)["ce_id"]) for m in messages} == world.table_ids()
+        assert_per_run_order(messages)
+        assert relay.published >= len(world.table_ids())
+
+        relay.proc.signal_group(signal.SIGTERM)
+        relay.proc.proc.wait(25)
+        assert relay.proc.proc.returncode == 0, relay.proc.log()[-3000:]
+    finally:
+        for relay in world.relays:
+            relay.proc.stop()
+        broker.stop()
+
+
+# -- Verify 3: transactions that commit out of id order ------------------------------------------
+
+
+def test_a_lower_id_committed_late_is_still_published(world):
+    world.add_tenant()
+    world.declare()
+    world.start_relay()
+    reader = world.reader()
+    run_id = uuid.uuid4()
+    with world.connect(autocommit=False) as a, world.connect(autocommit=False) as b:
+        # B's transaction is the older one (it wrote before A began, as a transaction
+        # that first changed a run would have), so the horizon does not hold B back
+        # while A is open.
+        b.execute("SELECT pg_current_xact_id()")
+        a.execute("SELECT pg_current_xact_id()")
+        [id_a] = insert_events(a, world.tenant_id, run_id=run_id, event_type="run.a")
+        [id_b] = insert_events(b, world.tenant_id, run_id=run_id, event_type="run.b")
+        assert id_a < id_b
+        b.commit()
+        reader.wait_for_ids({id_b}, timeout=30)
+        wait_until(lambda: world.table_ids(published=True) == {id_b}, timeout=10,
+                   what="B marked published while A is still open")
+        a.commit()
+
+    def everything_published() -> bool:
+        reader.drain()
+        return world.table_ids(published=False) == set() and set(reader.ce_ids()) == {id_a, id_b}
+
+    try:
+        wait_until(everything_published, timeout=15, what="A's event published after its commit")
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n  ids in the table: {sorted(world.table_ids())}"
+                             f"\n  ce_ids on the topic: {sorted(set(reader.ce_ids()))}"
+                             f"\n  unpublished rows: {sorted(world.table_ids(published=False))}"
+                             ) from None
+    assert set(reader.ce_ids()) == world.table_ids() == {id_a, id_b}
+
+
+def test_rows_of_younger_transactions_wait_for_an_older_open_one(world):
+    world.add_tenant()
+    world.declare()
+    relay = world.start_relay()
+    reader = world.reader()
+    run_id = uuid.uuid4()
+    with world.connect(autocommit=False) as a, world.connect() as b:
+        [id_a] = insert_events(a, world.tenant_id, run_id=run_id, event_type="run.a")
+        [id_b] = insert_events(b, world.tenant_id, run_id=run_id, event_type="run.b")  # commits
+        # Two complete reads by the relay after B committed, while A is open...
+        reads = relay.metric("poimen_outbox_reads_total")
+        wait_until(lambda: relay.metric("poimen_outbox_reads_total") >= reads + 2,
+                   timeout=10, what="the relay to read twice")
+        # ...left B alone: publishing it now would put it ahead of A's lower id.
+        assert world.table_ids(published=True) == set()
+        assert reader.drain(0.3) == []
+        a.commit()
+    reader.wait_for_ids({id_a, id_b})
+    assert [int(headers(m)["ce_id"]) for m in reader.messages] == [id_a, id_b]
+
+
+# -- Verify 4: kill -9 between produce and mark --------------------------------------------------
+
+
+def test_kill_between_produce_and_mark_repeats_events_but_loses_none(world):
+    world.add_tenant()
+    world.declare()
+    with world.connect() as conn:
+        ids = {*insert_events(conn, world.tenant_id, 10), *insert_events(conn, world.tenant_id, 10)}
+    reader = world.reader()
+    with world.connect(autocommit=False) as locker, world.connect() as observer:
+        # Row locks let the relay read and produce, and block its mark.
+        locker.execute("SELECT id FROM outbox WHERE tenant_id = %s FOR UPDATE", [world.tenant_id])
+        relay = world.start_relay()
+        reader.wait_for_ids(ids)
+
+        def mark_blocked() -> int | None:
+            row = observer.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                "AND wait_event_type = 'Lock' AND query LIKE 'UPDATE outbox%%'",
+                [f"poimen-outbox/{relay.proc.pid}"]).fetchone()
+            return row and row[0]
+
+        backend = wait_until(mark_blocked, timeout=10, what="the relay blocked in its mark")
+        relay.proc.kill()
+        # The dead relay's backend would otherwise finish the UPDATE once unblocked.
+        observer.execute("SELECT pg_terminate_backend(%s)", [backend])
+        locker.rollback()
+    assert world.table_ids(published=False) == ids, "nothing was marked"
+
+    world.start_relay()
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=30,
+               what="the restarted relay to publish and mark")
+    messages = reader.read_to_end()
+    assert set(reader.ce_ids()) == ids == world.table_ids()
+    assert len(messages) == 2 * len(ids), "each event twice: at least once, not exactly once"
+    assert_per_run_order(messages)
+
+
+# -- Verify 5: one active relay ------------------------------------------------------------------
+
+
+def test_two_relays_one_publishes_and_the_standby_takes_over(world):
+    world.add_tenant()
+    world.declare()
+    first = world.start_relay("outbox-first")
+    wait_until(lambda: first.active, timeout=10, what="the first relay active")
+    second = world.start_relay("outbox-second")
+    wait_until(lambda: "standby" in second.proc.log(), timeout=10, what="the second on standby")
+    with world.connect() as conn:
+        ids = set(insert_events(conn, world.tenant_id, 10))
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=20,
+               what="events published")
+    assert (first.published, second.published) == (10, 0)
+    assert not second.active
+
+    first.proc.kill()
+    killed = time.monotonic()
+    with world.connect() as conn:
+        ids |= set(insert_events(conn, world.tenant_id, 5))
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=5, interval=0.05,
+               what="the standby to publish within 5 s of the kill")
+    took_over = time.monotonic() - killed
+    assert second.active and second.published == 5, took_over
+    reader = world.reader()
+    reader.wait_for_ids(ids)
+    assert set(reader.ce_ids()) == ids
+
+
+def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
+    world.add_tenant()
+    world.declare()
+    batch = 5
+    relay = world.start_relay(POIMEN_OUTBOX_BATCH_SIZE=str(batch))
+    wait_until(lambda: relay.active, timeout=10, what="the relay active")
+    stop_feeding = threading.Event()
+    fed: list[int] = []
+
+    def feed() -> None:  # a steady stream of events, so the relay is mid-stream when cut
+        with world.connect() as conn:
+            while not stop_feeding.wait(0.01):
+                fed.extend(insert_events(conn, world.tenant_id, 1))
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        wait_until(lambda: relay.published >= 20, timeout=20, what="the relay publishing")
+        with world.connect() as holder:
+            [lock_backend] = holder.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                [f"poimen-outbox-lock/{relay.proc.pid}"]).fetchone()
+            holder.execute("SELECT pg_terminate_backend(%s)", [lock_backend])
+            # The test now holds the relay lock, as another relay would after a takeover.
+            holder.execute("SELECT pg_advisory_lock(%s, %s)",
+                           [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY])
+            wait_until(lambda: not relay.active, timeout=5, what="the relay to step down")
+            wait_until(lambda: relay.proc.log().count("standby: another relay holds") >= 1,
+                       timeout=5, what="the relay to find the lock taken")
+            stop_feeding.set()
+            feeder.join(5)
+            published_after = relay.published
+            unmarked = world.table_ids(published=False)
+            assert unmarked, "the feeder's later events wait for a relay"
+            messages = world.reader().read_to_end()
+            # Produced but never marked: the batch in flight when the lock went.
+            extra = {int(headers(m)["ce_id"]) for m in messages} & unmarked
+            assert len(extra) <= batch, sorted(extra)
+            time.sleep(1.5)  # a standby re-tries every second; it must keep off
+            assert relay.published == published_after
+            assert world.table_ids(published=False) == unmarked
+            holder.execute("SELECT pg_advisory_unlock(%s, %s)",
+                           [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY])
+        wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+                   what="the relay to take the lock back and publish the rest")
+        assert relay.active
+    finally:
+        stop_feeding.set()
+    reader = world.readers[-1]
+    reader.read_to_end()
+    assert set(reader.ce_ids()) == set(fed) == world.table_ids()
+
+
+# -- Verify 6: the bridge stands alone -----------------------------------------------------------
+
+
+def test_the_bridge_imports_nothing_from_app_or_workers():
+    code = ("import sys, bridge.outbox, bridge.inbox, bridge.topics, bridge.kafka; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+# -- shutdown, retention -------------------------------------------------------------------------
+
+
+def test_sigterm_with_the_broker_down_exits_within_the_grace(world):
+    world.add_tenant()
+    world.env["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{free_port()}"  # nothing listens
+    relay = world.start_relay(POIMEN_SHUTDOWN_GRACE="8")
+    with world.connect() as conn:
+        ids = set(insert_events(conn, world.tenant_id, 3))
+    wait_until(lambda: relay.metric("poimen_outbox_reads_total") >= 1 and
+               relay.metric("poimen_outbox_pending", tenant=world.tenant) == 3,
+               timeout=10, what="the relay holding an unacknowledgeable batch")
+    started = time.monotonic()
+    relay.proc.signal_group(signal.SIGTERM)
+    relay.proc.proc.wait(15)
+    took = time.monotonic() - started
+    assert relay.proc.proc.returncode == 0, relay.proc.log()[-3000:]
+    assert took < 8, took
+    assert world.table_ids(published=False) == ids
+
+
+def test_published_events_are_pruned_after_the_retention(world):
+    world.add_tenant()
+    world.declare()
+    with world.connect() as conn:
+        old = set(insert_events(conn, world.tenant_id, 7))
+        recent = set(insert_events(conn, world.tenant_id, 2))
+        pending_old = set(insert_events(conn, world.tenant_id, 2))
+        conn.execute("UPDATE outbox SET published_at = now() - interval '8 days' "
+                     "WHERE id = ANY(%s)", [sorted(old)])
+        conn.execute("UPDATE outbox SET published_at = now() - interval '6 days' "
+                     "WHERE id = ANY(%s)", [sorted(recent)])
+        conn.execute("UPDATE outbox SET created_at = now() - interval '30 days' "
+                     "WHERE id = ANY(%s)", [sorted(pending_old)])
+    relay = world.start_relay(POIMEN_OUTBOX_RETENTION="7d", POIMEN_OUTBOX_PRUNE_INTERVAL="0.2",
+                              POIMEN_OUTBOX_PRUNE_BATCH="3")
+    wait_until(lambda: world.table_ids() == recent | pending_old, timeout=15,
+               what="old published events pruned")
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="the unpublished old events published, not pruned")
+    assert relay.metric("poimen_outbox_pruned_total") == len(old)
+
+
+def test_retention_is_read_in_seconds_or_with_a_unit():
+    assert parse_retention(None) == 7 * 86400
+    assert parse_retention("3600") == parse_retention("60m") == parse_retention("1h") == 3600
+    assert parse_retention("7d") == parse_retention("7D") == 7 * 86400
+    assert parse_retention("never") is None and parse_retention("0") is None
+    with pytest.raises(SystemExit):
+        parse_retention("a week")
+
+
+def test_heroku_database_urls_are_accepted():
+    assert libpq_url("postgres://u:p@h:5432/d") == "postgresql://u:p@h:5432/d"
+    assert libpq_url("postgresql+psycopg://u@h/d") == "postgresql://u@h/d"
+    assert libpq_url("postgresql://u@h/d") == "postgresql://u@h/d"
+
