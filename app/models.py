@@ -79,6 +79,8 @@ class Run(db.Model):
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     # ... but only workflow exceptions count against the workflow's max_attempts.
     failures: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", default=0)
+    # ... and takeovers count the lost workers, compared with the workflow's max_takeovers.
+    takeovers: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0", default=0)
     claimed_by: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("worker_boots.boot_id")
     )
