@@ -182,6 +182,27 @@ def admit(app, tenant):
 
 
 @pytest.fixture
+def side_effects(pg):
+    """The table test workflows write one row per side effect into."""
+    pg.execute("CREATE TABLE IF NOT EXISTS side_effects (id bigserial PRIMARY KEY, "
+               "run_id uuid NOT NULL, kind text NOT NULL, pid int NOT NULL, "
+               "at timestamptz NOT NULL DEFAULT now())")
+    pg.execute("TRUNCATE side_effects")
+
+    def count(run_id=None, kind: str | None = None) -> int:
+        sql, params = "SELECT count(*) FROM side_effects WHERE true", []
+        if run_id is not None:
+            sql += " AND run_id = %s"
+            params.append(run_id)
+        if kind is not None:
+            sql += " AND kind = %s"
+            params.append(kind)
+        return pg.execute(sql, params).fetchone()[0]
+
+    return count
+
+
+@pytest.fixture
 def client(app):
     return app.test_client()
 

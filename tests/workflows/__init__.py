@@ -67,3 +67,23 @@ def flaky(ctx, input):
 def unstorable(ctx, input):
     """Return a result Postgres jsonb refuses (a NUL character)."""
     return {"text": "nul \u0000 here"}
+
+
+@workflow("blind", version="1")
+def blind(ctx, input):
+    """Record 'start', sleep ``seconds`` without any checkpoint, record 'finish'."""
+    import time
+
+    record_effect(ctx.run_id, "start")
+    time.sleep(float(input.get("seconds", 0)))
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt}
+
+
+@workflow("crash", version="1")
+def crash(ctx, input):
+    """Kill the worker process that runs it (an OOM kill, a segfault)."""
+    import os
+
+    record_effect(ctx.run_id, "start")
+    os._exit(int(input.get("code", 1)))

@@ -1,0 +1,129 @@
+"""Chaos on the shared Postgres: a worker's lock cut server-side, workers that keep dying,
+a cancelled run whose worker is killed. Real Celery workers, real Postgres and Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.processes import Process, start_beat, start_worker, wait_until
+
+FAST_PROBE = {"POIMEN_BOOT_PROBE_INTERVAL": "0.3"}
+
+
+@pytest.fixture
+def processes():
+    started: list[Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def run_row(pg, run_id):
+    return pg.execute("SELECT status, attempt, takeovers, error, claimed_by FROM runs "
+                      "WHERE id = %s", [run_id]).fetchone()
+
+
+def events_of(pg, run_id) -> list[str]:
+    return [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def lock_backend_of(pg, run_id) -> int | None:
+    """The backend pid holding the liveness lock of the boot that holds ``run_id``."""
+    from app.liveness import LOCK_NAMESPACE
+
+    row = pg.execute(
+        "SELECT l.pid FROM runs r JOIN worker_boots b ON b.boot_id = r.claimed_by "
+        "JOIN pg_locks l ON l.locktype = 'advisory' AND l.classid = CAST(%s AS oid) "
+        "AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted "
+        "WHERE r.id = %s", [LOCK_NAMESPACE, run_id]).fetchone()
+    return row[0] if row else None
+
+
+def test_a_lock_cut_mid_run_is_adopted_and_the_run_runs_once(admit, side_effects, test_env, pg,
+                                                             tmp_path, processes):
+    """pg_terminate_backend of the running boot's lock connection: the process notices,
+    moves its claim to a new boot, finishes; one start, one finish, attempt 1."""
+    env = {**test_env, **FAST_PROBE}
+    run_id = admit("blind", {"seconds": 3})
+    processes.append(start_worker(env, tmp_path, "victim"))
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    backend = lock_backend_of(pg, run_id)
+    assert backend is not None
+    pg.execute("SELECT pg_terminate_backend(%s)", [backend])
+
+    wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=60,
+               what="the run to succeed")
+    assert side_effects(run_id, "start") == 1
+    assert side_effects(run_id, "finish") == 1
+    assert run_row(pg, run_id)[1] == 1  # attempt: never restarted
+    assert events_of(pg, run_id) == ["run.admitted", "run.started", "run.adopted",
+                                     "run.succeeded"]
+
+
+def test_a_lock_cut_with_a_rescuer_racing_still_finishes_once(admit, side_effects, test_env, pg,
+                                                              tmp_path, processes):
+    """Same cut, but beat re-sends every second and a second worker is waiting: whoever wins
+    the compare-and-set runs it; the run is finished by exactly one process."""
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1",
+           "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("blind", {"seconds": 3})
+    processes.append(start_worker(env, tmp_path, "victim"))
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    processes.append(start_worker(env, tmp_path, "rescuer"))
+    processes.append(start_beat(env, tmp_path))
+    pg.execute("SELECT pg_terminate_backend(%s)", [lock_backend_of(pg, run_id)])
+
+    wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=90,
+               what="the run to succeed")
+    assert side_effects(run_id, "finish") == 1
+    events = events_of(pg, run_id)
+    assert events.count("run.succeeded") == 1
+    # Either the process kept it (adopted, one start) or a rescuer took it over and the
+    # cut-off process stopped (two starts, never two finishes).
+    if "run.adopted" in events:
+        assert side_effects(run_id, "start") == 1
+    else:
+        assert "run.resumed" in events and side_effects(run_id, "start") == 2
+
+
+def test_a_run_that_kills_its_worker_fails_worker_lost_after_max_takeovers(
+        admit, side_effects, test_env, pg, tmp_path, processes):
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("crash", {})
+    processes.append(start_worker(env, tmp_path))
+    processes.append(start_beat(env, tmp_path))
+    wait_until(lambda: run_row(pg, run_id)[0] == "failed", timeout=180,
+               what="the run to fail worker_lost")
+    status, attempt, takeovers, error, _ = run_row(pg, run_id)
+    assert error["code"] == "worker_lost"
+    assert (attempt, takeovers) == (6, 5)  # the first execution and five takeovers
+    assert side_effects(run_id, "start") == 6
+    events = events_of(pg, run_id)
+    assert events[-1] == "run.failed" and events.count("run.resumed") == 5
+
+
+def test_a_cancelled_run_whose_worker_dies_ends_cancelled(app, admit, side_effects, test_env,
+                                                          pg, tmp_path, processes):
+    """Cancel while running (the workflow has no checkpoint), then kill -9 the worker:
+    the takeover ends the run cancelled instead of executing it again."""
+    from app.extensions import db
+    from app.runs import cancel_run
+
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("blind", {"seconds": 30})
+    victim = start_worker(env, tmp_path, "victim")
+    processes.append(victim)
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    tenant_id = pg.execute("SELECT tenant_id FROM runs WHERE id = %s", [run_id]).fetchone()[0]
+    with app.app_context():
+        assert cancel_run(db.session, tenant_id, run_id) is not None
+        db.session.commit()
+    victim.kill()
+
+    processes.append(start_worker(env, tmp_path, "rescuer"))
+    processes.append(start_beat(env, tmp_path))
+    wait_until(lambda: run_row(pg, run_id)[0] == "cancelled", timeout=60,
+               what="the run to end cancelled")
+    assert side_effects(run_id, "start") == 1  # never executed again
+    assert events_of(pg, run_id)[-1] == "run.cancelled"
