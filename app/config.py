@@ -35,9 +35,11 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
         "SQLALCHEMY_ENGINE_OPTIONS": {
-            # A ping is a round trip on every checkout; a dropped connection is
-            # instead invalidated on its first error (and recycled periodically).
-            "pool_pre_ping": env.get("POIMEN_DB_PRE_PING", "0") == "1",
+            # A ping on every checkout replaces connections a database restart
+            # or failover cut before a request uses one; without it the first
+            # request on each stale pooled connection fails (docs/reliability.md,
+            # row 9). POIMEN_DB_PRE_PING=0 turns it off.
+            "pool_pre_ping": env.get("POIMEN_DB_PRE_PING", "1") == "1",
             "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),
             "pool_size": int(env.get("POIMEN_DB_POOL_SIZE", "5")),
             "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from flask import Flask, jsonify
+from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,31 @@ _HTTP_CODES = {
 }
 
 
+# Seconds a client should wait before retrying while the database is away.
+DATABASE_RETRY_AFTER = 1
+
+
+def database_unavailable(err: BaseException) -> bool:
+    """Whether ``err`` means the database cannot be reached (not that a statement was wrong).
+
+    OperationalError and InterfaceError are what the driver raises for a
+    refused, dropped or shutting-down connection (and for other transient
+    conditions a retry may clear); a pool checkout timeout means every
+    connection is stuck. Constraint violations, bad SQL and the like stay 500s.
+    """
+    if isinstance(err, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+        return True
+    return isinstance(err, sa_exc.DBAPIError) and err.connection_invalidated
+
+
+def database_unavailable_response(err: BaseException):
+    """503 ``database_unavailable``, the answer of every endpoint while the database is down."""
+    reason = type(getattr(err, "orig", None) or err).__name__
+    return error_response(503, "database_unavailable", "the database is not reachable; retry",
+                          {"reason": reason},
+                          headers={"Retry-After": str(DATABASE_RETRY_AFTER)})
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError):
@@ -56,6 +82,36 @@ def register_error_handlers(app: Flask) -> None:
         if status == 413:
             message = f"request body exceeds {app.config['MAX_CONTENT_LENGTH']} bytes"
         return error_response(status, _HTTP_CODES.get(status, "http_error"), message)
+
+    @app.teardown_appcontext
+    def _end_session_despite_a_dead_connection(exc):
+        # Runs before Flask-SQLAlchemy's own teardown (registered earlier). If
+        # the database went away after the view did its work, the teardown's
+        # ROLLBACK fails; the answer the view computed is still right (what was
+        # committed is committed, an open transaction dies with the connection),
+        # so that failure must not become an HTML 500 from gunicorn.
+        from .extensions import db
+
+        try:
+            db.session.remove()
+        except sa_exc.SQLAlchemyError as err:
+            if not database_unavailable(err):
+                raise
+            log.warning("database connection lost while ending the request's session")
+            try:
+                db.session.remove()  # its connection is invalidated now: nothing to roll back
+            except sa_exc.SQLAlchemyError:
+                db.session.registry.clear()
+
+    @app.errorhandler(sa_exc.SQLAlchemyError)
+    def _database_error(err: sa_exc.SQLAlchemyError):
+        # A database restart, failover or outage is the service being
+        # unavailable, not a bug: 503 with the usual shape, so clients (the
+        # inbox among them) retry instead of treating it as a server fault.
+        if database_unavailable(err):
+            log.warning("database unavailable: %s", str(err).splitlines()[0] if str(err) else err)
+            return database_unavailable_response(err)
+        return _unexpected(err)
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):

@@ -3,7 +3,7 @@
 from flask import Blueprint, jsonify
 from sqlalchemy import text
 
-from .errors import error_response
+from .errors import database_unavailable_response
 from .extensions import db
 
 bp = Blueprint("health", __name__)
@@ -20,6 +20,5 @@ def readyz():
         db.session.execute(text("SELECT 1"))
         db.session.rollback()
     except Exception as err:  # noqa: BLE001 - any failure means not ready
-        return error_response(503, "database_unavailable", "the database is not reachable",
-                              {"reason": type(err).__name__})
+        return database_unavailable_response(err)
     return jsonify({"status": "ready"})
