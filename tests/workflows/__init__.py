@@ -16,15 +16,27 @@ def versioned_10(ctx, input):
 # Side effects go to a table of their own, each in its own committed
 # transaction, so a count shows exactly how many times code ran, crash or not.
 def record_effect(run_id, kind: str) -> None:
+    """Record one side effect; wait out a database restart (the record must not be lost)."""
     import os
+    import time
 
     from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
 
     from app.extensions import db
 
-    with db.engine.begin() as conn:
-        conn.execute(text("INSERT INTO side_effects (run_id, kind, pid) VALUES (:r, :k, :p)"),
-                     {"r": run_id, "k": kind, "p": os.getpid()})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with db.engine.begin() as conn:
+                conn.execute(
+                    text("INSERT INTO side_effects (run_id, kind, pid) VALUES (:r, :k, :p)"),
+                    {"r": run_id, "k": kind, "p": os.getpid()})
+            return
+        except OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 @workflow("effect", version="1")
