@@ -67,31 +67,29 @@ LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
 DEFAULT_RETENTION = 7 * 86400.0
 
-# The event, built by Postgres: json_build_object keeps the documented key order
-# (docs/events.schema.json), and the relay passes the text through untouched.
+# The event, built by Postgres: row_to_json keeps the documented key order
+# (docs/events.schema.json) and is compact; the relay passes the text through.
 READ_SQL = """
 SELECT o.id,
        t.name,
        t.name || ':' || o.run_id::text,
        o.event_type,
        o.run_id::text,
-       ts.occurred_at,
-       json_build_object(
-           'event_id', o.id::text,
-           'type', o.event_type,
-           'tenant', t.name,
-           'run_id', o.run_id,
-           'goal_id', r.goal_id,
-           'parent_run_id', r.parent_run_id,
-           'occurred_at', ts.occurred_at,
-           'data', o.payload
-       )::text
+       e.occurred_at,
+       row_to_json(e)::text
   FROM outbox o
   JOIN tenants t ON t.id = o.tenant_id
   LEFT JOIN runs r ON r.id = o.run_id
  CROSS JOIN LATERAL (
-       SELECT to_char(o.created_at AT TIME ZONE 'UTC',
-                      'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS occurred_at) ts
+       SELECT o.id::text AS event_id,
+              o.event_type AS type,
+              t.name AS tenant,
+              o.run_id,
+              r.goal_id,
+              r.parent_run_id,
+              to_char(o.created_at AT TIME ZONE 'UTC',
+                      'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS occurred_at,
+              o.payload AS data) e
  WHERE o.published_at IS NULL
    -- The horizon: every transaction older than this one has ended, so no row
    -- can still appear below it. Rows of younger, open transactions wait.
@@ -423,6 +421,7 @@ class OutboxRelay:
             self.metrics.active.set(1)
             log.info("active: holding the outbox lock (lock backend pid %s)",
                      self.lock.backend_pid)
+            self._make_producer()  # connects in the background, ready for the first batch
         elif not self._standing_by:
             self._standing_by = True
             self.metrics.active.set(0)
