@@ -99,6 +99,9 @@ class Run(db.Model):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When the run was last sent to Celery (admission, then repair): repair's clock.
+    last_sent_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now())
 
     __table_args__ = (
         CheckConstraint(

@@ -124,37 +124,101 @@ def status_counts(session: Session) -> dict[str, int]:
     return dict(session.execute(select(Run.status, func.count()).group_by(Run.status)).all())
 
 
-_STRANDED = text(
+# Repair: two statements, so neither kind of stranded run waits behind the other.
+# Each marks what it returns as sent (``last_sent_at = now()``) in the same
+# statement; the sends follow the commit. ``FOR UPDATE SKIP LOCKED`` lets two
+# repairs (two beats by mistake, beat and an operator) split the work instead
+# of sending the same runs twice.
+#
+# Runs held by a dead boot (its lock is gone): re-sent on the first tick after
+# the boot died, i.e. if not re-sent since the claim (a claim or takeover sets
+# updated_at), and after that only once the repair age has passed again.
+_DEAD_BOOT_RUNS = text(
     f"""
-    SELECT r.id, r.workflow_name, r.workflow_version, r.status
-      FROM runs r
-     WHERE (r.status = '{RunStatus.QUEUED}'
-            AND r.updated_at <= now() - make_interval(secs => :min_age)
-            AND (r.not_before IS NULL OR r.not_before <= now()))
-        OR (r.status = '{RunStatus.RUNNING}'
-            AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL}))
-     ORDER BY r.updated_at
-     LIMIT :limit
+    UPDATE runs SET last_sent_at = now()
+     WHERE id IN (
+           SELECT r.id FROM runs r
+            WHERE r.status = '{RunStatus.RUNNING}'
+              AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL})
+              AND (r.last_sent_at <= r.updated_at
+                   OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+            ORDER BY r.updated_at
+            LIMIT :limit
+              FOR UPDATE OF r SKIP LOCKED)
+    RETURNING id, workflow_name, workflow_version
+    """
+)
+
+# Queued runs whose last send is older than the repair age (a retry's delayed
+# message counts as sent at not_before), oldest send first: each tick takes
+# the next page instead of the same oldest runs again.
+_QUEUED_RUNS = text(
+    f"""
+    UPDATE runs SET last_sent_at = now()
+     WHERE id IN (
+           SELECT r.id FROM runs r
+            WHERE r.status = '{RunStatus.QUEUED}'
+              AND r.last_sent_at <= now() - make_interval(secs => :min_age)
+              AND (r.not_before IS NULL
+                   OR r.not_before <= now() - make_interval(secs => :min_age))
+            ORDER BY r.last_sent_at
+            LIMIT :limit
+              FOR UPDATE OF r SKIP LOCKED)
+    RETURNING id, workflow_name, workflow_version
     """
 )
 
 
+def _queue_depth(celery_app) -> int | None:
+    """Messages waiting in the runs' Celery queue, or None if the broker cannot say."""
+    from kombu.exceptions import ChannelError
+
+    try:
+        with celery_app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1)
+            try:
+                return conn.default_channel.queue_declare(
+                    queue=celery_app.conf.task_default_queue, passive=True).message_count
+            except ChannelError:
+                return 0  # Redis drops an empty list: no queue is an empty queue
+    except Exception:  # noqa: BLE001 - the broker is away; sending will say so too
+        log.warning("repair: could not read the queue's depth", exc_info=True)
+        return None
+
+
 def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
                           limit: int | None = 1000) -> tuple[int, int]:
-    """Re-send queued runs older than ``min_age`` s and runs held by dead boots.
+    """Re-send runs held by dead boots, and queued runs last sent over ``min_age`` s ago.
 
-    Re-sending is always safe (claims absorb duplicates), so repair only has
-    to find runs that might be stranded: queued runs nobody picked up, and
-    running runs whose boot is dead (decided by its lock, never by time).
-    Return ``(sent, found)``; ``limit=None`` means every stranded run.
+    Re-sending is always safe (claims absorb duplicates), but every needless
+    copy inflates the queue, Redis memory and Flower's counts, so:
+
+    * a run is marked sent (``last_sent_at``) and not re-sent within ``min_age``;
+    * runs held by dead boots come first, in a statement of their own, and are
+      re-sent on the first tick after their boot died, whatever the backlog;
+    * queued runs go a page (``limit``) at a time, oldest send first, and only
+      as many as the queue has room for below one page: a message still waiting
+      in the queue is not lost, and a copy would only wait behind it. Under a
+      backlog of a page or more, no queued run is re-sent until workers drain it.
+
+    ``limit=None`` (``flask runs redrive``) re-sends every such run at once,
+    whatever the queue holds. Commits the marks, then sends. Return
+    ``(sent, found)``.
     """
-    rows = session.execute(_STRANDED, {"min_age": min_age, "limit": limit}).all()
-    session.rollback()
+    params = {"min_age": min_age, "limit": limit}
+    dead = session.execute(_DEAD_BOOT_RUNS, params).all()
+    room, depth = limit, None
+    if limit is not None:
+        depth = _queue_depth(celery_app)
+        room = max(0, limit - (depth or 0))
+    queued = session.execute(_QUEUED_RUNS, {**params, "limit": room}).all() if room != 0 else []
+    session.commit()
     sent = 0
-    for row in rows:
+    for row in (*dead, *queued):
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
-    if rows:
-        dead = sum(1 for r in rows if r.status == RunStatus.RUNNING)
-        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots)", sent,
-                 len(rows) - dead, dead)
-    return sent, len(rows)
+    if dead or queued:
+        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depth %s)",
+                 sent, len(queued), len(dead), depth)
+    elif room == 0:
+        log.info("repair: %s message(s) waiting in the queue; no queued run re-sent", depth)
+    return sent, len(dead) + len(queued)
