@@ -1,14 +1,14 @@
 """runs.takeovers: how many dead workers a run has outlived (max_takeovers)
 
 Revision ID: 0004
-Revises: 0002 (re-chained after 0003 once it lands)
+Revises: 0003
 Create Date: 2026-11-29 15:00:00.000000
 
 """
 from alembic import op
 
 revision = '0004'
-down_revision = '0002'
+down_revision = '0003'
 branch_labels = None
 depends_on = None
 
