@@ -158,6 +158,25 @@ def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
             )
 
 
+def check_lock_database(dsn: str) -> None:
+    """Check, before a worker starts, that ``dsn`` can hold liveness locks.
+
+    Takes a fresh key's lock on a connection of its own and runs the session
+    check of ``Boot.register``; raises ``PooledLockConnection`` or
+    ``LockKeyTaken`` with a message for the operator.
+    """
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10,
+                         application_name="poimen-boot-check") as conn:
+        key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
+        params = {"ns": LOCK_NAMESPACE, "key": key}
+        if not conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)",
+                            params).fetchone()[0]:
+            raise LockKeyTaken(f"advisory lock ({LOCK_NAMESPACE}, {key}) is held elsewhere: "
+                               "another application uses this database's advisory lock keys")
+        _check_session_kept(dsn, conn, conn.execute("SELECT pg_backend_pid()").fetchone()[0],
+                            params)
+
+
 _current: Boot | None = None
 _current_lock = threading.Lock()
 

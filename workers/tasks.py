@@ -13,7 +13,13 @@ from app.extensions import db
 from app.runs import redrive_stranded_runs
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 
-from .boots import current_boot, end_current_boot
+from .boots import (
+    LockKeyTaken,
+    PooledLockConnection,
+    check_lock_database,
+    current_boot,
+    end_current_boot,
+)
 from .execution import boot_dsn, execute_run
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,18 @@ def repair() -> int:
     sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
                                     min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
     return sent
+
+
+@worker_init.connect
+def _check_lock_database(sender=None, **_):
+    # Liveness locks behind a transaction pooler mean nothing: refuse to start
+    # rather than let dead workers look alive (or live ones dead).
+    with sender.app.flask_app.app_context():
+        try:
+            check_lock_database(boot_dsn())
+        except (PooledLockConnection, LockKeyTaken) as err:
+            log.critical("refusing to start: %s", err)
+            raise SystemExit(f"poimen worker refuses to start: {err}") from None
 
 
 @worker_init.connect
