@@ -57,6 +57,8 @@ class ApiToken(db.Model):
     # Only the SHA-256 of the token is stored; the token is shown once at creation.
     token_hash: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
     prefix: Mapped[str] = mapped_column(String(16), nullable=False)
+    # None: everything the token's kind allows; "admit": only POST /v1/runs (the inbox's).
+    scope: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
