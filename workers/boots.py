@@ -41,9 +41,11 @@ _PROBE = (
     "AND classid = CAST(%(ns)s AS oid) AND objid = CAST(%(key)s AS oid) AND objsubid = 2 "
     "AND granted AND pid = pg_backend_pid())"
 )
+# Advisory locks are per database: another database's boot may hold the same key.
 _HOLDER = (
     "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = CAST(%(ns)s AS oid) "
-    "AND objid = CAST(%(key)s AS oid) AND objsubid = 2 AND granted"
+    "AND objid = CAST(%(key)s AS oid) AND objsubid = 2 AND granted "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
 
 

@@ -340,3 +340,116 @@ def test_adoption_after_a_takeover_is_refused(session, admit, boot_factory, dead
     # ... and the lost boot's late finish is refused by the fence.
     assert not finish_run(session, run_id, [lost, new.boot_id], status="succeeded")
     session.rollback()
+
+
+# Deterministic witnesses of the claim statements' atomicity: two sessions, explicit order --
+
+def _blocked_claim(app, run_id, boot_id, pg):
+    """Start ``claim_run`` in a thread on its own session; return once it waits on a row lock."""
+    import threading
+
+    from app.extensions import db
+
+    outcome = {}
+
+    def deliver():
+        with app.app_context():
+            db.session.execute(db.text("SET application_name = 'test-second-claimer'"))
+            outcome["claim"] = claim_run(db.session, run_id, boot_id)
+            db.session.commit()
+
+    thread = threading.Thread(target=deliver)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not pg.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                         "'test-second-claimer' AND wait_event_type = 'Lock'").fetchone()[0]:
+        assert time.monotonic() < deadline, "the second claim never waited on the row"
+        time.sleep(0.02)
+    return thread, outcome
+
+
+def test_a_claim_waiting_on_an_uncommitted_claim_does_not_claim_again(app, admit, boot_factory,
+                                                                      pg, dsn):
+    """Delivery A has claimed but not committed; delivery B reads 'queued' and tries.
+
+    A conditional UPDATE re-checks the row Postgres hands it after A commits
+    and finds it running: B is a duplicate. A check-then-update would claim
+    it a second time.
+    """
+    from app.extensions import db
+
+    run_id, a, b = admit(), boot_factory(), boot_factory()
+    with app.app_context():
+        first = claim_run(db.session, run_id, a.boot_id)  # not committed yet
+        assert first.outcome == ClaimOutcome.CLAIMED
+        thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
+        db.session.commit()
+    thread.join(10)
+    assert outcome["claim"].outcome == ClaimOutcome.DUPLICATE
+    assert status_of(pg, run_id) == ("running", a.boot_id, 1)
+    assert events_of(pg, run_id) == ["run.admitted", "run.started"]
+
+
+def test_two_rescuers_of_one_dead_boots_run_take_it_over_once(app, admit, boot_factory,
+                                                              dead_boot, pg):
+    """Rescuer A is taking the wreckage over (uncommitted) when B, which also saw the
+    holder dead, tries: the compare-and-set on the dead boot id leaves B nothing."""
+    from app.extensions import db
+
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead)
+    a, b = boot_factory(), boot_factory()
+    with app.app_context():
+        assert claim_run(db.session, run_id, a.boot_id).outcome == ClaimOutcome.TAKEN_OVER
+        thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
+        db.session.commit()
+    thread.join(10)
+    assert outcome["claim"].outcome == ClaimOutcome.DUPLICATE
+    assert pg.execute("SELECT claimed_by, attempt, takeovers FROM runs WHERE id = %s",
+                      [run_id]).fetchone() == (a.boot_id, 2, 1)
+
+
+@pytest.mark.parametrize("write", ["retry", "release", "finish"])
+def test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused(session, admit,
+                                                                     boot_factory, pg, write):
+    from workers.claims import schedule_retry
+
+    run_id, first, second = admit(), boot_factory(), boot_factory()
+    hold_as(pg, run_id, second.boot_id)  # taken over by ``second`` while ``first`` was cut off
+    refused = {
+        "retry": lambda: schedule_retry(session, run_id, first.boot_id, delay=1,
+                                        error={"type": "x"}),
+        "release": lambda: release_claim(session, run_id, first.boot_id),
+        "finish": lambda: finish_run(session, run_id, first.boot_id, status="succeeded"),
+    }[write]()
+    session.commit()
+    assert refused is False
+    assert status_of(pg, run_id) == ("running", second.boot_id, 1)
+    assert events_of(pg, run_id) == ["run.admitted"]
+
+
+def test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot(app, admit, pg, dsn, monkeypatch):
+    """Recording fails for good (not a passing outage): the boot ends, so its run becomes
+    wreckage that repair re-sends and a live boot takes over, instead of staying
+    'running' under a live boot forever."""
+    from sqlalchemy.exc import ProgrammingError
+
+    from workers import boots, execution
+
+    def broken_finish(*args, **kwargs):
+        raise ProgrammingError("UPDATE runs ...", {}, Exception("permission denied"))
+
+    monkeypatch.setattr(execution, "finish_run", broken_finish)
+    boots.end_current_boot()
+    run_id = admit("echo", {})
+    try:
+        with app.app_context(), pytest.raises(ProgrammingError):
+            execution.execute_run(str(run_id))
+        status, holder, _ = status_of(pg, run_id)
+        assert status == "running"
+        from app.liveness import LIVE_BOOTS_SQL
+
+        assert pg.execute(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL} WHERE b.boot_id = %s) AS x",
+                          [holder]).fetchone()[0] == 0  # its holder is dead: wreckage
+    finally:
+        boots.end_current_boot()
