@@ -1,6 +1,6 @@
 """The outbox relay over real processes: real Postgres, a real Kafka-protocol broker, and
-``python -m bridge.outbox`` as a subprocess (plus gunicorn and a Celery worker where runs
-really execute).
+``python -m bridge.outbox`` as a subprocess started from the Procfile's command line (plus
+gunicorn and a Celery worker where runs really execute).
 
 Each test has its own tenant and topic prefix, so nothing it reads was written by
 another test. Events are written either by real runs or, where a test needs to
@@ -31,7 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
 from bridge.topics import declare_topics, events_topic
 from poimen_dev import _noida_binary
+from poimen_dev.platform import procfile_commands
 from tests.processes import (
+    BIN,
     ROOT,
     Process,
     free_port,
@@ -174,8 +176,11 @@ class World:
     def start_relay(self, name: str | None = None, **env: str) -> Relay:
         port = free_port()
         name = name or f"outbox-{len(self.relays)}"
-        proc = Process(name, [sys.executable, "-m", "bridge.outbox"],
-                       {**self.env, "METRICS_PORT": str(port), **env}, self.log_dir).start()
+        # The Procfile's own command line, through a shell as honcho and Heroku run it.
+        proc = Process(name, ["/bin/sh", "-c", f"exec {procfile_commands()['outbox']}"],
+                       {**self.env, "METRICS_PORT": str(port), **env,
+                        "PATH": f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"},
+                       self.log_dir).start()
         url = f"http://127.0.0.1:{port}/metrics"
 
         def answering() -> bool:
