@@ -240,6 +240,9 @@ class OutboxMetrics:
         self.active = Gauge("poimen_outbox_active",
                             "1 while this relay holds the outbox lock and publishes, else 0.",
                             registry=r)
+        self.in_flight = Gauge("poimen_outbox_in_flight",
+                               "Events produced and not yet acknowledged by the broker.",
+                               registry=r)
         self.reads = Counter("poimen_outbox_reads_total",
                              "Reads of the outbox by the active relay (empty ones included).",
                              registry=r)
@@ -440,6 +443,7 @@ class OutboxRelay:
             log.info("standby")
         self._active = False
         self.metrics.active.set(0)
+        self.metrics.in_flight.set(0)
         self.lock.release()
 
     # -- one batch ---------------------------------------------------------------------------
@@ -538,7 +542,9 @@ class OutboxRelay:
                 except KafkaException as err:
                     deliveries.failed[row_id] = err.args[0]
                     break
+        self.metrics.in_flight.set(deliveries.outstanding)
         self._await(producer, deliveries)
+        self.metrics.in_flight.set(0)
         # Only a relay that still holds the lock marks; a relay that lost it has
         # published this batch once more, which consumers dedupe on ce_id.
         self._confirm_lock(always=True)

@@ -123,9 +123,12 @@ class TopicReader:
         return [int(headers(m)["ce_id"]) for m in self.messages]
 
     def wait_for_ids(self, ids: set[int], timeout: float = 30) -> list:
+        def arrived() -> bool:
+            self.drain(0.1)
+            return ids <= set(self.ce_ids())
+
         try:
-            wait_until(lambda: ids <= set(self.ce_ids()) or self.drain() and False,
-                       timeout=timeout, interval=0.05, what="events on the topic")
+            wait_until(arrived, timeout=timeout, interval=0.01, what="events on the topic")
         except AssertionError as err:
             raise AssertionError(f"{err}; missing ce_ids {sorted(ids - set(self.ce_ids()))}, "
                                  f"topic has {sorted(set(self.ce_ids()))}") from None
@@ -577,7 +580,18 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
             # Produced but never marked: the batch in flight when the lock went.
             extra = {int(headers(m)["ce_id"]) for m in messages} & unmarked
             assert len(extra) <= batch, sorted(extra)
-            time.sleep(1.5)  # a standby re-tries every second; it must keep off
+            # A standby tries for the lock every second: watch it try twice, and fail.
+            attempts: set = set()
+
+            def tried_twice() -> bool:
+                row = holder.execute(
+                    "SELECT state_change FROM pg_stat_activity WHERE application_name = %s",
+                    [f"poimen-outbox-lock/{relay.proc.pid}"]).fetchone()
+                if row:
+                    attempts.add(row[0])
+                return len(attempts) >= 3
+
+            wait_until(tried_twice, timeout=10, interval=0.05, what="two more tries for the lock")
             assert relay.published == published_after
             assert world.table_ids(published=False) == unmarked
             holder.execute("SELECT pg_advisory_unlock(%s, %s)",
@@ -622,6 +636,38 @@ def test_sigterm_with_the_broker_down_exits_within_the_grace(world):
     assert relay.proc.proc.returncode == 0, relay.proc.log()[-3000:]
     assert took < 8, took
     assert world.table_ids(published=False) == ids
+
+
+def test_sigterm_finishes_and_marks_the_batch_in_flight(world, tmp_path):
+    port, data = free_port(), tmp_path / "broker-data"
+    data.mkdir()
+    broker = start_broker(data, port, tmp_path)
+    try:
+        world.bootstrap = f"127.0.0.1:{port}"
+        world.env["KAFKA_BOOTSTRAP_SERVERS"] = world.bootstrap
+        world.env["KAFKA_RECONNECT_BACKOFF_MAX_MS"] = "500"
+        world.add_tenant()
+        world.declare()
+        relay = world.start_relay(POIMEN_SHUTDOWN_GRACE="25")
+        wait_until(lambda: relay.active, timeout=10, what="the relay active")
+        broker.stop()
+        with world.connect() as conn:
+            ids = set(insert_events(conn, world.tenant_id, 5))
+        wait_until(lambda: relay.metric("poimen_outbox_in_flight") == 5, timeout=10,
+                   what="the batch waiting for the broker")
+
+        relay.proc.signal_group(signal.SIGTERM)
+        broker = start_broker(data, port, tmp_path)
+        relay.proc.proc.wait(25)
+        assert relay.proc.proc.returncode == 0, relay.proc.log()[-3000:]
+        assert world.table_ids(published=False) == set(), "the batch in flight was marked"
+        reader = world.reader()
+        reader.wait_for_ids(ids)
+        assert set(reader.ce_ids()) == ids
+    finally:
+        for relay in world.relays:
+            relay.proc.stop()
+        broker.stop()
 
 
 def test_published_events_are_pruned_after_the_retention(world):
