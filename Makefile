@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: install run test services down status lint bench clean
+.PHONY: install run test mutations services down status lint bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ run: install
 
 test: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The mutation gate: every named mutant of a core rule must be killed by its tests.
+mutations: services
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m tests.mutations $(MUTATIONS_ARGS)
 
 bench: services
 	@command -v wrk >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y wrk

@@ -240,6 +240,23 @@ def test_a_cut_off_boot_cannot_take_over_wreckage(session, admit, boot_factory, 
     assert status_of(pg, run_id) == ("running", dead, 1)
 
 
+def test_the_takeover_statement_itself_requires_the_claimers_lock(session, admit, boot_factory,
+                                                                   dead_boot, pg):
+    """``claim_run`` checks liveness before it tries a takeover, but the lock can go
+    between that read and the UPDATE: the UPDATE must refuse on its own."""
+    from workers.claims import _TAKE_OVER
+
+    run_id, dead = admit(), dead_boot()
+    hold_as(pg, run_id, dead)
+    rescuer = boot_factory()
+    terminate_lock_backend(pg, rescuer)  # ... after claim_run's read saw it live
+    row = session.execute(_TAKE_OVER, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
+                                       "max_takeovers": 5}).one_or_none()
+    session.commit()
+    assert row is None
+    assert status_of(pg, run_id) == ("running", dead, 1)
+
+
 def test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims(
         app, admit, pg, dsn, monkeypatch):
     from workers import boots

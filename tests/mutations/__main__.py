@@ -1,0 +1,113 @@
+"""``python -m tests.mutations [--ci] [NAME ...]``: run the mutation gate.
+
+Needs the test services' environment (``make mutations`` provides it). For each
+mutant: copy the tree (tracked and untracked, not ignored files) to a scratch
+directory, apply the edit there, run its tests, and record whether they failed
+(killed) or passed (survived). Prints mutant -> verdict -> killing test ->
+seconds; exits 1 if any mutant survived or is stale, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .mutants import MUTANTS, Mutant
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tree_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                         check=True, capture_output=True).stdout.decode()
+    return [p for p in out.split("\0") if p and (ROOT / p).is_file()]
+
+
+def copy_tree(dest: Path, files: list[str]) -> None:
+    for rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    # The scratch copy uses this checkout's virtualenv (its console scripts run the
+    # scratch code: the tests start processes with PYTHONPATH = the scratch root).
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+
+
+def apply(mutant: Mutant, dest: Path) -> str | None:
+    """Apply the edit; return why it could not be applied (a stale mutant), or None."""
+    path = dest / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.find)
+    if count != mutant.occurrences:
+        return f"expected {mutant.occurrences} occurrence(s) in {mutant.path}, found {count}"
+    start = -1
+    for _ in range(mutant.nth):
+        start = text.index(mutant.find, start + 1)
+    path.write_text(text[:start] + mutant.replace + text[start + len(mutant.find):])
+    return None
+
+
+def run_one(mutant: Mutant, files: list[str], timeout: float) -> tuple[str, str, float]:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"poimen-mutant-{mutant.name}-") as tmp:
+        dest = Path(tmp)
+        copy_tree(dest, files)
+        stale = apply(mutant, dest)
+        if stale:
+            return "STALE", stale, time.monotonic() - started
+        env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                 "-o", "addopts=", *mutant.tests],
+                cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "KILLED", "timeout (the tests hung on the mutant)", time.monotonic() - started
+    elapsed = time.monotonic() - started
+    if proc.returncode == 1:
+        failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M) or ["(a test failed)"]
+        return "KILLED", failed[0], elapsed
+    if proc.returncode == 0:
+        return "SURVIVED", "every selected test passed", elapsed
+    # 2-5: interrupted, internal error, usage error, no tests: the gate is broken.
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    return "ERROR", f"pytest exit {proc.returncode}: {' | '.join(tail)}", elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutations")
+    parser.add_argument("names", nargs="*", help="only these mutants")
+    parser.add_argument("--ci", action="store_true", help="only the CI subset")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if (not args.names or m.name in args.names)
+              and (not args.ci or m.ci)]
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    files = tree_files()
+    print(f"mutation gate: {len(chosen)} mutant(s), scratch copies of {len(files)} files",
+          flush=True)
+    results = []
+    for i, mutant in enumerate(chosen, 1):
+        verdict, detail, seconds = run_one(mutant, files, args.timeout)
+        results.append((mutant, verdict, detail, seconds))
+        print(f"[{i}/{len(chosen)}] {mutant.name:<40} {verdict:<8} {seconds:6.1f}s  {detail}",
+              flush=True)
+    bad = [r for r in results if r[1] != "KILLED"]
+    print(f"\n{len(results) - len(bad)} of {len(results)} mutants killed "
+          f"in {sum(r[3] for r in results):.0f}s", flush=True)
+    for mutant, verdict, detail, _ in bad:
+        print(f"  {verdict}: {mutant.name} ({mutant.rule}): {detail}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
