@@ -127,3 +127,31 @@ def test_a_cancelled_run_whose_worker_dies_ends_cancelled(app, admit, side_effec
                what="the run to end cancelled")
     assert side_effects(run_id, "start") == 1  # never executed again
     assert events_of(pg, run_id)[-1] == "run.cancelled"
+
+
+def test_killing_only_the_pool_child_hands_its_run_to_another_child(admit, side_effects,
+                                                                    test_env, pg, tmp_path,
+                                                                    processes):
+    """Boots are per pool process: kill -9 the child running a run (the worker's main
+    process lives on) and the run is resumed by a child, not left to a live-looking boot."""
+    import os
+    import signal
+
+    env = {**test_env, **FAST_PROBE}
+    run_id = admit("blind", {"seconds": 2})
+    worker = start_worker(env, tmp_path, "pool", concurrency=2)
+    processes.append(worker)
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    child = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start'",
+                       [run_id]).fetchone()[0]
+    assert child != worker.pid
+    os.kill(child, signal.SIGKILL)
+
+    wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=90,
+               what="the run to be resumed and succeed")
+    assert worker.alive()
+    assert run_row(pg, run_id)[1:3] == (2, 1)  # attempt 2, one takeover
+    assert side_effects(run_id, "finish") == 1
+    finisher = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'finish'",
+                          [run_id]).fetchone()[0]
+    assert finisher != child
