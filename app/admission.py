@@ -3,17 +3,29 @@
 The HTTP view, a parent run's fan-out and the tests all call ``admit_run``;
 nothing else inserts into ``runs``. Exactly-once is decided by the partial
 unique index on ``(tenant_id, dispatch_key)``: the insert is ``ON CONFLICT DO
-NOTHING RETURNING id`` and a miss reads the row that won. There is no
-check-then-insert, so concurrent callers with one key cannot both create.
+NOTHING RETURNING id`` and a miss reads the row that won, compared with the
+request by Postgres. There is no check-then-insert, so concurrent callers with
+one key cannot both create.
+
+Numbers survive admission exactly: ``loads`` reads a JSON number with a
+fraction or an exponent as an ``ExactNumber`` (a float that keeps its digits)
+and ``dumps`` writes those digits back, so what is stored is what was sent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from json.encoder import (  # the C string encoders the json module uses itself
+    encode_basestring,
+    encode_basestring_ascii,
+)
 from typing import Any
 
+from psycopg.types.json import set_json_loads
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
@@ -27,10 +39,10 @@ _ADMIT = with_event(
     """
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id)
+                      origin, origin_detail, parent_run_id, definition_hash)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id)
+            :origin_detail, :parent_run_id, :definition_hash)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
     "*",
@@ -38,11 +50,111 @@ _ADMIT = with_event(
     "CAST(:event AS jsonb)",
 )
 
+# A miss: the row that holds the key, and whether it was admitted with this very
+# request, decided by Postgres on the stored values: jsonb equality compares
+# numbers as numbers (1e23 = 100000000000000000000000) and never equates true
+# with 1, which Python's == does and a float round trip cannot get right.
+_EXISTING = text(
+    """
+    SELECT runs.*,
+           workflow_ref IS NOT DISTINCT FROM :workflow_ref AS same_workflow_ref,
+           input = CAST(:input AS jsonb) AS same_input,
+           goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
+      FROM runs
+     WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+    """
+)
+_COMPARED = ("workflow_ref", "input", "goal_id")
+
+
+class ExactNumber(float):
+    """A JSON number with a fraction or an exponent, keeping the digits it was written with.
+
+    Python reads ``0.1000000000000000055511151231257827`` as the nearest double,
+    and writing that double back sends a different number. jsonb stores numbers
+    as ``numeric``, exactly, so admission reads such numbers as this float
+    subclass: code computing with it gets ordinary float arithmetic (workflows
+    see floats, as before), and ``dumps`` writes ``text``, the digits as sent.
+    """
+
+    __slots__ = ("text",)
+
+    def __new__(cls, text: str) -> ExactNumber:
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __reduce__(self):
+        return ExactNumber, (self.text,)
+
+
+def _not_json(name: str):
+    # NaN and Infinity are Python's extensions: not JSON, and jsonb refuses them.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads(data: str | bytes) -> Any:
+    """Parse strict JSON, reading non-integer numbers as ``ExactNumber``."""
+    return json.loads(data, parse_float=ExactNumber, parse_constant=_not_json)
+
+
+def _number_text(number: float) -> str:
+    if type(number) is ExactNumber:
+        return number.text
+    if not math.isfinite(number):
+        raise ValueError(f"{number!r} is not a JSON number")
+    return float.__repr__(number)
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def dumps(value: Any, *, ascii: bool = False, indent: int | None = None) -> str:
+    """Write ``value`` as JSON; an ``ExactNumber`` is written with the digits it was read with.
+
+    The C encoder writes every float subclass through ``float.__repr__``, so this
+    uses the json module's own pure-Python iteration with its C string encoders.
+    """
+    chunks: Iterator[str] = json.encoder._make_iterencode(  # noqa: SLF001 - stable since 2.7
+        {},
+        _refuse,
+        encode_basestring_ascii if ascii else encode_basestring,
+        None if indent is None else " " * indent,
+        _number_text,
+        ": " if indent is not None else ":",
+        ",",
+        False,
+        False,
+        True,
+    )(value, 0)
+    return "".join(chunks)
+
+
+def read_numbers_exactly(dbapi_connection, _record=None) -> None:
+    """Make ``dbapi_connection`` read json/jsonb numbers as ``loads`` does (a ``connect`` hook).
+
+    Runs read back through the API then show the numbers they were admitted with.
+    """
+    set_json_loads(loads, dbapi_connection)
+
+
+def unstorable_number(value: float) -> str | None:
+    """Return why a parsed JSON number cannot be admitted, or None.
+
+    jsonb could hold 1e400, but every reader that turns JSON numbers into
+    doubles (Python's json, psycopg, a worker, JavaScript) reads it as infinity;
+    the run would not mean what was sent.
+    """
+    if not math.isfinite(value):
+        return f"{getattr(value, 'text', value)} is outside the range of a double"
+    return None
+
 
 @dataclass(frozen=True)
 class Admission:
-    """The outcome: the run's row (every column of ``runs``), and whether this call
-    created it (else a replay)."""
+    """The outcome: the run's row (every column of ``runs``; a replay's also carries
+    the ``same_*`` comparison columns), and whether this call created it (else a replay)."""
 
     run: Row
     created: bool
@@ -58,17 +170,6 @@ class AdmissionConflict(Exception):
             f"dispatch_key {existing.dispatch_key!r} already admitted run {existing.id} "
             f"with a different {', '.join(fields)}"
         )
-
-
-def _differences(run: Row, workflow_ref: str, input: dict, goal_id: str | None) -> list[str]:
-    diffs = []
-    if run.workflow_ref != workflow_ref:
-        diffs.append("workflow_ref")
-    if run.input != input:
-        diffs.append("input")
-    if run.goal_id != goal_id:
-        diffs.append("goal_id")
-    return diffs
 
 
 def admit_run(
@@ -106,6 +207,9 @@ def admit_run(
         origin=origin_value,
         origin_detail=origin_detail,
         parent_run_id=parent_run_id,
+        # The resolved definition is pinned with the version: a worker that
+        # resolves another one for this version refuses the run (definition_changed).
+        definition_hash=workflow.definition_hash,
     )
     event_fields = {
         "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,
@@ -114,9 +218,10 @@ def admit_run(
     # One statement, one round trip: the insert that the index may refuse, and
     # the run.admitted outbox event only for a row that was really inserted.
     # (Plain SQL: building this through the ORM cost more CPU than the database.)
+    input_json = dumps(input)
     inserted = session.execute(_ADMIT, {
         **values,
-        "input": json.dumps(input),
+        "input": input_json,
         "event": json.dumps(event_fields),
     }).one_or_none()
 
@@ -126,11 +231,11 @@ def admit_run(
 
     # The key is taken. Under READ COMMITTED this statement sees the row the
     # conflicting transaction committed (ON CONFLICT waited for it).
-    existing = session.execute(
-        text("SELECT * FROM runs WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key"),
-        {"tenant_id": tenant_id, "dispatch_key": dispatch_key},
-    ).one()
-    diffs = _differences(existing, workflow_ref, input, goal_id)
+    existing = session.execute(_EXISTING, {
+        "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_ref": workflow_ref,
+        "input": input_json, "goal_id": goal_id,
+    }).one()
+    diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
     if diffs:
         raise AdmissionConflict(existing, diffs)
     if existing.status == RunStatus.QUEUED:

@@ -8,14 +8,23 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from flask import Blueprint, g, jsonify, request, url_for
+from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 
 from workers import registry
 
 from . import metrics
 from . import runs as run_service
-from .admission import AdmissionConflict, admit_run
-from .auth import require_token
+from .admission import (
+    AdmissionConflict,
+    admit_run,
+    dumps,
+    loads,
+    read_numbers_exactly,
+    unstorable_number,
+)
+from .auth import ADMIT, require_token
 from .errors import ApiError
 from .extensions import db
 from .models import AdmissionOrigin, Run, RunStatus
@@ -28,6 +37,26 @@ MAX_KEY_LEN = 255
 MAX_REF_LEN = 200
 DEFAULT_PAGE = 50
 MAX_PAGE = 200
+# A cursor this API issues is about 90 characters; anything far longer is not one
+# (and decoding it would only cost CPU: 3 KB of '[' once made the parser recurse).
+MAX_CURSOR_LEN = 512
+READ, CANCEL = "read", "cancel"
+
+
+@bp.record_once
+def _read_numbers_exactly(state) -> None:
+    # Every connection reads json/jsonb numbers with the digits they were stored
+    # with, so a run reads back with the input it was admitted with. Other code
+    # (workers included) still sees floats: ExactNumber is one.
+    with state.app.app_context():
+        for engine in db.engines.values():
+            event.listen(engine, "connect", read_numbers_exactly)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    """A JSON response whose numbers keep their digits (``jsonify`` rounds them to doubles)."""
+    return current_app.response_class(dumps(body, ascii=True) + "\n", status=status,
+                                      mimetype="application/json")
 
 
 def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
@@ -63,8 +92,8 @@ def _json_body() -> dict[str, Any]:
             {"content_type": request.content_type},
         )
     try:
-        # Strict JSON: NaN and Infinity are Python's extensions, and jsonb refuses them.
-        body = json.loads(request.get_data(cache=True), parse_constant=_reject_constant)
+        # Strict JSON (no NaN or Infinity), numbers kept as written (see admission.loads).
+        body = loads(request.get_data(cache=True))
     except (ValueError, RecursionError) as err:
         raise ApiError(400, "malformed_json", "the request body is not valid JSON",
                        {"reason": str(err)[:200]}) from err
@@ -74,12 +103,8 @@ def _json_body() -> dict[str, Any]:
     return body
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _unstorable(value: Any) -> str | None:
-    """Return why Postgres cannot store ``value`` (NUL, lone surrogates), or None."""
+    """Return why ``value`` cannot be stored as sent (NUL, lone surrogates, 1e400), or None."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -95,6 +120,8 @@ def _unstorable(value: Any) -> str | None:
                 item.encode("utf-8")
             except UnicodeEncodeError:
                 return "contains an unpaired surrogate (not valid Unicode)"
+        elif isinstance(item, float) and (reason := unstorable_number(item)):
+            return f"contains a number that cannot be stored: {reason}"
     return None
 
 
@@ -133,7 +160,7 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @bp.post("/runs")
-@require_token
+@require_token(ADMIT)
 def create_run():
     fields = validate_run_request(_json_body())
     principal = g.principal
@@ -149,6 +176,14 @@ def create_run():
         db.session.rollback()
         raise ApiError(422, "unknown_workflow", str(err),
                        {"workflow_ref": fields["workflow_ref"]}) from err
+    except sa_exc.DataError as err:
+        # Every value in the statement came from the request, so Postgres refusing
+        # one (a number beyond numeric's range, say) is the request's fault: a 422,
+        # never a 500. The database's message is not repeated: it quotes the value.
+        db.session.rollback()
+        reason = type(err.orig).__name__
+        raise ApiError(422, "validation_failed", "the run request cannot be stored",
+                       {"fields": {"input": f"refused by the database ({reason})"}}) from err
     except AdmissionConflict as err:
         db.session.rollback()
         metrics.ADMISSIONS.labels("http", "conflict").inc()
@@ -164,12 +199,11 @@ def create_run():
     db.session.commit()
     if admission.created:
         metrics.ADMISSIONS.labels("http", "created").inc()
-        response = jsonify(body)
-        response.status_code = 201
+        response = _json(body, 201)
         response.headers["Location"] = location
         return response
     metrics.ADMISSIONS.labels("http", "replayed").inc()
-    response = jsonify(body)
+    response = _json(body)
     response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = location
     return response
@@ -184,10 +218,10 @@ def _load_run(run_id: str) -> Run:
 
 
 @bp.get("/runs/<run_id>")
-@require_token
+@require_token(READ)
 def get_run(run_id: str):
     run = _load_run(run_id)
-    return jsonify(serialize_run(run, g.principal.tenant_name))
+    return _json(serialize_run(run, g.principal.tenant_name))
 
 
 def _encode_cursor(run: Run) -> str:
@@ -196,16 +230,19 @@ def _encode_cursor(run: Run) -> str:
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
+    if len(cursor) > MAX_CURSOR_LEN:
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this API issued",
+                       {"max_length": MAX_CURSOR_LEN})
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, run_id = json.loads(raw)
         return datetime.fromisoformat(created), uuid.UUID(run_id)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RecursionError) as err:
         raise ApiError(400, "invalid_cursor", "the cursor is not one this API issued") from err
 
 
 @bp.get("/runs")
-@require_token
+@require_token(READ)
 def list_runs():
     args = request.args
     unknown = sorted(set(args) - {"status", "goal_id", "workflow_ref", "dispatch_key", "limit",
@@ -237,7 +274,7 @@ def list_runs():
     )
     rows = run_service.list_runs(db.session, g.principal.tenant_id, where, limit + 1)
     page = rows[:limit]
-    return jsonify(
+    return _json(
         {
             "runs": [serialize_run(r, g.principal.tenant_name) for r in page],
             "next_cursor": _encode_cursor(page[-1]) if len(rows) > limit else None,
@@ -246,7 +283,7 @@ def list_runs():
 
 
 @bp.post("/runs/<run_id>/cancel")
-@require_token
+@require_token(CANCEL)
 def cancel_run(run_id: str):
     run = _load_run(run_id)
     # A queued run is cancelled outright; a running one is flagged and its
@@ -256,9 +293,8 @@ def cancel_run(run_id: str):
     db.session.commit()
     if changed is not None:
         db.session.refresh(run)
-    response = jsonify(serialize_run(run, g.principal.tenant_name))
-    response.status_code = 202 if run.status == RunStatus.RUNNING else 200
-    return response
+    return _json(serialize_run(run, g.principal.tenant_name),
+                 202 if run.status == RunStatus.RUNNING else 200)
 
 
 @bp.get("/openapi.json")

@@ -1,4 +1,9 @@
-"""Bearer-token auth. A token acts for one tenant; a service token for any named one."""
+"""Bearer-token auth. A token acts for one tenant; a service token for any named one.
+
+A token's scope narrows what it may do: none (NULL) is everything its kind
+allows; ``admit`` is ``POST /v1/runs`` only, which is all the Kafka inbox needs,
+so a leaked inbox token can create runs but not read, list or cancel them.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ from .models import ApiToken, Tenant
 TOKEN_PREFIX = "pmn_"
 TENANT_HEADER = "X-Poimen-Tenant"
 
+# The scopes a token may be given, each naming the one action it allows.
+ADMIT = "admit"
+SCOPES = (ADMIT,)
+
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
@@ -34,6 +43,11 @@ class Principal:
     tenant_id: int
     tenant_name: str
     is_service: bool
+    scope: str | None = None
+
+    def allows(self, action: str) -> bool:
+        """Whether this token may do ``action`` (``admit``, ``read``, ``cancel``)."""
+        return self.scope is None or self.scope == action
 
 
 class PrincipalCache:
@@ -88,7 +102,8 @@ def _authenticate() -> Principal:
 
 def _lookup(token_hash: str, acting_for: str | None) -> Principal:
     row = db.session.execute(
-        select(ApiToken.id, ApiToken.tenant_id, ApiToken.is_service, Tenant.name)
+        select(ApiToken.id, ApiToken.tenant_id, ApiToken.is_service, ApiToken.scope,
+               Tenant.name)
         .outerjoin(Tenant, Tenant.id == ApiToken.tenant_id)
         .where(ApiToken.token_hash == token_hash, ApiToken.revoked_at.is_(None))
     ).one_or_none()
@@ -102,28 +117,37 @@ def _lookup(token_hash: str, acting_for: str | None) -> Principal:
     if not row.is_service:
         if acting_for and acting_for != row.name:
             raise ApiError(403, "forbidden", f"this token may not act for tenant {acting_for!r}")
-        return Principal(row.id, row.tenant_id, row.name, False)
+        return Principal(row.id, row.tenant_id, row.name, False, row.scope)
     if not acting_for:
         if row.tenant_id is None:
             raise ApiError(
                 400, "tenant_required", f"a service token must name a tenant in {TENANT_HEADER}"
             )
-        return Principal(row.id, row.tenant_id, row.name, True)
+        return Principal(row.id, row.tenant_id, row.name, True, row.scope)
     tenant_id = db.session.execute(
         select(Tenant.id).where(Tenant.name == acting_for)
     ).scalar_one_or_none()
     if tenant_id is None:
         raise ApiError(404, "tenant_not_found", f"no tenant named {acting_for!r}",
                        {"tenant": acting_for})
-    return Principal(row.id, tenant_id, acting_for, True)
+    return Principal(row.id, tenant_id, acting_for, True, row.scope)
 
 
-def require_token(view):
-    """Authenticate the request and put the ``Principal`` on ``g.principal``."""
+def require_token(action: str):
+    """Authenticate the request, refuse a token whose scope does not allow ``action``
+    (403 ``forbidden``), and put the ``Principal`` on ``g.principal``."""
 
-    @wraps(view)
-    def wrapper(*args, **kwargs):
-        g.principal = _authenticate()
-        return view(*args, **kwargs)
+    def decorate(view):
+        @wraps(view)
+        def wrapper(*args, **kwargs):
+            principal = _authenticate()
+            if not principal.allows(action):
+                raise ApiError(403, "forbidden",
+                               f"this token's scope ({principal.scope}) does not allow {action}",
+                               {"scope": principal.scope, "action": action})
+            g.principal = principal
+            return view(*args, **kwargs)
 
-    return wrapper
+        return wrapper
+
+    return decorate

@@ -7,7 +7,6 @@ and translate their errors into messages; they hold no SQL of their own.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 
 import click
@@ -15,6 +14,7 @@ from flask import Flask, current_app
 
 from . import runs as run_service
 from . import tenants as tenant_service
+from .auth import SCOPES
 from .extensions import db
 
 
@@ -60,13 +60,16 @@ def register_cli(app: Flask) -> None:
     @click.option("--service", is_flag=True,
                   help="A service token: may act for any tenant named in X-Poimen-Tenant.")
     @click.option("--label", help="A note saying who holds the token.")
+    @click.option("--scope", type=click.Choice(SCOPES),
+                  help="Limit the token: 'admit' may only POST /v1/runs (the inbox's token).")
     @_domain_errors
-    def tokens_create(tenant_name: str | None, service: bool, label: str | None):
+    def tokens_create(tenant_name: str | None, service: bool, label: str | None,
+                      scope: str | None):
         """Create a token and print it (shown this once)."""
         if not tenant_name and not service:
             raise click.UsageError("give --tenant NAME, or --service")
         tenant = tenant_service.find_tenant(tenant_name) if tenant_name else None
-        click.echo(tenant_service.create_token(tenant, service, label))
+        click.echo(tenant_service.create_token(tenant, service, label, scope=scope))
 
     @tokens.command("revoke")
     @click.argument("token_or_prefix")
@@ -84,6 +87,7 @@ def register_cli(app: Flask) -> None:
     @click.argument("run_id")
     def runs_show(run_id: str):
         """Print one run as JSON."""
+        from .admission import dumps
         from .api import serialize_run
 
         try:
@@ -93,7 +97,7 @@ def register_cli(app: Flask) -> None:
         if found is None:
             raise click.ClickException(f"no run {run_id}")
         run, tenant_name = found
-        click.echo(json.dumps(serialize_run(run, tenant_name), indent=2))
+        click.echo(dumps(serialize_run(run, tenant_name), indent=2))
 
     @runs.command("redrive")
     @click.option("--older-than", default=0.0, help="Only runs queued at least this many seconds.")

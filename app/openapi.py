@@ -28,8 +28,16 @@ TENANT_REQUIRED = "a service token sent without X-Poimen-Tenant"
 TENANT_NOT_FOUND = "the tenant named in X-Poimen-Tenant (service token) does not exist"
 
 
-def _auth_errors(bad_request: str | None = None, not_found: str | None = None) -> dict[str, Any]:
-    """The answers every authenticated operation may give, merged with its own 400 and 404."""
+SCOPE_FORBIDDEN = ("the token's scope does not allow this operation (an 'admit'-scoped "
+                   "token, such as the Kafka inbox's, may only POST /v1/runs)")
+
+
+def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
+                 scoped: bool = True) -> dict[str, Any]:
+    """The answers every authenticated operation may give, merged with its own 400 and 404.
+
+    ``scoped``: an ``admit``-scoped token is refused here (403).
+    """
     unauthorized = _error("Missing, invalid or revoked token")
     unauthorized["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
     def sentence(*parts: str | None) -> str:
@@ -39,7 +47,8 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None) -
     return {
         "400": _error(sentence(bad_request, TENANT_REQUIRED)),
         "401": unauthorized,
-        "403": _error("The token may not act for the tenant named in X-Poimen-Tenant"),
+        "403": _error(sentence("the token may not act for the tenant named in X-Poimen-Tenant",
+                               SCOPE_FORBIDDEN if scoped else None)),
         "404": _error(sentence(not_found, TENANT_NOT_FOUND)),
     }
 
@@ -86,12 +95,16 @@ def openapi_document() -> dict[str, Any]:
                             "Idempotent-Replayed": {"schema": {"type": "string",
                                                                "enum": ["true"]}},
                             "Location": {"schema": {"type": "string"}}}),
-                        **_auth_errors("malformed JSON, or a body that is not an object"),
+                        **_auth_errors("malformed JSON, or a body that is not an object",
+                                       scoped=False),
                         "409": _error("dispatch_key already admitted a different request; "
                                       "details.run_id names the existing run"),
                         "413": _error("Body over 1 MiB"),
                         "415": _error("Body is not application/json"),
-                        "422": _error("Invalid fields, or an unknown workflow_ref"),
+                        "422": _error("Invalid fields, an unknown workflow_ref, or an input "
+                                      "that cannot be stored as sent (U+0000, an unpaired "
+                                      "surrogate, a number such as 1e400 that is not finite "
+                                      "as a double)"),
                     },
                 },
                 "get": {
@@ -107,7 +120,9 @@ def openapi_document() -> dict[str, Any]:
                         {"name": "limit", "in": "query",
                          "schema": {"type": "integer", "minimum": 1, "maximum": 200,
                                     "default": 50}},
-                        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                        {"name": "cursor", "in": "query",
+                         "schema": {"type": "string", "maxLength": 512},
+                         "description": "next_cursor of the previous page"},
                     ],
                     "responses": {
                         "200": {"description": "A page of runs", "content": {
@@ -120,7 +135,8 @@ def openapi_document() -> dict[str, Any]:
                                     "next_cursor": {"type": "string", "nullable": True},
                                 }}}}},
                         **_auth_errors("an unknown parameter, or an invalid status, limit "
-                                       "or cursor"),
+                                       "or cursor (one this API did not issue, or longer "
+                                       "than 512 characters)"),
                     },
                 },
             },

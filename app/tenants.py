@@ -9,7 +9,7 @@ import re
 
 from sqlalchemy import func, select, update
 
-from .auth import hash_token, new_token
+from .auth import SCOPES, hash_token, new_token
 from .extensions import db
 from .models import ApiToken, Tenant
 
@@ -34,6 +34,10 @@ class UnknownTenant(TenantError):
 
 
 class NoActiveToken(TenantError):
+    pass
+
+
+class InvalidScope(TenantError):
     pass
 
 
@@ -67,11 +71,18 @@ def create_tenant(name: str, exist_ok: bool = False) -> Tenant:
 
 
 def create_token(tenant: Tenant | None, service: bool, label: str | None = None,
-                 token: str | None = None) -> str:
-    """Create and commit a token; return it. Only its SHA-256 is stored."""
+                 token: str | None = None, scope: str | None = None) -> str:
+    """Create and commit a token; return it. Only its SHA-256 is stored.
+
+    ``scope`` None lets the token do everything its kind allows; ``"admit"``
+    only ``POST /v1/runs`` (the Kafka inbox's token).
+    """
+    if scope is not None and scope not in SCOPES:
+        raise InvalidScope(f"unknown scope {scope!r} (known: {', '.join(SCOPES)})")
     token = token or new_token()
     db.session.add(ApiToken(tenant_id=tenant.id if tenant else None, is_service=service,
-                            label=label, token_hash=hash_token(token), prefix=token[:12]))
+                            label=label, token_hash=hash_token(token), prefix=token[:12],
+                            scope=scope))
     db.session.commit()
     return token
 
@@ -97,3 +108,10 @@ def token_registered(token: str) -> bool:
     return db.session.execute(
         select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
     ).scalar_one_or_none() is not None
+
+
+def token_scope(token: str) -> str | None:
+    """Return the scope of the known ``token`` (None: unscoped)."""
+    return db.session.execute(
+        select(ApiToken.scope).where(ApiToken.token_hash == hash_token(token))
+    ).scalar_one_or_none()

@@ -27,15 +27,31 @@ def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
     return commands
 
 
-def _ensure_token(path: Path, tenant: str | None, service: bool, label: str) -> str:
+def _ensure_token(path: Path, tenant: str | None, service: bool, label: str,
+                  scope: str | None = None) -> str:
     """Return the dev token stored at ``path``, registering it if the database lacks it."""
     from app.auth import new_token
-    from app.tenants import create_tenant, create_token, token_registered
+    from app.tenants import (
+        NoActiveToken,
+        create_tenant,
+        create_token,
+        revoke_token,
+        token_registered,
+        token_scope,
+    )
 
     token = path.read_text().strip() if path.exists() else new_token()
+    if token_registered(token) and token_scope(token) != scope:
+        # Made before tokens had scopes (an inbox token that could read every run):
+        # replace it rather than keep a broader token than the process needs.
+        try:
+            revoke_token(token)
+        except NoActiveToken:
+            pass  # revoked already
+        token = new_token()
     if not token_registered(token):
         owner = create_tenant(tenant, exist_ok=True) if tenant else None
-        create_token(owner, service, label, token=token)
+        create_token(owner, service, label, token=token, scope=scope)
     path.write_text(token + "\n")
     path.chmod(0o600)
     return token
@@ -48,11 +64,14 @@ def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
                    env=dict(env), check=True)
     os.environ.update(env)
     from app import create_app
+    from app.auth import ADMIT
 
     with create_app().app_context():
         d = state_dir()
         tenant_token = _ensure_token(d / "dev-token", DEV_TENANT, False, "make run")
-        service_token = _ensure_token(d / "service-token", None, True, "make run inbox")
+        # The inbox only admits runs: its token can do nothing else.
+        service_token = _ensure_token(d / "service-token", None, True, "make run inbox",
+                                      scope=ADMIT)
     from bridge.kafka import client_settings
     from bridge.topics import declare_topics, topic_prefix
 

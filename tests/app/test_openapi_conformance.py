@@ -236,6 +236,14 @@ def test_auth_answers_conform(api, make_tenant, method, path, template, kwargs):
     acting = send({**service.headers, "X-Poimen-Tenant": make_tenant().name})
     assert acting == (201 if method == "POST" and template is None else
                       200 if template is None else 404)
+    # An admit-scoped token (the inbox's) may only admit: every other operation is a 403.
+    from app.tenants import create_token
+
+    with api.client.application.app_context():
+        admit_only = create_token(None, True, "inbox", scope="admit")
+    scoped = send({"Authorization": f"Bearer {admit_only}",
+                   "X-Poimen-Tenant": make_tenant().name})
+    assert scoped == (201 if method == "POST" and template is None else 403)
 
 
 def test_gunicorn_answers_conform(live_api, tenant):
