@@ -37,6 +37,11 @@ def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> di
         # A "sent" event is a second Redis publish on every admission (about a
         # third of the enqueue's cost); Flower does not need it. Opt in here.
         "task_send_sent_event": env.get("POIMEN_SEND_SENT_EVENTS", "0") == "1",
+        # SIGTERM: Celery's soft shutdown (with REMAP_SIGTERM=SIGQUIT) also keeps
+        # a 5 s run from restarting, but sleeps its whole timeout whatever runs
+        # finish sooner; pool processes survive SIGTERM by workers/shutdown.py
+        # instead (measured in docs/reliability.md, row 5).
+        "worker_soft_shutdown_timeout": 0.0,
         "worker_hijack_root_logger": False,
         "timezone": "UTC",
         "enable_utc": True,

@@ -53,5 +53,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "30")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
+        # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
+        "POIMEN_SHUTDOWN_GRACE": float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),
         "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
     }

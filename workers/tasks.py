@@ -6,13 +6,20 @@ import logging
 
 from celery import current_app as current_celery_app
 from celery import shared_task
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.signals import (
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutting_down,
+)
 from flask import current_app
 
 from app.extensions import db
 from app.runs import redrive_stranded_runs
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 
+from . import shutdown
 from .boots import (
     LockKeyTaken,
     PooledLockConnection,
@@ -71,3 +78,20 @@ def _register_boot(**_):
 @worker_process_shutdown.connect
 def _end_boot(**_):
     end_current_boot()
+
+
+# SIGTERM (docs/reliability.md): pool processes outlive the dyno-wide signal
+# and finish their run within POIMEN_SHUTDOWN_GRACE; see workers/shutdown.py.
+@worker_process_init.connect
+def _survive_dyno_sigterm(**_):
+    shutdown.survive_sigterm(current_celery_app.flask_app.config["POIMEN_SHUTDOWN_GRACE"])
+
+
+@task_prerun.connect
+def _handle_sigterm(**_):
+    shutdown.arm()
+
+
+@worker_shutting_down.connect
+def _note_sigterm(**_):
+    shutdown.mark_received()

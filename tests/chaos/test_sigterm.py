@@ -1,0 +1,166 @@
+"""Verify 5: Heroku-grade shutdown (issue 8).
+
+Heroku sends SIGTERM to every process of a dyno and SIGKILL 30 s later. Here
+the worker is the Procfile's own ``worker`` command, started in a process
+group of its own, and the SIGTERM goes to the whole group (``os.killpg``):
+the Celery main process and its pool processes at once. A second worker and
+beat stand for the dyno that replaces it (they would restart a killed run).
+
+* A 5 s run in flight finishes where it is: ``attempt == 1``, one start, one
+  finish, and the worker exits well within 30 s.
+* A 60 s run outlives the grace (``POIMEN_SHUTDOWN_GRACE``, 25 s): the pool
+  process gives it up at the deadline, the worker still exits within 30 s,
+  and the run is resumed exactly once elsewhere (``attempt == 2``, two
+  starts, one finish).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from poimen_dev.platform import procfile_commands
+from tests.processes import (
+    ROOT,
+    Process,
+    start_beat,
+    start_procfile_process,
+    start_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+HEROKU_KILL_AFTER = 30.0  # seconds between Heroku's SIGTERM and its SIGKILL
+
+
+@pytest.fixture
+def side_effects(pg):
+    """The table the ``effect`` workflow writes a row per start and finish into."""
+    pg.execute("CREATE TABLE IF NOT EXISTS side_effects (id bigserial PRIMARY KEY, "
+               "run_id uuid NOT NULL, kind text NOT NULL, pid int NOT NULL, "
+               "at timestamptz NOT NULL DEFAULT now())")
+    pg.execute("TRUNCATE side_effects")
+
+    def rows(run_id, kind: str) -> list[int]:
+        return [r[0] for r in pg.execute(
+            "SELECT pid FROM side_effects WHERE run_id = %s AND kind = %s ORDER BY id",
+            [run_id, kind])]
+
+    return rows
+
+
+@pytest.fixture
+def processes():
+    started: list[Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def _run(pg, run_id):
+    return pg.execute("SELECT status, attempt FROM runs WHERE id = %s", [run_id]).fetchone()
+
+
+def _sigterm_group_and_time_exit(worker: Process) -> float:
+    """Heroku's SIGTERM to the whole process group; seconds until the worker exited."""
+    t0 = time.monotonic()
+    os.killpg(worker.pid, signal.SIGTERM)
+    try:
+        worker.proc.wait(HEROKU_KILL_AFTER + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker was still running {HEROKU_KILL_AFTER + 10:.0f}s after "
+                    f"SIGTERM:\n{worker.log()[-3000:]}")
+    return time.monotonic() - t0
+
+
+def _dyno(env, log_dir, processes, run_id, side_effects) -> Process:
+    """The Procfile's worker, executing ``run_id``; plus the dyno that replaces it."""
+    worker = start_procfile_process("worker", env, log_dir)
+    processes.append(worker)
+    wait_until(lambda: len(side_effects(run_id, "start")) == 1, timeout=90,
+               what="the run to start on the first worker")
+    replacement = start_worker(env, log_dir, "replacement")
+    processes += [replacement, start_beat(env, log_dir)]
+    wait_until(lambda: "ready" in replacement.log(), timeout=90, what="the replacement worker")
+    return worker
+
+
+def test_sigterm_to_the_group_lets_a_5s_run_finish_where_it_is(
+        admit, side_effects, test_env, pg, tmp_path, processes):
+    env = {**test_env, "POIMEN_REPAIR_INTERVAL": "2", "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("effect", {"seconds": 5})
+    worker = _dyno(env, tmp_path, processes, run_id, side_effects)
+
+    exited_after = _sigterm_group_and_time_exit(worker)
+    status, attempt = wait_until(lambda: _run(pg, run_id)[0] == "succeeded" and _run(pg, run_id),
+                                 timeout=90, what="the run to succeed")
+    print(f"\n5 s run: worker exited {exited_after:.1f}s after SIGTERM (status "
+          f"{worker.proc.returncode}); run {status}, attempt {attempt}")
+    assert attempt == 1, worker.log()[-3000:]
+    [started_on] = side_effects(run_id, "start")
+    assert side_effects(run_id, "finish") == [started_on]
+    assert exited_after < HEROKU_KILL_AFTER
+    assert worker.proc.returncode == 0
+    assert "SIGTERM: finishing the run in flight" in worker.log()
+
+
+def test_a_60s_run_past_the_grace_is_resumed_exactly_once_elsewhere(
+        admit, side_effects, test_env, pg, tmp_path, processes):
+    env = {**test_env, "POIMEN_REPAIR_INTERVAL": "2", "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("effect", {"seconds": 60})
+    worker = _dyno(env, tmp_path, processes, run_id, side_effects)
+
+    exited_after = _sigterm_group_and_time_exit(worker)
+    status, attempt = wait_until(lambda: _run(pg, run_id)[0] in {"succeeded", "failed"}
+                                 and _run(pg, run_id), timeout=180, what="the run to end")
+    starts, finishes = side_effects(run_id, "start"), side_effects(run_id, "finish")
+    print(f"\n60 s run: worker exited {exited_after:.1f}s after SIGTERM; run {status}, "
+          f"attempt {attempt}, starts {len(starts)}, finishes {len(finishes)}")
+    assert exited_after < HEROKU_KILL_AFTER
+    assert "exits after the 25s shutdown grace" in worker.log()
+    assert (status, attempt) == ("succeeded", 2)
+    assert len(starts) == 2 and starts[0] != starts[1]  # given up on one process ...
+    assert finishes == [starts[1]]  # ... finished once, by the other
+    time.sleep(3)  # let any stray duplicate delivery arrive: it must execute nothing
+    assert len(side_effects(run_id, "start")) == 2
+
+
+def test_a_pool_process_survives_sigterm_and_gives_up_at_the_deadline():
+    """The rule itself, without Celery: ignore until armed, then note, then exit at the grace."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from workers import shutdown
+        shutdown.survive_sigterm(grace=1.5)
+        os.kill(os.getpid(), signal.SIGTERM)       # before any task: ignored
+        time.sleep(0.2)
+        print("unarmed", shutdown.shutting_down(), flush=True)
+        shutdown.arm()
+        os.kill(os.getpid(), signal.SIGTERM)       # the dyno's SIGTERM: noted, not fatal
+        time.sleep(0.2)
+        print("armed", shutdown.shutting_down(), round(shutdown.seconds_left()), flush=True)
+        time.sleep(30)                             # a run that will not finish in time
+        print("still here", flush=True)
+    """)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.stdout.split("\n")[:2] == ["unarmed False", "armed True 1"], proc.stderr
+    assert "still here" not in proc.stdout
+    assert proc.returncode == 75, proc.stderr
+    assert took < 10
+
+
+def test_gunicorn_grace_is_below_herokus_kill():
+    web = procfile_commands()["web"]
+    assert "--graceful-timeout ${POIMEN_SHUTDOWN_GRACE:-25}" in web
+    from workers.shutdown import DEFAULT_GRACE, grace_seconds
+
+    assert DEFAULT_GRACE == grace_seconds({}) < HEROKU_KILL_AFTER

@@ -1,0 +1,114 @@
+"""SIGTERM the way Heroku sends it: to every process of the dyno, SIGKILL 30 s later.
+
+A worker must stop taking runs, let the runs in flight finish within
+``POIMEN_SHUTDOWN_GRACE`` seconds (default 25), and leave whatever still runs
+at that deadline to repair, never half-finished.
+
+Celery's main process already does the first part: SIGTERM is its warm
+shutdown (stop consuming, wait for the pool). Its prefork pool processes,
+though, die at once on SIGTERM (Celery resets the signal to its default in
+them), so the dyno-wide SIGTERM kills every run in flight, and a 5-second run
+starts again from the top on another worker. So in a pool process:
+
+* SIGTERM is ignored from the moment the process starts
+  (:func:`survive_sigterm`, at ``worker_process_init``: billiard leaves an
+  ignored SIGTERM ignored when it installs its own handlers right after);
+* before each task it is handled instead (:func:`arm`, at ``task_prerun``):
+  the first SIGTERM notes the time (:func:`shutting_down` turns true, which
+  workflows see as ``ctx.shutting_down`` and may checkpoint on) and starts
+  the deadline;
+* at the deadline, or on a second SIGTERM (billiard's pool terminate in a
+  cold shutdown, an impatient operator), the process exits at once. Its boot's
+  lock goes with it, so the run it held is a dead boot's: Celery requeues its
+  message (``task_reject_on_worker_lost``) and beat re-sends it, and the next
+  worker takes it over. A finish is one fenced transaction, so nothing is ever
+  finished twice or half.
+
+The main process only records the signal (``worker_shutting_down``), so
+:func:`shutting_down` means the same in both. What was measured, and why not
+Celery's own soft shutdown or ``REMAP_SIGTERM``: ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE = 25.0  # seconds; Heroku sends SIGKILL 30 s after SIGTERM
+# Exit status of a pool process that gave up its run at the deadline (EX_TEMPFAIL).
+EXIT_ABANDONED = 75
+
+_received_at: float | None = None  # time.monotonic() of this process's first SIGTERM
+_grace = DEFAULT_GRACE
+_in_pool_process = False
+_lock = threading.Lock()
+
+
+def shutting_down() -> bool:
+    """Whether this process got SIGTERM: finish soon, or checkpoint and stop."""
+    return _received_at is not None
+
+
+def grace_seconds(env: Mapping[str, str] | None = None) -> float:
+    """``POIMEN_SHUTDOWN_GRACE``: how long in-flight runs may take after SIGTERM."""
+    env = os.environ if env is None else env
+    return float(env.get("POIMEN_SHUTDOWN_GRACE", DEFAULT_GRACE))
+
+
+def seconds_left() -> float | None:
+    """Seconds until this process gives up its run (None if not shutting down)."""
+    if _received_at is None:
+        return None
+    return max(0.0, _received_at + _grace - time.monotonic())
+
+
+def mark_received() -> None:
+    """Record SIGTERM (the main process: Celery's own handler has received it)."""
+    global _received_at
+    with _lock:
+        if _received_at is None:
+            _received_at = time.monotonic()
+
+
+def survive_sigterm(grace: float | None = None) -> None:
+    """In a fresh pool process: ignore SIGTERM until :func:`arm` handles it."""
+    global _in_pool_process, _grace
+    _in_pool_process = True
+    _grace = grace_seconds() if grace is None else grace
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def arm() -> None:
+    """Before a task in a pool process: handle SIGTERM (billiard's setup is done by now)."""
+    if _in_pool_process and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _received_at
+    if _received_at is not None:
+        _abandon("a second SIGTERM")
+    _received_at = time.monotonic()
+    log.warning("SIGTERM: finishing the run in flight; giving it up in %.0fs", _grace)
+    timer = threading.Timer(_grace, _abandon, args=(f"the {_grace:.0f}s shutdown grace",))
+    timer.daemon = True
+    timer.start()
+
+
+def _abandon(why: str) -> None:
+    # Exit now, from whichever thread: no Python cleanup may write for the run
+    # any more. Postgres drops the boot's lock with the connection, which makes
+    # the run a dead boot's, taken over by the next worker.
+    log.warning("pool process %s exits after %s; its run is left to repair", os.getpid(), why)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    os._exit(EXIT_ABANDONED)
