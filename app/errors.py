@@ -109,7 +109,9 @@ def register_error_handlers(app: Flask) -> None:
         # unavailable, not a bug: 503 with the usual shape, so clients (the
         # inbox among them) retry instead of treating it as a server fault.
         if database_unavailable(err):
-            log.warning("database unavailable: %s", str(err).splitlines()[0] if str(err) else err)
+            orig = getattr(err, "orig", None)
+            log.warning("database unavailable: %s (SQLSTATE %s)", type(orig or err).__name__,
+                        getattr(orig, "sqlstate", None))
             return database_unavailable_response(err)
         return _unexpected(err)
 
