@@ -43,6 +43,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),
             "pool_size": int(env.get("POIMEN_DB_POOL_SIZE", "5")),
             "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),
+            # Statement parameters (whole run inputs) stay out of exception messages.
+            "hide_parameters": True,
         },
         "CELERY_BROKER_URL": broker_url(env),
         "POIMEN_WORKFLOW_MODULES": [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 from flask import Flask, jsonify
@@ -117,5 +118,19 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
-        log.exception("unhandled error")
+        # Types and stack only: exception messages quote data (Postgres repeats the
+        # value it refused), and run inputs must never reach the log.
+        log.error("unhandled error:\n%s", _stack_without_messages(err))
         return error_response(500, "internal_error", "internal server error")
+
+
+def _stack_without_messages(err: BaseException | None) -> str:
+    """Format ``err`` and its causes as a traceback without the exceptions' messages."""
+    parts = []
+    while err is not None and len(parts) < 10:
+        code = getattr(getattr(err, "orig", None), "sqlstate", None)
+        parts.append("".join(traceback.format_tb(err.__traceback__))
+                     + f"{type(err).__module__}.{type(err).__qualname__}"
+                     + (f" (SQLSTATE {code})" if code else ""))
+        err = err.__cause__ or err.__context__
+    return "\ncaused by:\n".join(parts)
