@@ -27,11 +27,14 @@ from tests.processes import start_web, wait_until
 pytestmark = pytest.mark.slow
 
 BACK_WITHIN = 5.0  # seconds from the database accepting connections to a 201
+METRICS_TOKEN = "chaos-metrics-token"
 
 
 @pytest.fixture
 def web(chaos_env, tmp_path):
-    proc, url = start_web(chaos_env, tmp_path)
+    # /metrics needs its token; uncached, so every scrape reads the database like the API does.
+    proc, url = start_web({**chaos_env, "POIMEN_METRICS_TOKEN": METRICS_TOKEN,
+                           "POIMEN_METRICS_CACHE_SECONDS": "0"}, tmp_path)
     yield url, proc
     proc.stop()
 
@@ -55,7 +58,8 @@ def _calls(url, tenant, run_id):
         ("POST /v1/runs/<id>/cancel",
          lambda: requests.post(f"{url}/v1/runs/{uuid.uuid4()}/cancel", headers=h, timeout=10)),
         ("GET /readyz", lambda: requests.get(f"{url}/readyz", timeout=10)),
-        ("GET /metrics", lambda: requests.get(f"{url}/metrics", timeout=10)),
+        ("GET /metrics", lambda: requests.get(
+            f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=10)),
         ("unknown token", lambda: requests.get(
             f"{url}/v1/runs", headers={"Authorization": "Bearer pmn_nope"}, timeout=10)),
     ]

@@ -10,7 +10,7 @@ from tests.processes import free_port, start_procfile_process, wait_until
 def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tmp_path):
     web_port, flower_port = free_port(), free_port()
     env = {**test_env, "WEB_CONCURRENCY": "1", "WORKER_CONCURRENCY": "1",
-           "FLOWER_UNAUTHENTICATED_API": "true",
+           "FLOWER_UNAUTHENTICATED_API": "true", "POIMEN_METRICS_TOKEN": "e2e-metrics",
            "CELERY_BEAT_SCHEDULE": str(tmp_path / "beat-schedule")}
     procs = [
         start_procfile_process("release", env, tmp_path),
@@ -48,7 +48,9 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
         assert task["name"] == "runs.execute[echo@1]"
         assert task["args"] == repr([run_id])
 
-        metrics = requests.get(f"{api}/metrics", timeout=5).text
+        assert requests.get(f"{api}/metrics", timeout=5).status_code == 401
+        metrics = requests.get(f"{api}/metrics", timeout=5,
+                               headers={"Authorization": "Bearer e2e-metrics"}).text
         assert 'poimen_runs{status="succeeded"} 1' in metrics
         worker_metrics = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert 'poimen_worker_runs{status="succeeded"} 1.0' in worker_metrics
