@@ -39,10 +39,10 @@ _ADMIT = with_event(
     """
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id)
+                      origin, origin_detail, parent_run_id, definition_hash)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id)
+            :origin_detail, :parent_run_id, :definition_hash)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
     "*",
@@ -207,6 +207,9 @@ def admit_run(
         origin=origin_value,
         origin_detail=origin_detail,
         parent_run_id=parent_run_id,
+        # The resolved definition is pinned with the version: a worker that
+        # resolves another one for this version refuses the run (definition_changed).
+        definition_hash=workflow.definition_hash,
     )
     event_fields = {
         "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,

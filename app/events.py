@@ -47,26 +47,45 @@ def record_event(
     })
 
 
+def outbox_rows(source: str, event_type: str, fields: str = "'{}'::jsonb",
+                only_if: str = "true", *, run_id: str = "id",
+                tenant_id: str = "tenant_id", order_by: str = "") -> str:
+    """SQL that appends one event per row of ``source`` (a CTE name) to the outbox.
+
+    For statements that compose several changes in one round trip (the step
+    ledger's): put it in a ``WITH`` as ``name AS (<this>)``. ``run_id`` and
+    ``tenant_id`` are SQL expressions over ``source``'s columns; ``event_type``
+    and ``fields`` as in ``with_event``; ``order_by`` orders several events of
+    one statement (their ids follow it).
+    """
+    return f"""
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT {tenant_id}, {run_id}, {event_type},
+               jsonb_build_object('run_id', ({run_id})::text, 'type', {event_type}) || {fields}
+          FROM {source}
+         WHERE {only_if}
+         {f"ORDER BY {order_by}" if order_by else ""}
+    """
+
+
 def with_event(change: str, returning: str, event_type: str, fields: str = "'{}'::jsonb",
-               only_if: str = "true") -> TextClause:
+               only_if: str = "true", *, before: str = "", then: str = "",
+               select: str = "*") -> TextClause:
     """Wrap ``change`` (an INSERT or UPDATE of ``runs``) so it writes its event too.
 
     ``returning`` is the change's RETURNING list and must include ``id`` and
     ``tenant_id``; ``event_type`` and ``fields`` are SQL expressions over those
     rows (``fields`` a jsonb object); ``only_if`` selects the rows that get an
     event. One statement, one round trip: the event exists iff the change does.
+    ``before`` and ``then`` are further CTEs (each ending in a comma / starting
+    with one) around ``changed``; ``select`` is the final select list over it.
     """
     return text(
         f"""
-        WITH changed AS ({change} RETURNING {returning}),
-        event AS (
-            INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-            SELECT tenant_id, id, {event_type},
-                   jsonb_build_object('run_id', id::text, 'type', {event_type}) || {fields}
-              FROM changed
-             WHERE {only_if}
-        )
-        SELECT * FROM changed
+        WITH {before} changed AS ({change} RETURNING {returning}),
+        event AS ({outbox_rows("changed", event_type, fields, only_if)})
+        {then}
+        SELECT {select} FROM changed
         """
     )
 

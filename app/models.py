@@ -27,6 +27,8 @@ from .extensions import db
 class RunStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
+    # A join step waits for its children; the last child's finish re-queues the run.
+    WAITING = "waiting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -92,6 +94,8 @@ class Run(db.Model):
     origin: Mapped[str] = mapped_column(String(16), nullable=False)
     origin_detail: Mapped[str | None] = mapped_column(String(255))
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    # The hash of the resolved workflow definition pinned at admission (migration 0006).
+    definition_hash: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
@@ -107,7 +111,7 @@ class Run(db.Model):
 
     __table_args__ = (
         CheckConstraint(
-            "status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')",
+            "status IN ('queued', 'running', 'waiting', 'succeeded', 'failed', 'cancelled')",
             name="ck_runs_status",
         ),
         # Exactly-once admission is decided here: the index, not application code.
@@ -163,6 +167,61 @@ class OutboxEvent(db.Model):
     )
 
 
+class StepEntry(db.Model):
+    """One entry of a run into a step: the ledger's row (``workers/ledger.py`` writes it)."""
+
+    __tablename__ = "step_entries"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("runs.id"),
+                                              nullable=False)
+    entry_no: Mapped[int] = mapped_column(Integer, nullable=False)
+    step_id: Mapped[str] = mapped_column(String(100), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    actions: Mapped[list] = mapped_column(JSONB, nullable=False)
+    outputs: Mapped[dict] = mapped_column(JSONB, nullable=False)
+    error: Mapped[dict | None] = mapped_column(JSONB)
+    next_step: Mapped[str | None] = mapped_column(String(100))
+    children_total: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    children_done: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StepMarker(db.Model):
+    """The claim of a marker-bearing action: (entry, declared position)."""
+
+    __tablename__ = "step_markers"
+
+    entry_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("step_entries.id"),
+                                          primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
+    claimed_by: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True),
+                                                  ForeignKey("worker_boots.boot_id"),
+                                                  nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    claims: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    result: Mapped[dict | list | str | int | float | bool | None] = mapped_column(JSONB)
+    error: Mapped[dict | None] = mapped_column(JSONB)
+    claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StepChild(db.Model):
+    """A child run and the entry (and position) whose fan-out admitted it."""
+
+    __tablename__ = "step_children"
+
+    child_run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("runs.id"),
+                                                    primary_key=True)
+    entry_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("step_entries.id"),
+                                          nullable=False)
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    ordinal: Mapped[int] = mapped_column(Integer, nullable=False)
+    item_key: Mapped[str] = mapped_column(String, nullable=False)
+
+
 class AdmissionOrigin(enum.StrEnum):
     HTTP = "http"
     FANOUT = "fanout"
@@ -175,6 +234,9 @@ __all__ = [
     "OutboxEvent",
     "Run",
     "RunStatus",
+    "StepChild",
+    "StepEntry",
+    "StepMarker",
     "TERMINAL_STATUSES",
     "Tenant",
     "WorkerBoot",

@@ -4,9 +4,12 @@ Admission (``admission.py``) creates runs; a worker's fenced transitions
 (claim, release, retry, finish) live in ``workers/claims.py``. Everything else
 that changes a run is here, so each transition has one statement and one home:
 
-* cancel: a queued run becomes ``cancelled``; a running one gets
+* cancel: a queued (or waiting) run becomes ``cancelled``; a running one gets
   ``cancel_requested`` and stops at its workflow's next checkpoint;
-* repair: re-sending runs whose Celery message may be lost.
+* repair: re-sending runs whose Celery message may be lost;
+* join release: the end of a run's last child re-queues the waiting parent,
+  in the statement that ends the child (``JOIN_RELEASE``, used by every
+  statement that ends a run, here and in ``workers/claims.py``).
 
 Views and CLI commands call these; they hold no SQL of their own.
 """
@@ -17,35 +20,88 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Row, and_, func, or_, select, text
 from sqlalchemy.orm import Session
 
-from .enqueue import send_run
-from .events import with_event
+from .enqueue import enqueue_after_commit, send_run
+from .events import outbox_rows, with_event
 from .liveness import LIVE_BOOTS_SQL
 from .models import Run, RunStatus, Tenant
 
 log = logging.getLogger(__name__)
 
+_ENDED = "('succeeded', 'failed', 'cancelled')"
+
+# Joins. A join entry's counters live on its step_entries row, and both sides
+# of the race lock that row: the parent going ``waiting`` (workers/ledger.py,
+# only while children_done < children_total) and each child's end (below,
+# children_done + 1). Whichever comes second sees the other's commit, so the
+# parent either never waits or is re-queued by exactly one child: the one
+# whose increment makes children_done equal children_total while the entry
+# waits. No timer polls for it.
+#
+# The parent's runs row is updated only for that child. Its WHERE must accept
+# the snapshot's version ('running' if the parent went waiting while this
+# statement waited on the entry row): Postgres re-checks it on the newest
+# version, which is 'waiting', or 'cancelled' (then it is left alone).
+JOIN_RELEASE = f""",
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN {_ENDED}
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = '{RunStatus.WAITING}' THEN '{RunStatus.QUEUED}'
+                             ELSE p.status END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN {_ENDED}
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    ),
+    woken_event AS ({outbox_rows("woken", "'run.joined'",
+                                 "jsonb_build_object('entry_id', entry_id)",
+                                 f"status = '{RunStatus.QUEUED}'")})
+"""
+
+# The select list of a statement with JOIN_RELEASE: its rows, plus the parents it re-queued.
+WITH_WOKEN = (
+    "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
+    "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) "
+    f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
+)
+
+
+def send_woken(session: Session, row: Row | None) -> None:
+    """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
+    for parent in (row.woken if row is not None else None) or ():
+        enqueue_after_commit(session, uuid.UUID(parent["id"]), parent["ref"])
+
 # One statement, so no interleaving can slip between "cancel if queued" and
 # "flag if running": a run that moves running -> queued (a retry, a release)
 # while we wait on its row lock is re-checked on its new version by Postgres
 # and cancelled outright.
+# A waiting run (a join) holds no worker: it is cancelled outright, like a queued one.
 _CANCEL = with_event(
     f"""
     UPDATE runs
-       SET status = CASE WHEN status = '{RunStatus.QUEUED}' THEN '{RunStatus.CANCELLED}'
-                         ELSE status END,
-           finished_at = CASE WHEN status = '{RunStatus.QUEUED}' THEN now()
-                              ELSE finished_at END,
+       SET status = CASE WHEN status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
+                         THEN '{RunStatus.CANCELLED}' ELSE status END,
+           finished_at = CASE WHEN status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
+                              THEN now() ELSE finished_at END,
            cancel_requested = true, updated_at = now()
      WHERE id = :run AND tenant_id = :tenant
-       AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}')
+       AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')
     """,
     "*",
     "'run.cancelled'",
     only_if=f"status = '{RunStatus.CANCELLED}'",
+    then=JOIN_RELEASE,
+    select=WITH_WOKEN,
 )
 
 # A delivery found a queued run whose cancellation was requested.
@@ -54,23 +110,30 @@ _CANCEL_QUEUED = with_event(
     UPDATE runs SET status = '{RunStatus.CANCELLED}', finished_at = now(), updated_at = now()
      WHERE id = :run AND status = '{RunStatus.QUEUED}' AND cancel_requested
     """,
-    "id, tenant_id",
+    "id, tenant_id, status",
     "'run.cancelled'",
+    then=JOIN_RELEASE,
+    select=WITH_WOKEN,
 )
 
 
 def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
-    """Cancel ``run_id`` (queued: at once; running: at its next checkpoint).
+    """Cancel ``run_id`` (queued or waiting: at once; running: at its next checkpoint).
 
     Return the changed row, or None when the run was already finished (then
-    there is nothing to cancel). The caller commits.
+    there is nothing to cancel). The caller commits; a parent whose join this
+    run completes is sent after the commit.
     """
-    return session.execute(_CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
+    row = session.execute(_CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
+    send_woken(session, row)
+    return row
 
 
 def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
     """End a queued run whose cancellation was requested; True if it was."""
-    return session.execute(_CANCEL_QUEUED, {"run": run_id}).one_or_none() is not None
+    row = session.execute(_CANCEL_QUEUED, {"run": run_id}).one_or_none()
+    send_woken(session, row)
+    return row is not None
 
 
 def get_run(session: Session, tenant_id: int, run_id: str) -> Run | None:
@@ -97,6 +160,7 @@ class RunFilter:
     goal_id: str | None = None
     workflow_ref: str | None = None
     dispatch_key: str | None = None
+    parent_run_id: uuid.UUID | None = None
     before: tuple[datetime, uuid.UUID] | None = None  # cursor: strictly older than this
 
 
@@ -105,7 +169,7 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     query = select(Run).where(Run.tenant_id == tenant_id)
     if where.statuses is not None:
         query = query.where(Run.status.in_(where.statuses))
-    for name in ("goal_id", "workflow_ref", "dispatch_key"):
+    for name in ("goal_id", "workflow_ref", "dispatch_key", "parent_run_id"):
         value = getattr(where, name)
         if value is not None:
             query = query.where(getattr(Run, name) == value)
@@ -117,6 +181,55 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     return list(session.scalars(
         query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
     ))
+
+
+_ENTRIES = text(
+    """
+    SELECT id, entry_no, step_id, status, actions, outputs, error, next_step, children_total,
+           children_done, started_at, finished_at
+      FROM step_entries WHERE run_id = :run ORDER BY entry_no
+    """
+)
+_MARKERS = text(
+    "SELECT entry_id, position, status, claims, result, error, claimed_at, finished_at "
+    "FROM step_markers WHERE run_id = :run"
+)
+
+
+def run_steps(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    """Return ``run_id``'s step entries, oldest first, each with its actions' outcomes.
+
+    An action's status is the marker's (claimed, completed, failed) for a
+    marker-bearing position, else what the entry recorded (pending until the
+    entry ends; completed, failed, or abandoned by the stop rule).
+    """
+    markers: dict[tuple[int, int], Row] = {
+        (m.entry_id, m.position): m for m in session.execute(_MARKERS, {"run": run_id})}
+    steps = []
+    for entry in session.execute(_ENTRIES, {"run": run_id}):
+        actions = []
+        for declared in entry.actions:
+            out = {"position": declared["position"], "name": declared["name"],
+                   "marker": declared["marker"], "status": declared.get("status", "pending"),
+                   "outcome": declared.get("error", declared.get("output"))}
+            marker = markers.get((entry.id, declared["position"]))
+            if marker is not None:
+                out["status"] = marker.status
+                out["outcome"] = marker.error if marker.status == "failed" else marker.result
+                out["claims"] = marker.claims
+            actions.append(out)
+        steps.append({
+            "entry": entry.entry_no,
+            "step": entry.step_id,
+            "status": entry.status,
+            "next_step": entry.next_step,
+            "error": entry.error,
+            "children": {"total": entry.children_total, "done": entry.children_done},
+            "started_at": entry.started_at,
+            "finished_at": entry.finished_at,
+            "actions": actions,
+        })
+    return steps
 
 
 def status_counts(session: Session) -> dict[str, int]:

@@ -8,7 +8,9 @@ by time:
 * ``running`` under a live boot (this one or another): DUPLICATE, do nothing;
 * ``running`` under a dead boot: wreckage, taken over with a compare-and-set
   on the old boot id: TAKEN_OVER (the attempt is counted);
-* terminal: FINISHED, never executed again.
+* terminal: FINISHED, never executed again;
+* ``waiting`` (a join step waits for its children): WAITING, nothing to do;
+  the last child's finish re-queues it.
 
 This module holds only the fenced transitions, the ones a worker makes under
 its claim; unfenced ones (cancel, repair) are in ``app/runs.py``.
@@ -33,7 +35,7 @@ from sqlalchemy.orm import Session
 from app.events import with_event
 from app.liveness import LIVE_BOOTS_SQL, boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
-from app.runs import finish_requested_cancel
+from app.runs import JOIN_RELEASE, WITH_WOKEN, finish_requested_cancel, send_woken
 
 from . import registry
 
@@ -46,6 +48,7 @@ class ClaimOutcome(enum.StrEnum):
     NOT_DUE = "not_due"
     MISSING = "missing"
     CLAIMER_DEAD = "claimer_dead"  # the claiming boot itself lost its lock
+    WAITING = "waiting"  # a join waits for children; the last one's finish re-queues it
 
     @property
     def execute(self) -> bool:
@@ -67,6 +70,10 @@ class Claim:
 _RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, failures, " \
     "cancel_requested"
 _ATTEMPT = "jsonb_build_object('attempt', attempt)"
+# A claim also returns the pinned definition hash and the run's latest step
+# entry (the ledger resumes from it), so starting a run costs no extra read.
+_CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, (SELECT to_jsonb(e) FROM step_entries e " \
+    "WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry"
 
 # Liveness is part of every claim: the claiming boot must hold its lock *in
 # the same statement*. A process whose lock vanished (Postgres restarted, its
@@ -86,7 +93,7 @@ _CLAIM_QUEUED = with_event(
        AND (not_before IS NULL OR not_before <= now())
        AND {_CLAIMER_LIVE}
     """,
-    _RUN_COLUMNS,
+    _CLAIMED_COLUMNS,
     "'run.started'",
     _ATTEMPT,
 )
@@ -117,10 +124,12 @@ _TAKE_OVER = with_event(
            updated_at = now()
      WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
     """,
-    _RUN_COLUMNS + ", status, takeovers, error",
+    _CLAIMED_COLUMNS + ", status, takeovers, error",
     "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
     f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
     "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END",
+    then=JOIN_RELEASE,  # a child ended worker_lost or cancelled counts for its parent's join
+    select=WITH_WOKEN,
 )
 
 # The process that lost its lock is still executing the run and registered a
@@ -142,9 +151,13 @@ _FINISH = with_event(
            finished_at = now(), updated_at = now(), failures = failures + :failed
      WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
     """,
-    _RUN_COLUMNS,
+    _RUN_COLUMNS + ", status",
     "CAST(:event_type AS text)",
     f"{_ATTEMPT} || coalesce(CAST(:event_extra AS jsonb), '{{}}'::jsonb)",
+    # A child's finish counts for its parent's join and may re-queue the parent:
+    # decided here, in the finish statement (see app/runs.py).
+    then=JOIN_RELEASE,
+    select=WITH_WOKEN,
 )
 
 _RELEASE = with_event(
@@ -185,6 +198,8 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
         return Claim(ClaimOutcome.MISSING, run_id, boot_id)
     if current.status in TERMINAL_STATUSES:
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
+    if current.status == RunStatus.WAITING:
+        return Claim(ClaimOutcome.WAITING, run_id, boot_id)
     if not current.claimer_live:
         # This process's boot lost its lock: it may claim nothing more.
         return Claim(ClaimOutcome.CLAIMER_DEAD, run_id, boot_id)
@@ -208,6 +223,7 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
     }).one_or_none()
     if row is None:
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
+    send_woken(session, row)
     if row.status != RunStatus.RUNNING:
         # Cancelled while its worker was lost, or too many workers lost: ended, not resumed.
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder)
@@ -274,6 +290,7 @@ def finish_run(
         "error": _json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
     }).one_or_none()
+    send_woken(session, row)
     return row is not None
 
 

@@ -1,4 +1,4 @@
-"""Executing one run: claim, run the workflow, finish, all fenced by the claim."""
+"""Executing one run: claim, dispatch its step entries (``ledger.py``), finish; all fenced."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import functools
 import logging
 import os
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flask import current_app
+from psycopg import Error as psycopg_errors
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
@@ -22,7 +22,7 @@ from app.enqueue import send_run
 from app.extensions import db
 from app.models import TERMINAL_STATUSES, RunStatus
 
-from . import boots, registry
+from . import boots, ledger, registry
 from .boots import current_boot, end_current_boot
 from .claims import (
     Adoption,
@@ -36,8 +36,6 @@ from .claims import (
 )
 
 log = logging.getLogger(__name__)
-
-TRACEBACK_LIMIT = 4000
 
 
 class ClaimReleased(RuntimeError):
@@ -82,12 +80,6 @@ class RunContext:
         except ImportError:
             return False
         return shutting_down()
-
-
-def _error_info(err: BaseException) -> dict[str, Any]:
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    return {"type": f"{type(err).__module__}.{type(err).__qualname__}", "message": str(err),
-            "traceback": tb[-TRACEBACK_LIMIT:]}
 
 
 def boot_dsn() -> str:
@@ -174,40 +166,87 @@ def _retryable(err: Exception) -> bool:
         getattr(err, "connection_invalidated", False))
 
 
-def _record(run_id: uuid.UUID, write: Callable[[Session, list[uuid.UUID]], bool],
-            already_done: Callable[[Any], bool]) -> bool:
-    """Make one fenced write for ``run_id`` and commit it; False if the claim was lost.
+def commit_fenced(run_id: uuid.UUID,
+                  write: Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]) -> Any:
+    """Make fenced writes for ``run_id`` in one transaction; return what ``write`` says.
 
-    The fence is every boot of this process that held the run (a lost boot's
-    run adopted by our new boot stays ours). While the database is unreachable
-    (a restart, a failover) the write is retried for POIMEN_RECORD_RETRY_SECONDS:
-    a finished run must not be executed again because a pooled connection was
-    stale. When an earlier try's commit may have applied with its reply lost,
-    ``already_done(row)`` recognises our own write.
+    ``write(session, ours, retrying)`` returns ``(commit, value)``: the
+    transaction is committed or rolled back accordingly. The fence ``ours`` is
+    every boot of this process that held the run (a lost boot's run adopted
+    by our new boot stays ours). While the database is unreachable (a restart,
+    a failover) the write is retried for POIMEN_RECORD_RETRY_SECONDS: a
+    finished run must not be executed again because a pooled connection was
+    stale. ``retrying`` tells ``write`` that an earlier try's commit may have
+    applied with its reply lost, so it can recognise its own write.
     """
     deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
-    uncertain = False
+    retrying = False
     delay = 0.2
     while True:
         session = db.session
         try:
-            if write(session, boots.holders(run_id)):
+            commit, value = write(session, boots.holders(run_id), retrying)
+            if commit:
                 session.commit()
-                return True
-            row = session.execute(
-                text("SELECT status, claimed_by FROM runs WHERE id = :run"), {"run": run_id}
-            ).one_or_none()
-            session.rollback()
-            return uncertain and row is not None and already_done(row)
+            else:
+                session.rollback()
+            return value
         except Exception as err:
             _rollback()
             if not _retryable(err) or time.monotonic() > deadline:
                 raise
-            uncertain = True
+            retrying = True
             log.warning("run %s: database unreachable while recording (%s); retrying",
                         run_id, type(err).__name__)
             time.sleep(delay)
             delay = min(2.0, delay * 2)
+
+
+def _record(run_id: uuid.UUID, write: Callable[[Session, list[uuid.UUID]], bool],
+            already_done: Callable[[Any], bool]) -> bool:
+    """Make one fenced write for ``run_id`` and commit it; False if the claim was lost.
+
+    When an earlier try's commit may have applied with its reply lost,
+    ``already_done(row)`` recognises our own write.
+    """
+    def attempt(session: Session, ours: list[uuid.UUID], retrying: bool) -> tuple[bool, bool]:
+        if write(session, ours):
+            return True, True
+        row = session.execute(
+            text("SELECT status, claimed_by FROM runs WHERE id = :run"), {"run": run_id}
+        ).one_or_none()
+        return False, retrying and row is not None and already_done(row)
+
+    return commit_fenced(run_id, attempt)
+
+
+def _await_new_boot(run_id: uuid.UUID, dead: uuid.UUID) -> uuid.UUID:
+    """Return the live boot that adopted ``run_id`` after this process's boot ``dead`` died.
+
+    The boot watchdog notices the loss and adopts the run (``_adopt_runs``), or
+    the process exits because another worker took the run over; wait for that.
+    """
+    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    while True:
+        try:
+            current = current_boot(boot_dsn)
+        except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
+            if not _retryable(err) and not isinstance(err, psycopg_errors):
+                raise
+            current = None
+        if current is not None and current.boot_id != dead \
+                and current.boot_id in boots.holders(run_id):
+            return current.boot_id
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"run {run_id}: no live boot adopted it after boot {dead} died")
+        time.sleep(0.1)
+
+
+FENCING = ledger.Fencing(
+    commit=commit_fenced,
+    claimer=lambda: current_boot(boot_dsn).boot_id,
+    await_new_boot=_await_new_boot,
+)
 
 
 def _finished_by_us(run_id: uuid.UUID) -> Callable[[Any], bool]:
@@ -233,18 +272,29 @@ def _run_claimed(claim: Claim) -> None:
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
                      _cancelled=row.cancel_requested)
 
-    try:
-        result = workflow.fn(ctx, row.input)
-    except Exception as err:  # noqa: BLE001 - a workflow failure is recorded, not raised
-        _rollback()
-        _record_failure(ctx, row.failures, err)
+    # The ledger dispatcher executes the steps; the last entry is closed here,
+    # in the transaction that finishes (or retries) the run.
+    outcome = ledger.dispatch(ctx, row, FENCING)
+    _rollback()
+    if outcome.ending == ledger.Ending.WAITING:
+        log.info("run %s: waiting for its children (attempt %s)", run_id, claim.attempt)
+        return
+    if outcome.ending == ledger.Ending.LOST:
+        log.warning("run %s: claim lost while executing its steps; stopped", run_id)
+        return
+    close = outcome.close
+    if outcome.ending == ledger.Ending.FAILED:
+        if outcome.exc is not None:
+            _record_failure(ctx, row.failures, outcome.exc, close, outcome.error)
+        else:
+            _finish_failed(ctx, outcome.error, close)
         return
 
     status = RunStatus.CANCELLED if ctx._cancelled else RunStatus.SUCCEEDED
+    result = outcome.result
     try:
-        finished = _record(run_id, lambda s, ours: finish_run(s, run_id, ours, status=status,
-                                                              result=result),
-                           _finished_by_us(run_id))
+        finished = _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
+            s, run_id, ours, status=status, result=result), _finished_by_us(run_id))
     except DataError as err:
         # The result itself cannot be stored (jsonb refuses it): a workflow bug,
         # recorded as a failure instead of retried forever.
@@ -254,10 +304,9 @@ def _run_claimed(claim: Claim) -> None:
             "message": f"the workflow's result could not be stored: {err.orig}",
             "traceback": "",
         }
-        finished = _record(run_id, lambda s, ours: finish_run(s, run_id, ours,
-                                                              status=RunStatus.FAILED,
-                                                              error=error),
-                           _finished_by_us(run_id))
+        bare = close.without_outputs(error) if close is not None else None
+        finished = _record(run_id, lambda s, ours: _closed(s, ours, bare) and finish_run(
+            s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id))
         status = RunStatus.FAILED
     if finished:
         log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
@@ -265,24 +314,38 @@ def _run_claimed(claim: Claim) -> None:
         log.warning("run %s: claim lost before finishing; result discarded", run_id)
 
 
-def _record_failure(ctx: RunContext, failures: int, err: Exception) -> None:
-    error = _error_info(err)
+def _closed(session: Session, ours: list[uuid.UUID], close) -> bool:
+    """Close the run's last step entry in the caller's transaction (True if none to close)."""
+    return close is None or close(session, ours)
+
+
+def _finish_failed(ctx: RunContext, error: dict, close) -> None:
+    run_id = ctx.run_id
+    if _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
+            s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id)):
+        log.error("run %s: failed: %s: %s", run_id, error.get("code", error.get("type")),
+                  error.get("message"))
+    else:
+        log.warning("run %s: claim lost before recording failure", run_id)
+
+
+def _record_failure(ctx: RunContext, failures: int, err: Exception, close=None,
+                    error: dict | None = None) -> None:
+    error = error or ledger.error_info(err)
     workflow = ctx.workflow
     run_id = ctx.run_id
     retryable = isinstance(err, workflow.retry_on) and failures + 1 < workflow.max_attempts
     if retryable:
         delay = workflow.retry_delay(failures + 1)
-        if _record(run_id, lambda s, ours: schedule_retry(s, run_id, ours, delay=delay,
-                                                          error=error), _requeued):
+        if _record(run_id, lambda s, ours: _closed(s, ours, close) and schedule_retry(
+                s, run_id, ours, delay=delay, error=error), _requeued):
             log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
             send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay)
             return
-    elif _record(run_id, lambda s, ours: finish_run(s, run_id, ours, status=RunStatus.FAILED,
-                                                    error=error), _finished_by_us(run_id)):
-        log.error("run %s: failed: %s: %s", run_id, error["type"], error["message"])
+        log.warning("run %s: claim lost before recording failure", run_id)
         return
-    log.warning("run %s: claim lost before recording failure", run_id)
+    _finish_failed(ctx, error, close)
 
 
 # -- a boot that lost its lock while this process executes runs under it --------------------

@@ -1,49 +1,273 @@
-"""The workflow registry: named, versioned workflows that runs execute.
+"""The workflow registry: named, versioned workflows of steps that runs execute.
 
-A workflow is registered with ``@workflow("name", version="1")`` on a function
-``(ctx, input) -> JSON result``. The web process uses the registry to validate
-``workflow_ref`` and pin the version at admission; the worker uses it to find
-the code to run.
+A workflow is an ordered list of steps; a step is a list of actions, each at a
+*declared position*; an action is a registered callable, an existing Celery
+task, or a built-in (``spawn_each``, ``emit``)::
+
+    register(Workflow("doc-review", "1", steps=[
+        Step("draft", actions=[action(write_draft, position=0)], next="review"),
+        Step("review", join=True, next=after_review, actions=[
+            action(clear_decisions, position=0, marker=True),
+            action(ensure_participant_seat, position=1),
+            spawn_each("review-participant", over="input.participants", position=2),
+        ]),
+        Step("approve", actions=[action(approve, position=0)]),
+    ]))
+
+``@workflow("name", version="1")`` on a ``(ctx, input)`` function is sugar for
+a one-step, one-action workflow. Marker-bearing actions (``marker=True``, and
+the built-ins) have effects beyond the run: the ledger dispatcher
+(``workers/ledger.py``) claims each one before executing it.
+
+This module is a leaf: the web process imports it to validate and pin
+``workflow_ref`` (and the definition's hash) at admission, so it holds
+declarations only and imports nothing of the execution.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 BUILTIN_MODULES = ("workers.examples",)
 REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Za-z0-9_.-]{1,64}))?$")
+# Step ids appear in fan-out dispatch keys, separated by '/': no '/' in them.
+STEP_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+EVENT_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
+MAX_POSITION = 1_000_000
+# ctx.outputs of a join entry holds its children's outcomes under this name.
+RESERVED_OUTPUT_NAMES = frozenset({"children"})
 
 
 class UnknownWorkflow(LookupError):
     """``workflow_ref`` names no registered workflow (or no such version)."""
 
 
+class InvalidDefinition(ValueError):
+    """A workflow definition that the ledger could not execute safely."""
+
+
+def _callable_name(fn: Any) -> str:
+    """The stable name of a callable in a definition's hash (module and qualified name)."""
+    if fn is None:
+        return ""
+    if isinstance(fn, str):
+        return fn
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}:{qualname}"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One action of a step, at a declared position.
+
+    ``kind`` is ``call`` (``fn(ctx, input)``), ``task`` (a Celery task by its
+    name, executed in the run's worker through the task's own function),
+    ``spawn_each`` or ``emit`` (built-ins, always marker-bearing).
+    """
+
+    position: int
+    name: str
+    kind: str = "call"
+    marker: bool = False
+    fn: Callable[..., Any] | None = field(default=None, compare=False)
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def describe(self) -> dict[str, Any]:
+        """What the definition's hash covers for this action."""
+        target: Any
+        if self.kind == "call":
+            target = _callable_name(self.fn)
+        else:
+            target = {k: _callable_name(v) if callable(v) else v
+                      for k, v in sorted(self.params.items())}
+        return {"position": self.position, "name": self.name, "kind": self.kind,
+                "marker": self.marker, "target": target}
+
+
+def action(fn: Callable[..., Any], *, position: int, marker: bool = False,
+           name: str | None = None) -> Action:
+    """Declare ``fn(ctx, input)`` at ``position``; ``marker=True`` if it has effects
+    beyond the run (then it is claimed before it runs and gets ``ctx.idempotency_key``)."""
+    return Action(position=position, name=name or fn.__name__, kind="call", marker=marker,
+                  fn=fn)
+
+
+def task(task_name: str, *, position: int, marker: bool = False, name: str | None = None,
+         kwargs: Callable[..., Mapping[str, Any]] | None = None) -> Action:
+    """Declare the existing Celery task ``task_name`` as an action.
+
+    It runs in the run's worker through the task's own function (no message is
+    sent), with keyword arguments ``kwargs(ctx, input)``, or the run's input.
+    """
+    return Action(position=position, name=name or task_name, kind="task", marker=marker,
+                  params={"task": task_name, "kwargs": kwargs})
+
+
+def spawn_each(workflow_ref: str, *, over: str | Callable[..., Iterable[Any]], position: int,
+               key: str | Callable[[Any], Any] | None = None,
+               input: Callable[..., Mapping[str, Any]] | None = None,
+               name: str = "spawn_each") -> Action:
+    """Admit one child run of ``workflow_ref`` per item of ``over`` (marker-bearing).
+
+    ``over`` is a path (``input.participants``, ``outputs.<action>.<field>``)
+    or ``over(ctx, input)``. Each child's ``dispatch_key`` is derived from
+    (run, step, entry, position, item key): the item key is ``item[key]``
+    (``key`` a field name), ``key(item)``, or the item's index. Each child's
+    input is ``input(ctx, item)``, else the item itself if it is an object,
+    else ``{"item": item}``.
+    """
+    if not REF_PATTERN.match(workflow_ref):
+        raise InvalidDefinition(f"spawn_each: malformed workflow_ref {workflow_ref!r}")
+    return Action(position=position, name=name, kind="spawn_each", marker=True,
+                  params={"workflow_ref": workflow_ref, "over": over, "key": key,
+                          "input": input})
+
+
+def emit(type: str, data: Mapping[str, Any] | Callable[..., Mapping[str, Any]] | None = None, *,
+         position: int, name: str = "emit") -> Action:
+    """Write event ``type`` to the outbox with ``data`` (a mapping or ``data(ctx, input)``).
+
+    Marker-bearing: the event is written in the transaction that completes
+    the marker, so it exists exactly once per step entry.
+    """
+    if not EVENT_TYPE_PATTERN.match(type):
+        raise InvalidDefinition(f"emit: event type {type!r} must look like 'domain.what'")
+    return Action(position=position, name=name, kind="emit", marker=True,
+                  params={"type": type, "data": data})
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step: actions executed in declared-position order by the ledger dispatcher.
+
+    ``next`` names the following step, or is ``next(ctx)`` of the finished
+    entry (``ctx.outputs``, ``ctx.children``) returning a step id or None (the
+    end); a step may go back (a loop, a re-review). ``join=True``: after its
+    actions, the run waits (status ``waiting``, no worker held) until every
+    child this entry spawned has finished. ``on_failure``: the step to enter
+    when a marker-bearing action fails or loses its claim (else the run fails).
+    """
+
+    id: str
+    actions: Sequence[Action]
+    next: str | Callable[..., str | None] | None = None
+    join: bool = False
+    on_failure: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions",
+                           tuple(sorted(self.actions, key=lambda a: a.position)))
+
+    @property
+    def has_marker(self) -> bool:
+        return any(a.marker for a in self.actions)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "join": self.join, "on_failure": self.on_failure,
+                "next": _callable_name(self.next),
+                "actions": [a.describe() for a in self.actions]}
+
+
 @dataclass(frozen=True)
 class Workflow:
     name: str
     version: str
-    fn: Callable[..., Any]
+    steps: Sequence[Step]
     max_attempts: int = 1
     # Lost workers (OOM, segfault, kill -9) a run may outlive; then it fails worker_lost.
     max_takeovers: int = 5
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
     retry_on: tuple[type[BaseException], ...] = field(default=(Exception,))
+    # result(ctx) of the final entry; default: the output of its last action.
+    result: Callable[..., Any] | None = field(default=None, compare=False)
+    # A loop that never ends fails the run instead of filling the ledger.
+    max_entries: int = 1000
+    definition_hash: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "retry_on", tuple(self.retry_on))
+        _validate(self)
+        object.__setattr__(self, "definition_hash", _hash(self))
 
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
+    @property
+    def first_step(self) -> Step:
+        return self.steps[0]
+
+    def step(self, step_id: str) -> Step:
+        for step in self.steps:
+            if step.id == step_id:
+                return step
+        raise KeyError(step_id)
+
+    def has_step(self, step_id: str) -> bool:
+        return any(step.id == step_id for step in self.steps)
+
     def retry_delay(self, attempt: int) -> float:
         """Return the delay before attempt ``attempt + 1`` (capped exponential)."""
         return min(self.backoff_max_seconds, self.backoff_seconds * (2 ** max(0, attempt - 1)))
 
+    def describe(self) -> dict[str, Any]:
+        """The resolved definition: what the hash pinned on a run covers."""
+        return {"name": self.name, "version": self.version,
+                "steps": [step.describe() for step in self.steps]}
+
+
+def _validate(wf: Workflow) -> None:
+    if not REF_PATTERN.match(f"{wf.name}@{wf.version}"):
+        raise InvalidDefinition(f"invalid workflow name or version: {wf.name!r}@{wf.version!r}")
+    if not wf.steps:
+        raise InvalidDefinition(f"{wf.ref}: a workflow needs at least one step")
+    ids = [step.id for step in wf.steps]
+    if len(set(ids)) != len(ids):
+        raise InvalidDefinition(f"{wf.ref}: step ids must be unique: {ids}")
+    for step in wf.steps:
+        if not STEP_ID_PATTERN.match(step.id):
+            raise InvalidDefinition(f"{wf.ref}: invalid step id {step.id!r}")
+        if not step.actions:
+            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} has no actions")
+        positions = [a.position for a in step.actions]
+        if len(set(positions)) != len(positions):
+            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} declares a position twice")
+        names = [a.name for a in step.actions]
+        if len(set(names)) != len(names):
+            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} names an action twice")
+        for a in step.actions:
+            if not isinstance(a.position, int) or not 0 <= a.position <= MAX_POSITION:
+                raise InvalidDefinition(f"{wf.ref}: position {a.position!r} is not an integer "
+                                        f"from 0 to {MAX_POSITION}")
+            if a.name in RESERVED_OUTPUT_NAMES:
+                raise InvalidDefinition(f"{wf.ref}: the action name {a.name!r} is reserved")
+        for target in (step.next if isinstance(step.next, str) else None, step.on_failure):
+            if target is not None and target not in ids:
+                raise InvalidDefinition(f"{wf.ref}: step {step.id!r} goes to unknown step "
+                                        f"{target!r}")
+
+
+def _hash(wf: Workflow) -> str:
+    canonical = json.dumps(wf.describe(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
 
 _registry: dict[str, dict[str, Workflow]] = {}
+
+
+def register(wf: Workflow) -> Workflow:
+    """Register ``wf`` under ``name@version`` (replacing one of the same version)."""
+    _registry.setdefault(wf.name, {})[wf.version] = wf
+    return wf
 
 
 def workflow(
@@ -56,24 +280,28 @@ def workflow(
     backoff_max_seconds: float = 60.0,
     retry_on: Iterable[type[BaseException]] = (Exception,),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the decorated ``(ctx, input)`` function as workflow ``name@version``."""
+    """Register the decorated ``(ctx, input)`` function as workflow ``name@version``.
+
+    Sugar for a workflow of one step (``main``) with one action at position 0
+    that is not marker-bearing: a run lost mid-way starts it again from the top.
+    """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
 
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _registry.setdefault(name, {})[version] = Workflow(
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        register(Workflow(
             name=name,
             version=version,
-            fn=fn,
+            steps=[Step("main", actions=[action(fn, position=0)])],
             max_attempts=max(1, max_attempts),
             max_takeovers=max(0, max_takeovers),
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
             retry_on=tuple(retry_on),
-        )
+        ))
         return fn
 
-    return register
+    return decorate
 
 
 def _version_key(version: str) -> tuple:

@@ -1,0 +1,600 @@
+"""The step-entry ledger: one dispatcher, marker claims, the stop rule, fan-out keys, joins.
+
+Real Postgres and Redis throughout. Most tests execute runs in this process
+(``execute_run``, exactly what a worker's task does), which keeps the Celery
+queue untouched by any consumer: what the runs enqueue is still there to be
+counted. Where a worker must die, real ``celery worker`` processes run them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+
+import pytest
+
+import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
+from tests.processes import Process, start_beat, start_worker, wait_until  # noqa: F401
+from workers.ledger import fanout_key, idempotency_key
+
+PARTICIPANTS = ["ana", "bo", "cy"]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_boot():
+    """execute_run in this process registers a boot; end it so each test starts clean."""
+    from workers.boots import end_current_boot
+
+    end_current_boot()
+    yield
+    end_current_boot()
+
+
+@pytest.fixture
+def run_here(app, fresh_boot):
+    """Execute a run in this process, as the worker's task does; return the claim outcome."""
+    from workers.execution import execute_run
+
+    def execute(run_id) -> str:
+        with app.app_context():
+            return execute_run(str(run_id)).outcome.value
+
+    return execute
+
+
+@pytest.fixture
+def queue(redis_client, queue_name):
+    """The session's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
+    redis_client.delete(queue_name)
+
+    def messages() -> list[str]:
+        return [json.loads(raw)["headers"]["id"]
+                for raw in redis_client.lrange(queue_name, 0, -1)][::-1]  # oldest first
+
+    yield messages
+    redis_client.delete(queue_name)
+
+
+def run_row(pg, run_id):
+    return pg.execute("SELECT status, result, error, attempt FROM runs WHERE id = %s",
+                      [run_id]).fetchone()
+
+
+def children_of(pg, parent) -> list[tuple]:
+    """(id, dispatch_key, status, origin, goal_id) of ``parent``'s children, oldest first."""
+    return pg.execute("SELECT id, dispatch_key, status, origin, goal_id FROM runs "
+                      "WHERE parent_run_id = %s ORDER BY created_at, dispatch_key",
+                      [parent]).fetchall()
+
+
+def entries_of(pg, run_id) -> list[tuple]:
+    return pg.execute("SELECT entry_no, step_id, status, id FROM step_entries WHERE run_id = %s "
+                      "ORDER BY entry_no", [run_id]).fetchall()
+
+
+def markers_of(pg, run_id) -> dict[tuple[int, int], tuple]:
+    """(entry_no, position) -> (status, claims, claimed_by)."""
+    return {(r[0], r[1]): r[2:] for r in pg.execute(
+        "SELECT e.entry_no, m.position, m.status, m.claims, m.claimed_by FROM step_markers m "
+        "JOIN step_entries e ON e.id = m.entry_id WHERE m.run_id = %s", [run_id])}
+
+
+def events_of(pg, run_id) -> list[str]:
+    return [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def expected_keys(run_id, entry_no: int, items, step="review", position=2) -> list[str]:
+    return [fanout_key(idempotency_key(run_id, step, entry_no, position), item)
+            for item in items]
+
+
+def drive(run_here, pg, parent, limit: int = 50) -> None:
+    """Execute ``parent`` and its descendants in this process until nothing is left to do."""
+    for _ in range(limit):
+        pending = pg.execute(
+            "WITH RECURSIVE tree AS (SELECT id FROM runs WHERE id = %s UNION ALL "
+            "SELECT r.id FROM runs r JOIN tree t ON r.parent_run_id = t.id) "
+            "SELECT r.id FROM runs r JOIN tree USING (id) WHERE r.status = 'queued' "
+            "ORDER BY r.created_at", [parent]).fetchall()
+        if not pending:
+            return
+        for (run_id,) in pending:
+            run_here(run_id)
+    raise AssertionError("runs still queued after many executions")
+
+
+# -- Verify 1: one arrival at review enqueues exactly one fan-out ----------------------------
+
+def test_one_arrival_at_review_enqueues_exactly_one_fanout(admit, run_here, queue, pg):
+    parent = admit("doc-review", {"participants": PARTICIPANTS})
+    assert queue() == [str(parent)]
+
+    assert run_here(parent) == "claimed"
+    # draft, then review: two markers and the fan-out, then the join releases the worker.
+    assert run_row(pg, parent)[0] == "waiting"
+    children = children_of(pg, parent)
+    assert len(children) == len(PARTICIPANTS)
+    assert [c[1] for c in children] == expected_keys(parent, 2, PARTICIPANTS)
+    assert {c[3] for c in children} == {"fanout"}
+    assert queue() == [str(parent), *(str(c[0]) for c in children)]
+
+    for child_id, *_ in children[:-1]:
+        assert run_here(child_id) == "claimed"
+        assert run_row(pg, parent)[0] == "waiting"  # not the last child: nothing re-queued
+    assert run_here(children[-1][0]) == "claimed"
+    assert run_row(pg, parent)[0] == "queued"  # the last child's finish re-queued it
+    assert run_here(parent) == "claimed"
+
+    status, result, error, _ = run_row(pg, parent)
+    assert status == "succeeded", error
+    assert result == {"approved": True, "rounds": [
+        {"round": 1, "decisions": dict.fromkeys(PARTICIPANTS, "approve")}]}
+    # Exactly: the parent's admission, one message per child, one re-queue by the join.
+    assert Counter(queue()) == Counter([str(parent), str(parent),
+                                        *(str(c[0]) for c in children)])
+    assert pg.execute("SELECT count(*) FROM runs WHERE status NOT IN "
+                      "('succeeded', 'failed', 'cancelled')").fetchone()[0] == 0
+    assert len(children_of(pg, parent)) == len(PARTICIPANTS)
+    assert markers_of(pg, parent) == {
+        (2, 0): ("completed", 1, markers_of(pg, parent)[(2, 0)][2]),
+        (2, 2): ("completed", 1, markers_of(pg, parent)[(2, 2)][2]),
+    }
+    assert [e[:3] for e in entries_of(pg, parent)] == [
+        (1, "draft", "completed"), (2, "review", "completed"), (3, "approve", "completed")]
+    assert events_of(pg, parent) == [
+        "run.admitted", "run.started", "step.entered", "step.completed", "step.entered",
+        "action.completed", "action.completed", "run.waiting", "run.joined", "run.started",
+        "step.completed", "step.entered", "step.completed", "run.succeeded"]
+
+
+# -- Verify 2 and 3: the stop rule ------------------------------------------------------------
+
+def test_a_failed_marker_at_position_0_leaves_the_fanout_enqueuing_nothing(admit, run_here,
+                                                                          queue, pg):
+    parent = admit("doc-review", {"participants": PARTICIPANTS, "fail": "clear_decisions"})
+    assert run_here(parent) == "claimed"
+
+    # Nothing fanned out: no child row, and nothing but its own admission in the queue.
+    assert children_of(pg, parent) == []
+    assert queue() == [str(parent)]
+    status, _, error, _ = run_row(pg, parent)
+    assert status == "failed"
+    assert (error["code"], error["step"], error["position"]) == ("action_failed", "review", 0)
+    assert set(markers_of(pg, parent)) == {(2, 0)}  # position 2 was never claimed
+    review = pg.execute("SELECT status, actions FROM step_entries WHERE run_id = %s AND "
+                        "step_id = 'review'", [parent]).fetchone()
+    assert review[0] == "failed"
+    assert [(a["position"], a["status"]) for a in review[1]] == [
+        (0, "failed"), (1, "abandoned"), (2, "abandoned")]
+
+
+def test_a_failed_plain_action_at_position_1_still_lets_the_fanout_run(admit, run_here, queue,
+                                                                       pg):
+    parent = admit("doc-review", {"participants": PARTICIPANTS,
+                                  "fail": "ensure_participant_seat"})
+    drive(run_here, pg, parent)
+
+    assert run_row(pg, parent)[0] == "succeeded"
+    children = children_of(pg, parent)
+    assert [c[1] for c in children] == expected_keys(parent, 2, PARTICIPANTS)
+    assert {str(c[0]) for c in children} <= set(queue())
+    review = pg.execute("SELECT status, actions FROM step_entries WHERE run_id = %s AND "
+                        "step_id = 'review'", [parent]).fetchone()
+    assert [(a["position"], a["status"]) for a in review[1]] == [
+        (0, "completed"), (1, "failed"), (2, "completed")]
+    assert review[1][1]["error"]["message"] == "ensure_participant_seat failed (input.fail)"
+
+
+# -- Verify 6: a marker held by a live boot elsewhere is a lost claim ------------------------
+
+def hold_marker(app, run_id, boot, position: int, *, complete: bool = False) -> int:
+    """As ``boot``: claim ``run_id``, enter its first step, claim the marker at ``position``."""
+    from app.extensions import db
+    from workers import registry
+    from workers.claims import ClaimOutcome, claim_run
+    from workers.ledger import MarkerOutcome, claim_marker, enter_step, finish_marker
+
+    with app.app_context():
+        session = db.session
+        claim = claim_run(session, run_id, boot)
+        assert claim.outcome == ClaimOutcome.CLAIMED
+        session.commit()
+        wf = registry.get(claim.run.workflow_name, claim.run.workflow_version)
+        entry = enter_step(session, run_id, [boot], wf.first_step, 1)
+        assert claim_marker(session, run_id, [boot], entry.id, position, boot).outcome \
+            == MarkerOutcome.CLAIMED
+        if complete:
+            assert finish_marker(session, run_id, [boot], entry.id, position, step_id="work",
+                                 entry_no=1, name="x", key="k", result={"done": True})
+        session.commit()
+        return entry.id
+
+
+def test_a_marker_held_by_a_live_boot_elsewhere_abandons_the_rest_of_the_entry(
+        app, admit, boot_factory, run_here, side_effects, pg):
+    from app.extensions import db
+    from workers.claims import release_claim
+
+    run_id, elsewhere = admit("ledger-probe"), boot_factory()
+    hold_marker(app, run_id, elsewhere.boot_id, 0)
+    with app.app_context():  # the run goes back to the queue; the marker stays claimed
+        assert release_claim(db.session, run_id, elsewhere.boot_id)
+        db.session.commit()
+
+    assert run_here(run_id) == "claimed"
+    status, _, error, _ = run_row(pg, run_id)
+    assert status == "failed"
+    assert (error["code"], error["position"]) == ("marker_claim_lost", 0)
+    assert side_effects(run_id) == 0  # positions 0, 5 and 9: none executed
+    assert markers_of(pg, run_id) == {(1, 0): ("claimed", 1, elsewhere.boot_id)}
+    actions = pg.execute("SELECT status, actions FROM step_entries WHERE run_id = %s",
+                         [run_id]).fetchone()
+    assert actions[0] == "abandoned"
+    assert [(a["position"], a["status"]) for a in actions[1]] == [
+        (0, "lost"), (5, "abandoned"), (9, "abandoned")]
+
+
+# -- Verify 7: a definition changed under an in-flight run ------------------------------------
+
+def test_a_definition_changed_under_an_inflight_run_is_refused_before_any_effect(
+        app, admit, boot_factory, run_here, side_effects, pg):
+    from tests.workflows.ledger import shifting_definition
+    from workers import registry
+
+    run_id, first = admit("shifting@1"), boot_factory()
+    pinned = pg.execute("SELECT definition_hash FROM runs WHERE id = %s", [run_id]).fetchone()[0]
+    assert pinned == registry.get("shifting", "1").definition_hash
+    hold_marker(app, run_id, first.boot_id, 0, complete=True)  # in flight: marker 0 done
+    first.close()  # ... and its worker dies
+
+    registry.register(shifting_definition(moved=True))  # same version, marker moved to 1
+    try:
+        assert registry.get("shifting", "1").definition_hash != pinned
+        assert run_here(run_id) == "taken_over"
+    finally:
+        registry.register(shifting_definition(moved=False))
+
+    status, _, error, _ = run_row(pg, run_id)
+    assert status == "failed" and error["code"] == "definition_changed"
+    assert side_effects(run_id) == 0
+    assert markers_of(pg, run_id) == {(1, 0): ("completed", 1, first.boot_id)}
+
+
+# -- Verify 8: deterministic witnesses of the marker rules -------------------------------------
+
+@pytest.fixture
+def two_sessions(app):
+    """Two independent sessions on their own connections (no workers, no scheduling)."""
+    from sqlalchemy.orm import Session
+
+    from app.extensions import db
+
+    with app.app_context():
+        first, second = Session(db.engine), Session(db.engine)
+        yield first, second
+        first.close()
+        second.close()
+
+
+@pytest.fixture
+def entry_held_by(app, admit):
+    """A ledger-probe run held by a boot, with its entry written; return (run id, entry id)."""
+    from app.extensions import db
+    from workers import registry
+    from workers.claims import claim_run
+    from workers.ledger import enter_step
+
+    def make(boot) -> tuple[uuid.UUID, int]:
+        run_id = admit("ledger-probe")
+        with app.app_context():
+            claim_run(db.session, run_id, boot)
+            entry = enter_step(db.session, run_id, [boot],
+                               registry.get("ledger-probe", "1").first_step, 1)
+            db.session.commit()
+            return run_id, entry.id
+
+    return make
+
+
+def claim(session, run_id, ours, entry_id, position, claimer, **kwargs):
+    from workers.ledger import claim_marker
+
+    result = claim_marker(session, run_id, ours, entry_id, position, claimer, **kwargs)
+    session.commit()
+    return result
+
+
+def test_witness_a_same_boot_marker_claim_is_a_duplicate(two_sessions, boot_factory,
+                                                        entry_held_by, pg):
+    from workers.ledger import MarkerOutcome
+
+    first, second = two_sessions
+    boot = boot_factory().boot_id
+    run_id, entry = entry_held_by(boot)
+    assert claim(first, run_id, [boot], entry, 0, boot).outcome == MarkerOutcome.CLAIMED
+    again = claim(second, run_id, [boot], entry, 0, boot)
+    assert again.outcome == MarkerOutcome.DUPLICATE and not again.outcome.execute
+    assert markers_of(pg, run_id) == {(1, 0): ("claimed", 1, boot)}
+    # ... unless the claimer is retrying its own claim whose commit reply was lost.
+    assert claim(second, run_id, [boot], entry, 0, boot, retrying=True).outcome \
+        == MarkerOutcome.CLAIMED
+
+
+def test_witness_a_marker_held_by_another_live_boot_is_held(two_sessions, boot_factory,
+                                                            entry_held_by, pg):
+    from workers.ledger import MarkerOutcome
+
+    first, second = two_sessions
+    holder, other = boot_factory().boot_id, boot_factory().boot_id
+    run_id, entry = entry_held_by(holder)
+    assert claim(first, run_id, [holder], entry, 0, holder).outcome == MarkerOutcome.CLAIMED
+    lost = claim(second, run_id, [holder, other], entry, 0, other)
+    assert lost.outcome == MarkerOutcome.HELD and lost.holder == holder
+    assert markers_of(pg, run_id) == {(1, 0): ("claimed", 1, holder)}
+
+
+def test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set(
+        two_sessions, boot_factory, entry_held_by, pg):
+    from workers.ledger import _TAKE_OVER_MARKER, MarkerOutcome
+
+    first, second = two_sessions
+    dead = boot_factory()
+    run_id, entry = entry_held_by(dead.boot_id)
+    assert claim(first, run_id, [dead.boot_id], entry, 0, dead.boot_id).outcome \
+        == MarkerOutcome.CLAIMED
+    dead.close()  # its lock is gone: the claim is wreckage
+    rescuer, late = boot_factory().boot_id, boot_factory().boot_id
+    pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [rescuer, run_id])  # took run
+
+    taken = claim(first, run_id, [rescuer], entry, 0, rescuer)
+    assert (taken.outcome, taken.claims, taken.holder) == (MarkerOutcome.TAKEN_OVER, 2,
+                                                           dead.boot_id)
+    # A second rescuer that also saw the dead holder: its compare-and-set on the
+    # dead id changes nothing now.
+    stale = second.execute(_TAKE_OVER_MARKER, {
+        "run": run_id, "boots": [rescuer, late], "entry": entry, "position": 0,
+        "claimer": late, "dead": dead.boot_id}).all()
+    second.commit()
+    assert stale == []
+    assert markers_of(pg, run_id) == {(1, 0): ("claimed", 2, rescuer)}
+
+
+def test_witness_a_completed_marker_is_skipped_and_a_failed_one_stops(
+        two_sessions, boot_factory, entry_held_by, pg):
+    from workers.ledger import MarkerOutcome, finish_marker
+
+    first, second = two_sessions
+    boot = boot_factory().boot_id
+    run_id, entry = entry_held_by(boot)
+    for position, result, error in ((0, {"n": 1}, None), (5, None, {"message": "boom"})):
+        assert claim(first, run_id, [boot], entry, position, boot).outcome \
+            == MarkerOutcome.CLAIMED
+        assert finish_marker(first, run_id, [boot], entry, position, step_id="work",
+                             entry_no=1, name="x", key="k", result=result, error=error)
+        first.commit()
+    later = boot_factory().boot_id  # a later execution, after a takeover
+    pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [later, run_id])
+    done = claim(second, run_id, [later], entry, 0, later)
+    assert (done.outcome, done.result) == (MarkerOutcome.COMPLETED, {"n": 1})
+    assert not done.outcome.execute
+    failed = claim(second, run_id, [later], entry, 5, later)
+    assert (failed.outcome, failed.error) == (MarkerOutcome.FAILED, {"message": "boom"})
+    assert {k: v[:2] for k, v in markers_of(pg, run_id).items()} == {
+        (1, 0): ("completed", 1), (1, 5): ("failed", 1)}
+
+
+def test_witness_a_marker_claim_requires_a_live_claimer(two_sessions, boot_factory,
+                                                       entry_held_by, pg):
+    """The claimer's lock is cut server-side; the process has not noticed. Postgres refuses."""
+    from tests.workers.test_claims import terminate_lock_backend
+    from workers.ledger import MarkerOutcome
+
+    first, _ = two_sessions
+    boot = boot_factory()
+    run_id, entry = entry_held_by(boot.boot_id)
+    terminate_lock_backend(pg, boot)
+    assert claim(first, run_id, [boot.boot_id], entry, 0, boot.boot_id).outcome \
+        == MarkerOutcome.CLAIMER_DEAD
+    assert markers_of(pg, run_id) == {}
+
+
+def test_witness_a_marker_claim_is_fenced_by_the_run_claim(two_sessions, boot_factory,
+                                                           entry_held_by, pg):
+    from workers.ledger import MarkerOutcome, finish_marker
+
+    first, second = two_sessions
+    holder, stranger = boot_factory().boot_id, boot_factory().boot_id
+    run_id, entry = entry_held_by(holder)
+    assert claim(first, run_id, [stranger], entry, 0, stranger).outcome == MarkerOutcome.FENCED
+    assert markers_of(pg, run_id) == {}
+    # A holder taken over mid-action cannot complete its marker afterwards.
+    assert claim(first, run_id, [holder], entry, 0, holder).outcome == MarkerOutcome.CLAIMED
+    pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [stranger, run_id])
+    assert not finish_marker(second, run_id, [holder], entry, 0, step_id="work", entry_no=1,
+                             name="x", key="k", result=1)
+    second.commit()
+    assert markers_of(pg, run_id)[(1, 0)][0] == "claimed"
+
+
+# -- Verify 8: key derivation, by property, over random definitions and crash points ---------
+
+class Crash(BaseException):
+    """The worker process dies here (not an Exception: nothing in the worker catches it)."""
+
+
+class CrashPoint:
+    """Raise ``Crash`` at the ``at``-th action execution (0: never)."""
+
+    def __init__(self):
+        self.at, self.count = 0, 0
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.count == self.at:
+            raise Crash(f"crash at execution {self.count}")
+
+
+CRASH = CrashPoint()
+
+
+def _plain(ctx, input):
+    CRASH.tick()
+    return {"step": ctx.step, "position": ctx.position}
+
+
+def _marked(ctx, input):
+    CRASH.tick()  # after the marker's claim, before its completion
+    return {"key": ctx.idempotency_key}
+
+
+def _child_input(ctx, item):
+    CRASH.tick()  # inside the fan-out: after its claim, before its admissions commit
+    return {"item": item}
+
+
+def _loop(rounds: int, first: str, following: str | None):
+    def next_step(ctx):
+        if following is not None:
+            return following
+        return first if ctx.visit < rounds else None
+    return next_step
+
+
+def random_definition(data, name: str):
+    """A workflow of 1-3 steps, 1-4 actions each at random positions, looping back 1-2 times."""
+    from hypothesis import strategies as st
+
+    from workers.registry import Step, Workflow, action, spawn_each
+
+    step_count = data.draw(st.integers(1, 3), label="steps")
+    rounds = data.draw(st.integers(1, 2), label="rounds")
+    ids = [f"s{i}" for i in range(step_count)]
+    steps, spawns = [], {}
+    for index, step_id in enumerate(ids):
+        kinds = data.draw(st.lists(st.sampled_from(["plain", "marker", "spawn"]), min_size=1,
+                                   max_size=4), label=f"{step_id} kinds")
+        positions = data.draw(st.lists(st.integers(0, 40), min_size=len(kinds),
+                                       max_size=len(kinds), unique=True),
+                              label=f"{step_id} positions")
+        actions = []
+        for n, (kind, position) in enumerate(zip(kinds, positions, strict=True)):
+            if kind == "spawn":
+                items = data.draw(st.lists(st.sampled_from("abcdef"), max_size=3, unique=True),
+                                  label=f"{step_id}@{position} items")
+                keyed = data.draw(st.booleans(), label=f"{step_id}@{position} keyed")
+                spawns[(step_id, position)] = (items, keyed)
+                actions.append(spawn_each("noop@1", over=lambda ctx, input, i=items: i,
+                                          key=str if keyed else None, input=_child_input,
+                                          position=position, name=f"spawn{n}"))
+            else:
+                actions.append(action(_marked if kind == "marker" else _plain,
+                                      position=position, marker=kind == "marker",
+                                      name=f"a{n}"))
+        following = ids[index + 1] if index + 1 < step_count else None
+        steps.append(Step(step_id, actions=actions, next=_loop(rounds, ids[0], following)))
+    return Workflow(name, "1", steps=steps), spawns
+
+
+def keys_in_ledger(pg, run_id, spawns) -> list[str]:
+    """The dispatch keys the ledger's entries derive for their fan-outs, entry by entry."""
+    keys = []
+    for entry_no, step_id, _, _ in entries_of(pg, run_id):
+        for (spawn_step, position), (items, keyed) in sorted(spawns.items()):
+            if spawn_step == step_id:
+                idem = idempotency_key(run_id, step_id, entry_no, position)
+                keys += [fanout_key(idem, item if keyed else str(i))
+                         for i, item in enumerate(items)]
+    return keys
+
+
+def test_fanout_keys_are_identical_on_resume_and_distinct_across_entries(app, admit, pg,
+                                                                         run_here):
+    """Property: for random definitions and a crash at a random action execution, a run
+    resumed by a new boot admits exactly the children its ledger derives, once each, with
+    keys byte-identical (but for the run id) to an uncrashed run of the same definition."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from app.extensions import db
+    from workers import registry
+    from workers.boots import end_current_boot
+
+    def run_to_the_end(run_id, crash_at: int) -> int:
+        CRASH.at, CRASH.count, crashes = crash_at, 0, 0
+        for _ in range(20):  # crash_at counts executions across resumptions: it fires once
+            try:
+                run_here(run_id)
+            except Crash:
+                crashes += 1
+                with app.app_context():  # the process is gone: its transaction and its lock
+                    db.session.remove()
+                end_current_boot()
+            if run_row(pg, run_id)[0] in ("succeeded", "failed"):
+                return crashes
+        raise AssertionError("the run never finished")
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def check(data):
+        wf, spawns = random_definition(data, f"prop-{uuid.uuid4().hex[:10]}")
+        registry.register(wf)
+        crash_at = data.draw(st.integers(1, 12), label="crash at")
+
+        clean = admit(wf.ref)
+        assert run_to_the_end(clean, 0) == 0
+        crashed = admit(wf.ref)
+        run_to_the_end(crashed, crash_at)
+        for run_id in (clean, crashed):
+            assert run_row(pg, run_id)[0] == "succeeded"
+
+        def children(run_id) -> list[str]:
+            return sorted(c[1] for c in children_of(pg, run_id))
+
+        got = children(crashed)
+        assert len(got) == len(set(got))  # no child admitted twice
+        assert got == sorted(keys_in_ledger(pg, crashed, spawns))  # what the ledger derives
+        # Byte-identical to the uncrashed run's, but for the run id.
+        assert [k.replace(str(crashed), "RUN") for k in got] == \
+            [k.replace(str(clean), "RUN") for k in children(clean)]
+        # Distinct across entries: each entry's keys carry its own entry number.
+        per_entry = Counter(k.split("/")[2] for k in got)
+        entries_with_spawns = {k.split("/")[2] for k in got}
+        assert sum(per_entry.values()) == len(got) and len(entries_with_spawns) == len(per_entry)
+        # Every marker completed exactly once, whatever was taken over.
+        markers = markers_of(pg, crashed)
+        assert all(status == "completed" for status, _, _ in markers.values())
+        completions = Counter((p["entry"], p["position"]) for (p,) in pg.execute(
+            "SELECT payload FROM outbox WHERE run_id = %s AND event_type = 'action.completed'",
+            [crashed]))
+        assert set(completions) == set(markers) and set(completions.values()) <= {1}
+        seen["crashed"] += run_row(pg, crashed)[3] > 1
+        seen["taken over"] += any(claims > 1 for _, claims, _ in markers.values())
+
+    seen = Counter()
+    check()
+    # The examples did exercise resumption, and marker takeovers among them.
+    assert seen["crashed"] >= 5 and seen["taken over"] >= 1, seen
+
+
+def test_fanout_key_derivation_is_a_pure_function_of_its_inputs():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    run = uuid.UUID(int=7)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(st.from_regex(r"[A-Za-z0-9_.:-]{1,100}", fullmatch=True), st.integers(1, 10**6),
+           st.integers(0, 10**6), st.text(max_size=300), st.integers(1, 10**6))
+    def check(step, entry, position, item, other_entry):
+        key = fanout_key(idempotency_key(run, step, entry, position), item)
+        assert key == fanout_key(idempotency_key(run, step, entry, position), item)
+        assert len(key) <= 255
+        if other_entry != entry:
+            assert key != fanout_key(idempotency_key(run, step, other_entry, position), item)
+
+    check()
