@@ -110,7 +110,8 @@ class InboxConfig:
     http_timeout: float = 15.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
-    max_buffered: int = 1000
+    max_buffered: int = 1000          # fetched, uncommitted messages per partition ...
+    buffer_bytes: int = 64 * 1024 * 1024  # ... and their bytes across all partitions
     metadata_refresh_ms: int = 2000
     session_timeout_ms: int = 10000
     dlq_partitions: int = 1
@@ -161,6 +162,7 @@ SETTINGS = {
     "backoff_initial": "POIMEN_INBOX_BACKOFF_INITIAL",
     "backoff_max": "POIMEN_INBOX_BACKOFF_MAX",
     "max_buffered": "POIMEN_INBOX_MAX_BUFFERED",
+    "buffer_bytes": "POIMEN_INBOX_BUFFER_BYTES",
     "metadata_refresh_ms": "POIMEN_INBOX_METADATA_REFRESH_MS",
     "session_timeout_ms": "POIMEN_INBOX_SESSION_TIMEOUT_MS",
     "dlq_partitions": "POIMEN_INBOX_DLQ_PARTITIONS",
@@ -207,6 +209,9 @@ class InboxMetrics:
         self.dlq_in_flight = Gauge("poimen_inbox_dlq_writes_in_flight",
                                    "Dead-letter writes waiting for the broker's acknowledgement.",
                                    registry=r)
+        self.buffered_bytes = Gauge("poimen_inbox_buffered_bytes",
+                                    "Bytes of fetched messages not yet committed "
+                                    "(bounded by POIMEN_INBOX_BUFFER_BYTES).", registry=r)
         self.dlq_truncated = Counter("poimen_inbox_dlq_truncated_total",
                                      "Dead letters cut to fit the producer's message size limit.",
                                      registry=r)
@@ -268,6 +273,11 @@ class SlotState(StrEnum):
     FAILED = "failed"  # its last delivery is to be retried
 
 
+def message_bytes(msg: Message) -> int:
+    """What a fetched message costs the relay's memory (value and key)."""
+    return len(msg.value() or b"") + len(msg.key() or b"")
+
+
 @dataclass
 class Slot:
     message: Message
@@ -298,6 +308,7 @@ class PartitionWork:
     attempts: int = 0         # consecutive retriable failures
     retry_at: float = 0.0     # no delivery before this (monotonic)
     next_offset: int = -1     # the offset after the last message appended
+    buffered_bytes: int = 0   # bytes of the messages held in ``slots``
     commit_offset: int | None = None     # next offset to commit: all below are done
     committed_offset: int | None = None  # what was last sent to the group coordinator
     paused: bool = False
@@ -318,6 +329,7 @@ class PartitionWork:
             return
         self.next_offset = msg.offset() + 1
         self.slots.append(Slot(msg))
+        self.buffered_bytes += message_bytes(msg)
         self.waiting += 1
 
     def take(self, now: float, window: int) -> Slot | None:
@@ -349,18 +361,23 @@ class PartitionWork:
             self.attempts = 0
         # In-order commit: only the prefix of done messages moves the offset.
         while self.slots and self.slots[0].state is SlotState.DONE:
-            self.commit_offset = self.slots.popleft().message.offset() + 1
+            done = self.slots.popleft().message
+            self.buffered_bytes -= message_bytes(done)
+            self.commit_offset = done.offset() + 1
 
-    def should_pause(self, max_buffered: int) -> bool:
-        """Whether to stop fetching: a message is failing, or the backlog is full.
+    def should_pause(self, max_buffered: int, over_budget: bool = False) -> bool:
+        """Whether to stop fetching: a message is failing, the backlog is full, or the
+        relay holds its byte budget (``over_budget``, across partitions).
 
         Fetching more while a message fails would only pile up work that cannot go
         anywhere; other partitions are not affected.
         """
-        return not self.paused and (self.failing or len(self.slots) >= max_buffered)
+        return not self.paused and (self.failing or len(self.slots) >= max_buffered
+                                    or over_budget)
 
-    def should_resume(self, max_buffered: int) -> bool:
-        return self.paused and not self.failing and len(self.slots) <= max_buffered // 2
+    def should_resume(self, max_buffered: int, under_budget: bool = True) -> bool:
+        return (self.paused and not self.failing and len(self.slots) <= max_buffered // 2
+                and under_budget)
 
 
 @dataclass(frozen=True)
@@ -428,6 +445,7 @@ class Inbox:
     def __init__(self, config: InboxConfig, metrics: InboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or InboxMetrics()
+        self._message_size = 1024.0  # running average of message bytes (for batch sizes)
         self._topic = re.compile(rf"^{re.escape(config.prefix)}\.(.+)\.dispatch$")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -466,6 +484,9 @@ class Inbox:
         cfg = self.config
         kafka = dict(cfg.kafka)
         self._consumer = Consumer({
+            # librdkafka's own prefetch queue counts against the same memory: a
+            # quarter of the budget (its default is 64 MiB), unless set explicitly.
+            "queued.max.messages.kbytes": max(1024, cfg.buffer_bytes // 4096),
             **kafka,
             "group.id": cfg.group,
             "client.id": "poimen-inbox",
@@ -502,13 +523,15 @@ class Inbox:
     def _consume(self) -> None:
         last_commit = last_progress = time.monotonic()
         while not self._stop.is_set():
-            messages = self._consumer.consume(num_messages=500, timeout=self._poll_timeout())
+            messages = self._consumer.consume(num_messages=self._batch_size(),
+                                              timeout=self._poll_timeout())
             with self._lock:
                 for msg in messages:
                     if msg.error():
                         self._log_consumer_error(msg.error())
                         continue
                     self._work_for(msg.topic(), msg.partition()).append(msg)
+                    self._message_size = 0.9 * self._message_size + 0.1 * message_bytes(msg)
             self._dispatch()
             now = time.monotonic()
             if now - last_commit >= self.config.commit_interval:
@@ -517,6 +540,13 @@ class Inbox:
             if now - last_progress >= self.config.progress_interval:
                 self._log_progress()
                 last_progress = now
+
+    def _batch_size(self) -> int:
+        """How many messages to take from the consumer now: up to 500, but never so
+        many that one batch (messages of the usual size) overshoots the byte budget."""
+        with self._lock:
+            room = self.config.buffer_bytes - sum(w.buffered_bytes for w in self._works.values())
+        return int(max(1, min(500, room // max(1.0, self._message_size))))
 
     def _shutdown(self, helpers: list[threading.Thread]) -> None:
         """Stop within the grace: finish in-flight calls, flush, commit, leave the group.
@@ -638,6 +668,12 @@ class Inbox:
         pause, resume = [], []
         window = self.config.partition_window
         with self._lock:
+            # Memory is bounded in bytes, not only in messages: a thousand 1 MB
+            # messages per partition against a slow API would be gigabytes.
+            held = sum(w.buffered_bytes for w in self._works.values())
+            self.metrics.buffered_bytes.set(held)
+            over_budget = held >= self.config.buffer_bytes
+            under_budget = held <= self.config.buffer_bytes // 2
             for work in self._works.values():
                 if not work.closing and now >= work.retry_at:
                     # Tasks not yet holding a slot will take one of the waiting messages.
@@ -646,10 +682,10 @@ class Inbox:
                         work.tasks += 1
                         unclaimed += 1
                         self._pool.submit(self._drain, work)
-                if work.should_pause(self.config.max_buffered):
+                if work.should_pause(self.config.max_buffered, over_budget):
                     work.paused = True
                     pause.append(work.tp)
-                elif work.should_resume(self.config.max_buffered):
+                elif work.should_resume(self.config.max_buffered, under_budget):
                     work.paused = False
                     resume.append(work.tp)
         if pause:

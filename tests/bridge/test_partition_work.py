@@ -9,12 +9,19 @@ from bridge.inbox import Outcome, OutcomeKind, PartitionWork, SlotState
 
 @dataclass
 class FakeMessage:
-    """The one thing ``PartitionWork`` asks of a message: its offset."""
+    """What ``PartitionWork`` asks of a message: its offset, and its bytes."""
 
     at: int
+    size: int = 10
 
     def offset(self) -> int:
         return self.at
+
+    def value(self) -> bytes:
+        return b"v" * self.size
+
+    def key(self) -> bytes | None:
+        return None
 
 
 DONE = Outcome(OutcomeKind.ADMITTED, status=201)
@@ -140,3 +147,25 @@ def test_states_and_outcomes_are_string_enums():
     # They appear in logs and metric labels as plain strings.
     assert SlotState.FAILED == "failed" and OutcomeKind.DEAD_LETTERED == "dead_lettered"
     assert f"{OutcomeKind.RETRY}" == "retry"
+
+
+def test_held_bytes_follow_appends_and_the_committed_prefix():
+    work = PartitionWork("poimen.acme.dispatch", 0, "acme")
+    for offset, size in ((0, 100), (1, 200), (2, 300)):
+        work.append(FakeMessage(offset, size))
+    assert work.buffered_bytes == 600
+    oldest = work.take(0.0, 2)
+    younger = work.take(0.0, 2)
+    work.settle(younger, DONE, 0.0)  # offset 1 done first: nothing leaves yet
+    assert work.buffered_bytes == 600
+    work.settle(oldest, DONE, 0.0)
+    assert work.buffered_bytes == 300 and work.commit_offset == 2
+
+
+def test_the_byte_budget_pauses_a_partition_and_half_of_it_resumes_it():
+    work = work_with(0, 1)
+    assert not work.should_pause(1000, over_budget=False)
+    assert work.should_pause(1000, over_budget=True)
+    work.paused = True
+    assert not work.should_resume(1000, under_budget=False)
+    assert work.should_resume(1000, under_budget=True)
