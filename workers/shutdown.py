@@ -6,23 +6,23 @@ at that deadline to repair, never half-finished.
 
 Celery's main process already does the first part: SIGTERM is its warm
 shutdown (stop consuming, wait for the pool). Its prefork pool processes,
-though, die at once on SIGTERM (Celery resets the signal to its default in
-them), so the dyno-wide SIGTERM kills every run in flight, and a 5-second run
-starts again from the top on another worker. So in a pool process:
+though, exit on SIGTERM at once (billiard's handler), so the dyno-wide SIGTERM
+kills every run in flight, and a 5-second run starts again from the top on
+another worker. So a pool process handles SIGTERM itself while it executes a
+task (:func:`task_starting`, at ``task_prerun``: billiard has installed its
+own handler by then, and replaces any installed earlier):
 
-* SIGTERM is ignored from the moment the process starts
-  (:func:`survive_sigterm`, at ``worker_process_init``: billiard leaves an
-  ignored SIGTERM ignored when it installs its own handlers right after);
-* before each task it is handled instead (:func:`arm`, at ``task_prerun``):
-  the first SIGTERM notes the time (:func:`shutting_down` turns true, which
-  workflows see as ``ctx.shutting_down`` and may checkpoint on) and starts
-  the deadline;
-* at the deadline, or on a second SIGTERM (billiard's pool terminate in a
-  cold shutdown, an impatient operator), the process exits at once. Its boot's
-  lock goes with it, so the run it held is a dead boot's: Celery requeues its
+* the first SIGTERM during a task is noted (:func:`shutting_down` turns true,
+  which workflows see as ``ctx.shutting_down`` and may checkpoint on) and
+  starts the ``POIMEN_SHUTDOWN_GRACE`` deadline; the task goes on;
+* at the deadline, or on a second SIGTERM (billiard's pool terminate in a cold
+  shutdown, an impatient operator), the process exits at once. Its boot's lock
+  goes with it, so the run it held is a dead boot's: Celery requeues its
   message (``task_reject_on_worker_lost``) and beat re-sends it, and the next
   worker takes it over. A finish is one fenced transaction, so nothing is ever
-  finished twice or half.
+  finished twice or half;
+* a SIGTERM while idle (no task, nothing to protect) ends the process at once,
+  as before, so an idle pool never delays a shutdown.
 
 The main process only records the signal (``worker_shutting_down``), so
 :func:`shutting_down` means the same in both. What was measured, and why not
@@ -47,6 +47,7 @@ EXIT_ABANDONED = 75
 _received_at: float | None = None  # time.monotonic() of this process's first SIGTERM
 _grace = DEFAULT_GRACE
 _in_pool_process = False
+_executing = False
 _lock = threading.Lock()
 
 
@@ -76,24 +77,33 @@ def mark_received() -> None:
             _received_at = time.monotonic()
 
 
-def survive_sigterm(grace: float | None = None) -> None:
-    """In a fresh pool process: ignore SIGTERM until :func:`arm` handles it."""
+def init_pool_process(grace: float | None = None) -> None:
+    """In a fresh pool process: remember the grace (``worker_process_init``)."""
     global _in_pool_process, _grace
     _in_pool_process = True
     _grace = grace_seconds() if grace is None else grace
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def arm() -> None:
-    """Before a task in a pool process: handle SIGTERM (billiard's setup is done by now)."""
-    if _in_pool_process and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+def task_starting() -> None:
+    """Before a task in a pool process: SIGTERM now protects it (``task_prerun``)."""
+    global _executing
+    if not _in_pool_process:
+        return  # the solo/threads pools run tasks in the main process: Celery's handler rules
+    _executing = True
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def task_finished() -> None:
+    """After a task in a pool process (``task_postrun``)."""
+    global _executing
+    _executing = False
 
 
 def _on_sigterm(signum, frame) -> None:
     global _received_at
-    if _received_at is not None:
-        _abandon("a second SIGTERM")
+    if _received_at is not None or not _executing:
+        _die(signum)  # the second SIGTERM, or nothing in flight to protect
     _received_at = time.monotonic()
     log.warning("SIGTERM: finishing the run in flight; giving it up in %.0fs", _grace)
     timer = threading.Timer(_grace, _abandon, args=(f"the {_grace:.0f}s shutdown grace",))
@@ -101,8 +111,14 @@ def _on_sigterm(signum, frame) -> None:
     timer.start()
 
 
+def _die(signum: int) -> None:
+    """End the process by ``signum`` itself, as the default action would."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _abandon(why: str) -> None:
-    # Exit now, from whichever thread: no Python cleanup may write for the run
+    # Exit now, from the timer's thread: no Python cleanup may write for the run
     # any more. Postgres drops the boot's lock with the connection, which makes
     # the run a dead boot's, taken over by the next worker.
     log.warning("pool process %s exits after %s; its run is left to repair", os.getpid(), why)

@@ -7,6 +7,7 @@ import logging
 from celery import current_app as current_celery_app
 from celery import shared_task
 from celery.signals import (
+    task_postrun,
     task_prerun,
     worker_init,
     worker_process_init,
@@ -83,13 +84,18 @@ def _end_boot(**_):
 # SIGTERM (docs/reliability.md): pool processes outlive the dyno-wide signal
 # and finish their run within POIMEN_SHUTDOWN_GRACE; see workers/shutdown.py.
 @worker_process_init.connect
-def _survive_dyno_sigterm(**_):
-    shutdown.survive_sigterm(current_celery_app.flask_app.config["POIMEN_SHUTDOWN_GRACE"])
+def _shutdown_grace(**_):
+    shutdown.init_pool_process(current_celery_app.flask_app.config["POIMEN_SHUTDOWN_GRACE"])
 
 
 @task_prerun.connect
-def _handle_sigterm(**_):
-    shutdown.arm()
+def _protect_task_from_sigterm(**_):
+    shutdown.task_starting()
+
+
+@task_postrun.connect
+def _task_done(**_):
+    shutdown.task_finished()
 
 
 @worker_shutting_down.connect

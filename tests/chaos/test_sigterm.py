@@ -132,29 +132,47 @@ def test_a_60s_run_past_the_grace_is_resumed_exactly_once_elsewhere(
     assert len(side_effects(run_id, "start")) == 2
 
 
-def test_a_pool_process_survives_sigterm_and_gives_up_at_the_deadline():
-    """The rule itself, without Celery: ignore until armed, then note, then exit at the grace."""
-    code = textwrap.dedent("""
-        import os, signal, sys, time
-        from workers import shutdown
-        shutdown.survive_sigterm(grace=1.5)
-        os.kill(os.getpid(), signal.SIGTERM)       # before any task: ignored
-        time.sleep(0.2)
-        print("unarmed", shutdown.shutting_down(), flush=True)
-        shutdown.arm()
-        os.kill(os.getpid(), signal.SIGTERM)       # the dyno's SIGTERM: noted, not fatal
-        time.sleep(0.2)
-        print("armed", shutdown.shutting_down(), round(shutdown.seconds_left()), flush=True)
-        time.sleep(30)                             # a run that will not finish in time
-        print("still here", flush=True)
-    """)
+def _pool_process(body: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``body`` in a process that uses workers.shutdown as a pool process does."""
+    code = "import os, signal, sys, time\nfrom workers import shutdown\n" \
+        "shutdown.init_pool_process(grace=1.5)\n" + textwrap.dedent(body)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
-    took = time.monotonic() - t0
-    assert proc.stdout.split("\n")[:2] == ["unarmed False", "armed True 1"], proc.stderr
-    assert "still here" not in proc.stdout
-    assert proc.returncode == 75, proc.stderr
+    return proc, time.monotonic() - t0
+
+
+def test_a_pool_process_keeps_its_task_through_sigterm_until_the_deadline():
+    """The rule itself, without Celery: noted during a task, then given up at the grace."""
+    proc, took = _pool_process("""
+        shutdown.task_starting()
+        os.kill(os.getpid(), signal.SIGTERM)   # the dyno's SIGTERM: noted, not fatal
+        time.sleep(0.2)
+        print("running", shutdown.shutting_down(), round(shutdown.seconds_left()), flush=True)
+        time.sleep(30)                         # a run that will not finish in time
+        print("still here", flush=True)
+    """)
+    assert proc.stdout.splitlines() == ["running True 1"], proc.stderr
+    assert proc.returncode == 75, proc.stderr  # EXIT_ABANDONED, at the deadline
+    assert took < 10
+
+
+def test_an_idle_pool_process_or_a_second_sigterm_ends_it_at_once():
+    idle, _ = _pool_process("""
+        shutdown.task_starting()
+        shutdown.task_finished()
+        os.kill(os.getpid(), signal.SIGTERM)   # nothing in flight to protect
+        time.sleep(30)
+    """)
+    twice, took = _pool_process("""
+        shutdown.task_starting()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)   # billiard's terminate, or an impatient operator
+        time.sleep(30)
+    """)
+    assert idle.returncode == -signal.SIGTERM, idle.stderr
+    assert twice.returncode == -signal.SIGTERM, twice.stderr
     assert took < 10
 
 
