@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
-from tests.processes import Process, start_beat, start_worker, wait_until  # noqa: F401
+from tests.processes import Process, start_beat, start_worker, wait_until
 from workers.ledger import fanout_key, idempotency_key
 
 PARTICIPANTS = ["ana", "bo", "cy"]
@@ -598,3 +598,246 @@ def test_fanout_key_derivation_is_a_pure_function_of_its_inputs():
             assert key != fanout_key(idempotency_key(run, step, other_entry, position), item)
 
     check()
+
+
+# -- real workers --------------------------------------------------------------------------------
+
+@pytest.fixture
+def processes():
+    started: list[Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def worker_env(test_env):
+    from tests.workflows.ledger import MODULES
+
+    return {**test_env, "POIMEN_WORKFLOW_MODULES": MODULES, "POIMEN_REPAIR_INTERVAL": "1",
+            "POIMEN_REPAIR_MIN_AGE": "5", "POIMEN_BOOT_PROBE_INTERVAL": "0.5"}
+
+
+def wait_terminal(pg, run_id, timeout=120):
+    return wait_until(lambda: run_row(pg, run_id)[0] in ("succeeded", "failed", "cancelled")
+                      and run_row(pg, run_id), timeout=timeout,
+                      what=f"run {run_id} to finish")
+
+
+# -- Verify 4: a second entry into review derives different keys ------------------------------
+
+def test_a_second_entry_into_review_spawns_children_with_different_keys(
+        admit, worker_env, pg, tmp_path, processes, queue):
+    participants = ["ana", "bo"]
+    parent = admit("doc-review", {"participants": participants, "reject_rounds": 1})
+    processes.append(start_worker(worker_env, tmp_path, concurrency=2))
+    status, result, error, _ = wait_terminal(pg, parent)
+    assert status == "succeeded", error
+
+    entries = entries_of(pg, parent)
+    assert [e[1] for e in entries] == ["draft", "review", "draft", "review", "approve"]
+    reviews = [e for e in entries if e[1] == "review"]
+    keys = {entry_no: sorted(r[0] for r in pg.execute(
+        "SELECT r.dispatch_key FROM step_children c JOIN runs r ON r.id = c.child_run_id "
+        "WHERE c.entry_id = %s", [entry_id])) for entry_no, _, _, entry_id in reviews}
+    first, second = keys[2], keys[4]
+    assert first == sorted(expected_keys(parent, 2, participants))
+    assert second == sorted(expected_keys(parent, 4, participants))
+    assert not set(first) & set(second)
+    assert result["rounds"] == [
+        {"round": 1, "decisions": dict.fromkeys(participants, "reject")},
+        {"round": 2, "decisions": dict.fromkeys(participants, "approve")}]
+
+
+# -- Verify 5: a worker killed mid-entry --------------------------------------------------------
+
+@pytest.mark.parametrize("crash", ["after_fanout", "mid_fanout"])
+def test_a_worker_killed_mid_entry_resumes_it_without_duplicating_children(
+        admit, worker_env, pg, tmp_path, processes, side_effects, queue, crash):
+    """after_fanout: killed after the fan-out marker completed, before the entry finished.
+    mid_fanout: killed inside the fan-out, its marker claimed and its children not committed.
+    Either way the resumed run re-uses the entry and no child is admitted twice."""
+    participants = ["ana", "bo", "cy"]
+    parent = admit("doc-review-crashy", {"participants": participants, "crash": crash})
+    processes.append(start_worker(worker_env, tmp_path, concurrency=1))
+    processes.append(start_beat(worker_env, tmp_path))
+    status, _, error, attempt = wait_terminal(pg, parent)
+    assert status == "succeeded", error
+
+    assert side_effects(parent, crash) == 1  # the worker did die there, once
+    assert [e[:3] for e in entries_of(pg, parent)] == [(1, "review", "completed")]  # re-used
+    children = children_of(pg, parent)
+    assert sorted(c[1] for c in children) == sorted(expected_keys(parent, 1, participants,
+                                                                  position=2))
+    assert {c[2] for c in children} == {"succeeded"}
+    events = events_of(pg, parent)
+    assert "run.resumed" in events
+    markers = markers_of(pg, parent)
+    completions = Counter(p["position"] for (p,) in pg.execute(
+        "SELECT payload FROM outbox WHERE run_id = %s AND event_type = 'action.completed'",
+        [parent]))
+    assert completions == {0: 1, 2: 1}
+    # A completed marker is not executed again: clear_decisions ran once.
+    assert side_effects(parent, "clear_decisions") == 1
+    assert markers[(1, 0)][:2] == ("completed", 1)
+    # The fan-out's marker: skipped when it had completed; taken over (claimed
+    # twice, executed again under the same keys) when its worker died inside it.
+    assert markers[(1, 2)][:2] == ("completed", 1 if crash == "after_fanout" else 2)
+
+
+# -- joins: decided in Postgres by the last child's finish statement ---------------------------
+
+@pytest.fixture
+def join_world(app, admit, boot_factory, pg):
+    """A doc-review parent in its review entry with two linked children, the parent held by
+    one boot and each child claimed by another; the parent has not started waiting yet."""
+    from app.extensions import db
+    from workers import registry
+    from workers.claims import claim_run
+    from workers.ledger import claim_marker, enter_step, finish_marker
+
+    parent_boot, child_boot = boot_factory().boot_id, boot_factory().boot_id
+    parent = admit("doc-review", {"participants": ["ana", "bo"]})
+    with app.app_context():
+        s = db.session
+        claim_run(s, parent, parent_boot)
+        s.commit()
+        review = registry.get("doc-review", "1").step("review")
+        entry = enter_step(s, parent, [parent_boot], review, 1).id
+        claim_marker(s, parent, [parent_boot], entry, 2, parent_boot)
+        s.commit()
+        children = [admit("review-participant", {"participant": p, "round": 1},
+                          parent_run_id=parent) for p in ("ana", "bo")]
+        assert finish_marker(s, parent, [parent_boot], entry, 2, step_id="review", entry_no=1,
+                             name="spawn_each", key="k", result={},
+                             children=[(c, n, str(n)) for n, c in enumerate(children)])
+        s.commit()
+        for child in children:
+            claim_run(s, child, child_boot)
+        s.commit()
+    return parent, parent_boot, entry, children, child_boot
+
+
+def _finish_child(session, child, boot):
+    from workers.claims import finish_run
+
+    assert finish_run(session, child, [boot], status="succeeded", result={"decision": "approve"})
+
+
+def _wait(session, parent, boot, entry):
+    from workers.ledger import _WAIT
+
+    return session.execute(_WAIT, {"run": parent, "boots": [boot], "entry": entry,
+                                   "actions": "[]", "outputs": "{}"}).one()
+
+
+def _blocked(pg, timeout=10) -> None:
+    wait_until(lambda: pg.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                                  "wait_event_type = 'Lock' AND datname = current_database()"
+                                  ).fetchone()[0] >= 1, timeout=timeout,
+               what="the second statement to wait on the entry's row lock")
+
+
+def test_join_the_last_child_finishing_while_the_parent_goes_waiting_requeues_it_once(
+        app, two_sessions, join_world, pg, queue):
+    import threading
+
+    parent, parent_boot, entry, (first, last), child_boot = join_world
+    parent_tx, child_tx = two_sessions
+    _finish_child(child_tx, first, child_boot)
+    child_tx.commit()
+    assert pg.execute("SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] \
+        == "running"  # one child left: the parent had not waited yet, and nothing woke it
+
+    # The parent goes waiting (uncommitted: it holds the entry's row); the last child's
+    # finish waits for it, then sees the parent waiting and re-queues it.
+    assert tuple(_wait(parent_tx, parent, parent_boot, entry)) == (1, 1)
+    finished = threading.Event()
+
+    def finish_last():
+        with app.app_context():  # its commit sends the re-queued parent
+            _finish_child(child_tx, last, child_boot)
+            child_tx.commit()
+        finished.set()
+
+    thread = threading.Thread(target=finish_last)
+    thread.start()
+    _blocked(pg)
+    assert not finished.is_set()
+    parent_tx.commit()
+    thread.join(30)
+    assert finished.is_set()
+    assert pg.execute("SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] \
+        == "queued"
+    assert events_of(pg, parent).count("run.joined") == 1
+    assert queue() == [str(parent)]  # (emptied after the setup) the join's one re-queue
+
+
+def test_join_a_parent_going_waiting_after_its_last_child_finished_does_not_wait(
+        two_sessions, join_world, pg):
+    import threading
+
+    parent, parent_boot, entry, (first, last), child_boot = join_world
+    parent_tx, child_tx = two_sessions
+    _finish_child(child_tx, first, child_boot)
+    child_tx.commit()
+    _finish_child(child_tx, last, child_boot)  # uncommitted: holds the entry's row
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        row=tuple(_wait(parent_tx, parent, parent_boot, entry))))
+    thread.start()
+    _blocked(pg)
+    child_tx.commit()
+    thread.join(30)
+    parent_tx.commit()
+    assert result["row"] == (0, 0)  # every child done: no wait, the worker carries on
+    assert pg.execute("SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] \
+        == "running"
+    assert "run.joined" not in events_of(pg, parent)
+
+
+def test_join_a_cancelled_child_counts_and_a_cancelled_waiting_parent_stays_cancelled(
+        app, admit, run_here, tenant, pg, queue):
+    from app.extensions import db
+    from app.runs import cancel_run
+
+    parent = admit("doc-review", {"participants": ["ana", "bo"]})
+    run_here(parent)
+    assert run_row(pg, parent)[0] == "waiting"
+    (ana, *_), (bo, *_) = children_of(pg, parent)
+    with app.app_context():
+        assert cancel_run(db.session, tenant.id, ana) is not None  # queued: cancelled at once
+        db.session.commit()
+    assert run_row(pg, parent)[0] == "waiting"
+    run_here(bo)
+    assert run_row(pg, parent)[0] == "queued"  # the cancelled child counted
+    run_here(parent)
+    # A cancelled child is no approval: the document goes back to draft, then review again.
+    assert [e[1] for e in entries_of(pg, parent)] == ["draft", "review", "draft", "review"]
+    drive(run_here, pg, parent)
+    assert run_row(pg, parent)[0] == "succeeded"
+
+    other = admit("doc-review", {"participants": ["cy"]})
+    run_here(other)
+    with app.app_context():
+        assert cancel_run(db.session, tenant.id, other).status == "cancelled"  # waiting: at once
+        db.session.commit()
+    (cy, *_), = children_of(pg, other)
+    run_here(cy)
+    assert run_row(pg, other)[0] == "cancelled"
+    assert "run.joined" not in events_of(pg, other)
+
+
+# -- Celery tasks as actions, and emit --------------------------------------------------------
+
+def test_an_existing_celery_task_runs_as_an_action_and_emit_writes_one_event(admit, run_here,
+                                                                            pg):
+    run_id = admit("greeter", {"name": "ana"})
+    assert run_here(run_id) == "claimed"
+    status, result, error, _ = run_row(pg, run_id)
+    assert status == "succeeded", error
+    assert result == {"greeting": "hello ana!"}
+    [(payload,)] = pg.execute("SELECT payload FROM outbox WHERE run_id = %s AND event_type = "
+                              "'greeting.sent'", [run_id]).fetchall()
+    assert payload["data"] == {"to": "ana"}
+    assert payload["idempotency_key"] == idempotency_key(run_id, "announce", 2, 0)
