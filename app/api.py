@@ -221,7 +221,15 @@ def _load_run(run_id: str) -> Run:
 @require_token(READ)
 def get_run(run_id: str):
     run = _load_run(run_id)
-    return _json(serialize_run(run, g.principal.tenant_name))
+    body = serialize_run(run, g.principal.tenant_name)
+    body["steps"] = serialize_steps(run_service.run_steps(db.session, run.id))
+    return _json(body)
+
+
+def serialize_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's step entries (``runs.run_steps``), timestamps as ISO 8601."""
+    return [{**entry, **{name: entry[name].isoformat() if entry[name] else None
+                         for name in ("started_at", "finished_at")}} for entry in steps]
 
 
 def _encode_cursor(run: Run) -> str:
@@ -246,7 +254,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
 def list_runs():
     args = request.args
     unknown = sorted(set(args) - {"status", "goal_id", "workflow_ref", "dispatch_key", "limit",
-                                  "cursor"})
+                                  "cursor", "parent_run_id"})
     if unknown:
         raise ApiError(400, "unknown_parameter", "unknown query parameters", {"names": unknown})
     bad = {name: reason for name, value in args.items() if (reason := _unstorable(value))}
@@ -270,6 +278,7 @@ def list_runs():
         goal_id=args.get("goal_id"),
         workflow_ref=args.get("workflow_ref"),
         dispatch_key=args.get("dispatch_key"),
+        parent_run_id=_parent_run_id(args.get("parent_run_id")),
         before=_decode_cursor(args["cursor"]) if "cursor" in args else None,
     )
     rows = run_service.list_runs(db.session, g.principal.tenant_id, where, limit + 1)
@@ -280,6 +289,17 @@ def list_runs():
             "next_cursor": _encode_cursor(page[-1]) if len(rows) > limit else None,
         }
     )
+
+
+def _parent_run_id(value: str | None) -> uuid.UUID | None:
+    """``?parent_run_id=``: the children of that run (the runs its fan-outs admitted)."""
+    if value is None:
+        return None
+    try:
+        return uuid.UUID(value)
+    except ValueError as err:
+        raise ApiError(400, "invalid_parameter", "invalid query parameters",
+                       {"names": {"parent_run_id": "must be a run id (a UUID)"}}) from err
 
 
 @bp.post("/runs/<run_id>/cancel")

@@ -117,6 +117,10 @@ def openapi_document() -> dict[str, Any]:
                         {"name": "goal_id", "in": "query", "schema": {"type": "string"}},
                         {"name": "workflow_ref", "in": "query", "schema": {"type": "string"}},
                         {"name": "dispatch_key", "in": "query", "schema": {"type": "string"}},
+                        {"name": "parent_run_id", "in": "query",
+                         "schema": {"type": "string", "format": "uuid"},
+                         "description": "Only the children of this run (admitted by its "
+                                        "fan-outs)"},
                         {"name": "limit", "in": "query",
                          "schema": {"type": "integer", "minimum": 1, "maximum": 200,
                                     "default": 50}},
@@ -134,9 +138,9 @@ def openapi_document() -> dict[str, Any]:
                                              "items": {"$ref": "#/components/schemas/Run"}},
                                     "next_cursor": {"type": "string", "nullable": True},
                                 }}}}},
-                        **_auth_errors("an unknown parameter, or an invalid status, limit "
-                                       "or cursor (one this API did not issue, or longer "
-                                       "than 512 characters)"),
+                        **_auth_errors("an unknown parameter, or an invalid status, limit, "
+                                       "parent_run_id or cursor (one this API did not issue, "
+                                       "or longer than 512 characters)"),
                     },
                 },
             },
@@ -144,7 +148,9 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "operationId": "getRun",
                     "parameters": [run_id, tenant_header],
-                    "responses": {"200": _run("The run"),
+                    "responses": {"200": {"description": "The run, with its step entries",
+                                          "content": {"application/json": {"schema": {
+                                              "$ref": "#/components/schemas/RunWithSteps"}}}},
                                   **_auth_errors(not_found="no such run for this tenant")},
                 }
             },
@@ -216,6 +222,52 @@ def openapi_document() -> dict[str, Any]:
                                        "nullable": True},
                         "finished_at": {"type": "string", "format": "date-time",
                                         "nullable": True},
+                    },
+                },
+                "RunWithSteps": {
+                    "allOf": [
+                        {"$ref": "#/components/schemas/Run"},
+                        {"type": "object", "required": ["steps"], "properties": {
+                            "steps": {"type": "array",
+                                      "items": {"$ref": "#/components/schemas/StepEntry"}}}},
+                    ],
+                },
+                "StepEntry": {
+                    "type": "object",
+                    "description": "One entry of the run into a step (the step-entry ledger).",
+                    "required": ["entry", "step", "status", "next_step", "error", "children",
+                                 "started_at", "finished_at", "actions"],
+                    "properties": {
+                        "entry": {"type": "integer", "minimum": 1},
+                        "step": {"type": "string"},
+                        "status": {"type": "string", "enum": [
+                            "running", "waiting", "completed", "failed", "abandoned"]},
+                        "next_step": {"type": "string", "nullable": True},
+                        "error": {"type": "object", "nullable": True},
+                        "children": {"type": "object", "required": ["total", "done"],
+                                     "properties": {"total": {"type": "integer"},
+                                                    "done": {"type": "integer"}}},
+                        "started_at": {"type": "string", "format": "date-time"},
+                        "finished_at": {"type": "string", "format": "date-time",
+                                        "nullable": True},
+                        "actions": {"type": "array", "items": {
+                            "type": "object",
+                            "required": ["position", "name", "marker", "status", "outcome"],
+                            "properties": {
+                                "position": {"type": "integer", "minimum": 0},
+                                "name": {"type": "string"},
+                                "marker": {"type": "boolean"},
+                                "status": {"type": "string", "enum": [
+                                    "pending", "claimed", "completed", "failed", "lost",
+                                    "abandoned"]},
+                                "outcome": {"nullable": True,
+                                            "description": "The output, or the error"},
+                                "claims": {"type": "integer", "minimum": 1,
+                                           "description": "Marker-bearing only: how many "
+                                                          "boots claimed it (over 1: taken "
+                                                          "over from a dead worker)"},
+                            },
+                        }},
                     },
                 },
                 "Error": {

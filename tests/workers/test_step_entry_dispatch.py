@@ -841,3 +841,38 @@ def test_an_existing_celery_task_runs_as_an_action_and_emit_writes_one_event(adm
                               "'greeting.sent'", [run_id]).fetchall()
     assert payload["data"] == {"to": "ana"}
     assert payload["idempotency_key"] == idempotency_key(run_id, "announce", 2, 0)
+
+
+# -- API: a run's steps, and its children -----------------------------------------------------
+
+def test_the_api_shows_steps_and_lists_children(admit, run_here, client, tenant, pg, make_tenant):
+    parent = admit("doc-review", {"participants": ["ana", "bo"], "fail": "ensure_participant_seat"})
+    run_here(parent)
+    body = client.get(f"/v1/runs/{parent}", headers=tenant.headers).get_json()
+    assert body["status"] == "waiting"
+    draft, review = body["steps"]
+    assert (draft["entry"], draft["step"], draft["status"]) == (1, "draft", "completed")
+    assert (review["entry"], review["step"], review["status"]) == (2, "review", "waiting")
+    assert review["children"] == {"total": 2, "done": 0}
+    assert [(a["position"], a["name"], a["marker"], a["status"]) for a in review["actions"]] == [
+        (0, "clear_decisions", True, "completed"),
+        (1, "ensure_participant_seat", False, "failed"),
+        (2, "spawn_each", True, "completed")]
+    assert review["actions"][1]["outcome"]["message"] == \
+        "ensure_participant_seat failed (input.fail)"
+    assert review["actions"][0]["claims"] == 1
+
+    listed = client.get(f"/v1/runs?parent_run_id={parent}", headers=tenant.headers).get_json()
+    children = children_of(pg, parent)
+    assert sorted(r["id"] for r in listed["runs"]) == sorted(str(c[0]) for c in children)
+    assert {r["parent_run_id"] for r in listed["runs"]} == {str(parent)}
+    assert {r["origin"] for r in listed["runs"]} == {"fanout"}
+    assert "steps" not in listed["runs"][0]  # the list stays light; GET one run for steps
+    # Another tenant sees none of them; a malformed id is a 400.
+    other = make_tenant()
+    assert client.get(f"/v1/runs?parent_run_id={parent}",
+                      headers=other.headers).get_json()["runs"] == []
+    bad = client.get("/v1/runs?parent_run_id=nope", headers=tenant.headers)
+    assert bad.status_code == 400 and bad.get_json()["error"]["code"] == "invalid_parameter"
+    assert client.get("/v1/runs?status=waiting", headers=tenant.headers).get_json()["runs"][0][
+        "id"] == str(parent)
