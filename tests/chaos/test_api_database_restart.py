@@ -87,6 +87,7 @@ class Traffic:
         # request sent while the database was down never counts as "after".
         self.answers: list[tuple[float, str, int, str]] = []
         self.failures: list[str] = []
+        self.created: list[str] = []  # ids of the runs answered 201
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True)
                         for i in range(threads)]
@@ -113,6 +114,8 @@ class Traffic:
                                              f"{r.text[:200]}")
             with self.lock:
                 self.answers.append((sent, name, r.status_code, code))
+                if r.status_code == 201:
+                    self.created.append(r.json()["id"])
 
     def __enter__(self):
         for t in self.threads:
@@ -129,9 +132,14 @@ class Traffic:
             return Counter(status for _, _, status, _ in self.answers)
 
 
-def _assert_all_answers_allowed(traffic: Traffic, web_proc):
+def _assert_all_answers_allowed(traffic: Traffic, web_proc, private_postgres):
     statuses = traffic.statuses()
     print(f"\nanswers: {dict(sorted(statuses.items()))}")
+    # Every 201 is a run in the database (none lost in a restart), once.
+    with private_postgres.connect() as conn:
+        found = conn.execute("SELECT count(*) FROM runs WHERE id = ANY(%s::uuid[])",
+                             [traffic.created]).fetchone()[0]
+    assert found == len(set(traffic.created)) == len(traffic.created) > 0
     assert not traffic.failures, traffic.failures[:5]
     assert 500 not in statuses, web_proc.log()[-4000:]
     assert set(statuses) <= UP_STATUSES | {503}, statuses
@@ -176,7 +184,7 @@ def test_every_endpoint_answers_503_while_down_and_201_soon_after(
                    timeout=60, what="traffic after")
     back_after = created - back_at
     print(f"first 201 {back_after:.2f}s after the database accepted connections")
-    _assert_all_answers_allowed(traffic, web_proc)
+    _assert_all_answers_allowed(traffic, web_proc, private_postgres)
     assert back_after <= BACK_WITHIN
     # After the first 201 every answer is an up-answer again (no stale connection failed).
     late = Counter(status for at, _, status, _ in traffic.answers if at > created + 0.5)
@@ -205,7 +213,7 @@ def test_restart_under_load_has_no_500(web, chaos_tenant, private_postgres):
             # fail on a pooled connection the restart cut.
             stale = [a for a in traffic.answers if a[0] > back_at and a[2] == 503]
             assert not stale, stale[:5]
-    _assert_all_answers_allowed(traffic, web_proc)
+    _assert_all_answers_allowed(traffic, web_proc, private_postgres)
     print(f"answers: {len(traffic.answers)} over {restarts} restarts, "
           f"503s: {traffic.statuses()[503]}")
 
