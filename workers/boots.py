@@ -241,6 +241,37 @@ def let_go(run_ids: Iterable[uuid.UUID]) -> None:
             _holding.pop(run_id, None)
 
 
+def _forget_boot_in_child() -> None:
+    """In a process forked from this one (a workflow using multiprocessing), drop the
+    lock connection's socket.
+
+    Liveness is tied to the socket: if a forked grandchild kept its copy, the
+    lock would outlive the worker process that owns it, and a run of a dead
+    worker would look held by a live boot forever. Closing the connection
+    would send a Terminate on the shared socket and end the parent's session,
+    so the child points the descriptor at /dev/null instead and forgets the
+    boot.
+    """
+    global _current, _watchdog_pid
+    boot = _current
+    _current = None
+    _watchdog_pid = None
+    if boot is None or boot.conn.closed:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(devnull, boot.conn.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, psycopg.Error):
+        pass
+    _orphaned.append(boot)  # never finalised here: its socket is the parent's
+
+
+_orphaned: list[Boot] = []
+os.register_at_fork(after_in_child=_forget_boot_in_child)
+
 _watchdog_pid: int | None = None
 
 

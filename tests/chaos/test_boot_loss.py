@@ -155,3 +155,33 @@ def test_killing_only_the_pool_child_hands_its_run_to_another_child(admit, side_
     finisher = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'finish'",
                           [run_id]).fetchone()[0]
     assert finisher != child
+
+
+def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side_effects,
+                                                                     test_env, pg, tmp_path,
+                                                                     processes):
+    """The workflow forks a grandchild that sleeps on; kill -9 the worker process: its lock
+    must go with it (the grandchild holds no copy of the lock socket), so the run is
+    taken over."""
+    import os
+    import signal
+
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    run_id = admit("forker", {"seconds": 2, "grandchild_seconds": 300})
+    victim = start_worker(env, tmp_path, "victim")
+    processes.append(victim)
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    child = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start'",
+                       [run_id]).fetchone()[0]
+    os.kill(child, signal.SIGKILL)  # the pool process; its grandchild lives on
+    processes.append(start_worker(env, tmp_path, "rescuer"))
+    processes.append(start_beat(env, tmp_path))
+    try:
+        # Well before the grandchild ends (300 s): only the lock going with the worker
+        # process lets the run be taken over this soon.
+        wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=45,
+                   what="the run to be taken over despite the grandchild")
+        assert run_row(pg, run_id)[1] == 2
+    finally:
+        # The grandchild is in the victim's process group: stopping the victim ends it.
+        victim.signal_group(signal.SIGKILL)

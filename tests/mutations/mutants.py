@@ -151,6 +151,15 @@ MUTANTS: list[Mutant] = [
         "        _rollback()\n        raise\n    finally:",
         (f"{CLAIM_TESTS}::test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot",),
     ),
+    Mutant(
+        "forked_child_keeps_the_lock_socket",
+        "liveness belongs to the worker process, not to a forked grandchild holding its socket",
+        "workers/boots.py",
+        "os.register_at_fork(after_in_child=_forget_boot_in_child)\n",
+        "",
+        ("tests/chaos/test_boot_loss.py::"
+         "test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive",),
+    ),
     # -- unfenced run transitions -------------------------------------------------------------
     Mutant(
         "cancel_misses_a_requeued_run",

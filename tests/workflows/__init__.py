@@ -99,3 +99,19 @@ def crash(ctx, input):
 
     record_effect(ctx.run_id, "start")
     os._exit(int(input.get("code", 1)))
+
+
+@workflow("forker", version="1")
+def forker(ctx, input):
+    """Fork (without exec) a grandchild that outlives this process, then work."""
+    import os
+    import time
+
+    grandchild = os.fork()
+    if grandchild == 0:  # the grandchild: sleeps on, holding whatever it inherited
+        time.sleep(float(input.get("grandchild_seconds", 60)))
+        os._exit(0)
+    record_effect(ctx.run_id, "start")
+    time.sleep(float(input.get("seconds", 0)))
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt, "grandchild": grandchild}
