@@ -45,6 +45,10 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),
             # Statement parameters (whole run inputs) stay out of exception messages.
             "hide_parameters": True,
+            # Admission's miss path reads the row a conflicting transaction just
+            # committed, which only READ COMMITTED sees; never inherit a database
+            # default of repeatable read.
+            "isolation_level": "READ COMMITTED",
         },
         "CELERY_BROKER_URL": broker_url(env),
         "POIMEN_WORKFLOW_MODULES": [

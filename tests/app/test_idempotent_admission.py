@@ -94,7 +94,15 @@ def test_concurrent_admission_calls_on_separate_connections_create_one_run(app, 
 
     from app.admission import admit_run
 
-    engine = create_engine(database_url, poolclass=NullPool)  # one new connection per caller
+    from app.config import load_config
+
+    # The app's own engine settings, on a database whose default isolation may be
+    # another one (default_transaction_isolation set by a DBA or a provider).
+    pinned = {k: v for k, v in load_config()["SQLALCHEMY_ENGINE_OPTIONS"].items()
+              if k == "isolation_level"}
+    default = database_default.replace(" ", r"\ ")
+    engine = create_engine(database_url, poolclass=NullPool, **pinned,
+                           connect_args={"options": f"-c default_transaction_isolation={default}"})  # one new connection per caller
     barrier = threading.Barrier(RACERS, timeout=60)
 
     def admit(_):
@@ -364,8 +372,10 @@ def test_uuid_run_ids_that_do_not_exist_are_404(client, tx_tenant):
         assert r.json["error"]["code"] == "run_not_found"
 
 
+@pytest.mark.parametrize("database_default", ["read committed", "repeatable read"])
 def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, pg,
-                                                                    database_url):
+                                                                    database_url,
+                                                                    database_default):
     """Deterministic witness of the rule (no scheduling luck involved).
 
     Caller A has admitted key K but not committed. Caller B admits K: a
@@ -378,7 +388,15 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
 
     from app.admission import admit_run
 
-    engine = create_engine(database_url, poolclass=NullPool)
+    from app.config import load_config
+
+    # The app's own engine settings, on a database whose default isolation may be
+    # another one (default_transaction_isolation set by a DBA or a provider).
+    pinned = {k: v for k, v in load_config()["SQLALCHEMY_ENGINE_OPTIONS"].items()
+              if k == "isolation_level"}
+    default = database_default.replace(" ", r"\ ")
+    engine = create_engine(database_url, poolclass=NullPool, **pinned,
+                           connect_args={"options": f"-c default_transaction_isolation={default}"})
     args = dict(tenant_id=tenant.id, workflow_ref="echo", input={"d": 1}, dispatch_key="held")
     with app.app_context(), Session(bind=engine) as a_session:
         a = admit_run(a_session, **args)
