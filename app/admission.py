@@ -192,7 +192,18 @@ def admit_run(
     ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref.
     The run is sent to Celery only after the caller's commit succeeds.
     """
-    workflow = registry.resolve(workflow_ref)
+    input_json = dumps(input)
+    try:
+        workflow = registry.resolve(workflow_ref)
+    except registry.UnknownWorkflow:
+        # A replay of a run whose pinned version has since left this process's
+        # registry (a rolling deploy, a retired version) is still a replay: the
+        # key decides, then the registry.
+        replay = None if dispatch_key is None else _replay(
+            session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
+        if replay is None:
+            raise
+        return replay
     run_id = uuid.uuid4()
     origin_value = AdmissionOrigin(origin).value
     values = dict(
@@ -218,7 +229,6 @@ def admit_run(
     # One statement, one round trip: the insert that the index may refuse, and
     # the run.admitted outbox event only for a row that was really inserted.
     # (Plain SQL: building this through the ORM cost more CPU than the database.)
-    input_json = dumps(input)
     inserted = session.execute(_ADMIT, {
         **values,
         "input": input_json,
@@ -231,10 +241,23 @@ def admit_run(
 
     # The key is taken. Under READ COMMITTED this statement sees the row the
     # conflicting transaction committed (ON CONFLICT waited for it).
+    replay = _replay(session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
+    assert replay is not None, "ON CONFLICT found a row that is not there"
+    return replay
+
+
+def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: str,
+            input_json: str, goal_id: str | None) -> Admission | None:
+    """Return the run ``dispatch_key`` already names as a replay, None if there is none.
+
+    Raises ``AdmissionConflict`` when the stored request differs (compared by Postgres).
+    """
     existing = session.execute(_EXISTING, {
         "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_ref": workflow_ref,
         "input": input_json, "goal_id": goal_id,
-    }).one()
+    }).one_or_none()
+    if existing is None:
+        return None
     diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
     if diffs:
         raise AdmissionConflict(existing, diffs)

@@ -94,15 +94,7 @@ def test_concurrent_admission_calls_on_separate_connections_create_one_run(app, 
 
     from app.admission import admit_run
 
-    from app.config import load_config
-
-    # The app's own engine settings, on a database whose default isolation may be
-    # another one (default_transaction_isolation set by a DBA or a provider).
-    pinned = {k: v for k, v in load_config()["SQLALCHEMY_ENGINE_OPTIONS"].items()
-              if k == "isolation_level"}
-    default = database_default.replace(" ", r"\ ")
-    engine = create_engine(database_url, poolclass=NullPool, **pinned,
-                           connect_args={"options": f"-c default_transaction_isolation={default}"})  # one new connection per caller
+    engine = create_engine(database_url, poolclass=NullPool)  # one new connection per caller
     barrier = threading.Barrier(RACERS, timeout=60)
 
     def admit(_):
@@ -387,7 +379,6 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
     from sqlalchemy.pool import NullPool
 
     from app.admission import admit_run
-
     from app.config import load_config
 
     # The app's own engine settings, on a database whose default isolation may be
@@ -435,3 +426,27 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
     assert "error" not in outcome, outcome.get("error")
     assert outcome == {"run": a_id, "created": False}
     assert count_runs(pg, tenant.id, "held") == 1
+
+
+def test_a_replay_after_its_version_left_the_registry_is_still_a_replay(client, tx_tenant):
+    """Rolling deploy: the web process no longer knows the pinned version; the key decides."""
+    from workers import registry
+
+    @registry.workflow("retiring", version="1")
+    def retiring(ctx, input):
+        return input
+
+    body = {"workflow_ref": "retiring@1", "input": {"n": 1}, "dispatch_key": "retire-1"}
+    try:
+        first = post_run(client, tx_tenant, **body)
+        assert first.status_code == 201
+    finally:
+        registry._registry.pop("retiring", None)  # the version leaves the registry
+    again = post_run(client, tx_tenant, **body)
+    assert again.status_code == 200, again.json
+    assert again.json["id"] == first.json["id"]
+    # A different request under that key is still a conflict, not "unknown workflow".
+    clash = post_run(client, tx_tenant, **{**body, "input": {"n": 2}})
+    assert clash.status_code == 409
+    # And without a key, or with a fresh one, an unknown version is refused as before.
+    assert post_run(client, tx_tenant, **{**body, "dispatch_key": "retire-2"}).status_code == 422
