@@ -30,6 +30,10 @@ def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> di
             "visibility_timeout": visibility,
             "unacked_restore_interval": int(env.get("POIMEN_UNACKED_RESTORE_INTERVAL", "10")),
             "unacked_restore_throttle": int(env.get("POIMEN_UNACKED_RESTORE_THROTTLE", "10")),
+            # A hung or black-holed Redis must fail a publish, not hang it forever
+            # (redis-py waits without limit by default).
+            "socket_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
+            "socket_connect_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
         },
         "broker_connection_retry_on_startup": True,
         # Flower shows received/started/succeeded only if workers send events.

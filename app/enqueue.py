@@ -3,14 +3,26 @@
 A message sent before commit can reach a worker before the row is visible (or
 for a row that is then rolled back); a message sent after a failed commit runs
 nothing. So admission only *registers* the run on the session, and these hooks
-send on ``after_commit`` and forget on ``after_rollback``. A send that fails
-after commit strands nothing: ``beat`` re-sends queued runs, and a replay of
-the run's key re-sends it too (workers' claims absorb duplicates).
+hand it on ``after_commit`` and forget it on ``after_rollback``.
+
+The broker is off the request path: ``after_commit`` puts the run on this
+process's *sender*, a thread that publishes what has queued up through one
+producer connection, in order. A request never waits on Redis, and a hung or
+black-holed broker cannot pin request threads or the database pool. A send
+that fails, or a process that dies between commit and send, strands nothing:
+the sender retries while its backlog lasts, ``beat`` re-sends queued runs whose
+last send is old, and a replay of the run's key re-sends it too (workers'
+claims absorb duplicates).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import queue
+import threading
+import time
 import uuid
 
 from flask import current_app
@@ -30,20 +42,107 @@ def enqueue_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str)
 
 
 def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None = None) -> bool:
-    """Publish one ``runs.execute`` message; task id = run id so Flower shows the run."""
+    """Publish one ``runs.execute`` message now (repair, retries); False if the broker failed."""
     try:
-        celery_app.send_task(
-            EXECUTE_RUN,
-            args=[str(run_id)],
-            task_id=str(run_id),
-            countdown=countdown,
-            # Shown by Flower next to the task: which workflow this run is.
-            shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
-        )
+        _publish(celery_app, run_id, workflow_ref, countdown)
         return True
     except Exception:  # noqa: BLE001 - the broker is down; beat repairs queued runs
         log.exception("could not enqueue run %s; beat will re-send it", run_id)
         return False
+
+
+def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None,
+             producer=None) -> None:
+    """One ``runs.execute`` message; task id = run id so Flower shows the run."""
+    celery_app.send_task(
+        EXECUTE_RUN,
+        args=[str(run_id)],
+        task_id=str(run_id),
+        countdown=countdown,
+        producer=producer,
+        # Shown by Flower next to the task: which workflow this run is.
+        shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
+    )
+
+
+class Sender:
+    """One thread per process that publishes committed runs, in batches, off the request path."""
+
+    # Sends that wait longer than this are dropped to beat's repair; a broker outage
+    # must not grow the process's memory without bound.
+    MAX_BACKLOG = 10_000
+
+    def __init__(self, celery_app):
+        self.celery_app = celery_app
+        self.queue: queue.Queue[tuple[uuid.UUID, str]] = queue.Queue()
+        self.pid = os.getpid()
+        self.pending = 0  # handed over, not yet published or given up
+        self.changed = threading.Condition()
+        threading.Thread(target=self._run, name="poimen-sender", daemon=True).start()
+
+    def put(self, run_id: uuid.UUID, workflow_ref: str) -> None:
+        if self.queue.qsize() >= self.MAX_BACKLOG:
+            log.warning("sender backlog full; run %s is left to beat's repair", run_id)
+            return
+        with self.changed:
+            self.pending += 1
+        self.queue.put((run_id, workflow_ref))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until everything handed over so far was published or given up (tests, shutdown)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.pending == 0, timeout)
+
+    def _done(self, count: int) -> None:
+        with self.changed:
+            self.pending -= count
+            self.changed.notify_all()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        batch: list[tuple[uuid.UUID, str]] = []
+        while True:
+            if not batch:
+                batch.append(self.queue.get())
+            while len(batch) < 500:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                with self.celery_app.producer_or_acquire() as producer:
+                    while batch:
+                        run_id, ref = batch[0]
+                        _publish(self.celery_app, run_id, ref, None, producer)
+                        batch.pop(0)
+                        self._done(1)
+                backoff = 0.1
+            except Exception as err:  # noqa: BLE001 - the broker is away: keep the batch, retry
+                log.warning("could not send %d run(s) to the broker (%s); retrying in %.1fs",
+                            len(batch), type(err).__name__, backoff)
+                time.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+                if self.queue.qsize() + len(batch) > self.MAX_BACKLOG:
+                    log.error("sender backlog over %d; %d run(s) left to beat's repair",
+                              self.MAX_BACKLOG, len(batch))
+                    self._done(len(batch))
+                    batch.clear()
+
+
+_sender: Sender | None = None
+_sender_lock = threading.Lock()
+
+
+def sender(celery_app) -> Sender:
+    """This process's sender (a new one after a fork: threads do not survive it)."""
+    global _sender
+    with _sender_lock:
+        if _sender is None or _sender.pid != os.getpid() or _sender.celery_app is not celery_app:
+            _sender = Sender(celery_app)
+            # On a clean exit (SIGTERM of a deploy) give what is queued a moment to go
+            # out; what does not is re-sent by beat's repair.
+            atexit.register(_sender.wait_idle, 2.0)
+        return _sender
 
 
 @event.listens_for(Session, "after_commit")
@@ -51,9 +150,9 @@ def _send_after_commit(session: Session) -> None:
     pending = session.info.pop(_PENDING, None)
     if not pending:
         return
-    celery_app = current_app.extensions["celery"]
+    out = sender(current_app.extensions["celery"])
     for run_id, workflow_ref in pending.items():
-        send_run(celery_app, run_id, workflow_ref)
+        out.put(run_id, workflow_ref)
 
 
 @event.listens_for(Session, "after_rollback")

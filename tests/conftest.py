@@ -134,6 +134,17 @@ def queue_name(database_url) -> str:
     return os.environ["POIMEN_QUEUE"]
 
 
+@pytest.fixture
+def sent(app):
+    """``sent()`` waits until this process's sender published every committed run."""
+    from app.enqueue import sender
+
+    def wait() -> None:
+        assert sender(app.extensions["celery"]).wait_idle(10), "the sender is stuck"
+
+    return wait
+
+
 @dataclass
 class TenantCreds:
     id: int

@@ -37,9 +37,10 @@ def test_service_token_needs_no_tenant(cli):
     assert cli.invoke(args=["tokens", "create"]).exit_code != 0  # neither --tenant nor --service
 
 
-def test_runs_show_and_redrive(cli, client, tenant, redis_client, queue_name):
+def test_runs_show_and_redrive(cli, client, tenant, redis_client, queue_name, sent):
     run_id = client.post("/v1/runs", json={"workflow_ref": "echo", "input": {"a": 1}},
                          headers=tenant.headers).json["id"]
+    sent()
     shown = cli.invoke(args=["runs", "show", run_id])
     assert shown.exit_code == 0
     assert json.loads(shown.output)["input"] == {"a": 1}

@@ -287,7 +287,7 @@ def test_over_long_body_over_real_http_is_413(live_api, tenant, pg):
 # 9 -------------------------------------------------------------------------------------------
 
 def test_a_run_whose_transaction_fails_is_not_enqueued(app, tenant, redis_client, queue_name,
-                                                        pg):
+                                                        pg, sent):
     from app.admission import admit_run
     from app.extensions import db
 
@@ -300,36 +300,44 @@ def test_a_run_whose_transaction_fails_is_not_enqueued(app, tenant, redis_client
 
         kept = admit_run(db.session, tenant_id=tenant.id, workflow_ref="echo", input={},
                          dispatch_key="kept")
+        sent()
         assert queued_task_ids(redis_client, queue_name) == []  # nothing before commit
         db.session.commit()
         kept_id = str(kept.run.id)
 
+    sent()  # the sender publishes in order: the doomed run would be there by now
     assert queued_task_ids(redis_client, queue_name) == [kept_id]
     assert doomed not in queued_task_ids(redis_client, queue_name)
     assert count_runs(pg, tenant.id) == 1
 
 
-def test_replay_of_a_queued_run_sends_it_again(client, tenant, redis_client, queue_name):
+def test_replay_of_a_queued_run_sends_it_again(client, tenant, redis_client, queue_name, sent):
     redis_client.delete(queue_name)
     first = post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="resend")
     run_id = first.json["id"]
+    sent()
     assert queued_task_ids(redis_client, queue_name) == [run_id]
     post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="resend")
+    sent()
     assert queued_task_ids(redis_client, queue_name) == [run_id, run_id]
 
 
-def test_replay_of_a_finished_run_sends_nothing(client, tenant, redis_client, queue_name, pg):
+def test_replay_of_a_finished_run_sends_nothing(client, tenant, redis_client, queue_name, pg,
+                                                sent):
     first = post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="done")
+    sent()
     pg.execute("UPDATE runs SET status = 'succeeded' WHERE id = %s", [first.json["id"]])
     redis_client.delete(queue_name)
     replay = post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="done")
     assert replay.status_code == 200
+    sent()
     assert queued_task_ids(redis_client, queue_name) == []
 
 
-def test_the_message_names_the_run_and_workflow(client, tenant, redis_client, queue_name):
+def test_the_message_names_the_run_and_workflow(client, tenant, redis_client, queue_name, sent):
     redis_client.delete(queue_name)
     run_id = post_run(client, tenant, workflow_ref="echo", input={}).json["id"]
+    sent()
     message = json.loads(redis_client.lrange(queue_name, 0, -1)[0])
     assert message["headers"]["task"] == "runs.execute"
     assert message["headers"]["id"] == run_id
