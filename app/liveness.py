@@ -44,3 +44,24 @@ def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
 def live_boot_count(session_or_conn) -> int:
     """Return how many boots hold their lock now."""
     return int(session_or_conn.execute(_LIVE_COUNT).scalar_one())
+
+
+# A dead boot that no run points at any more is history: without pruning, the
+# table (and the join every liveness check makes) grows by one row per worker
+# process lifetime, forever (think --max-tasks-per-child at high throughput).
+_PRUNE = text(
+    f"""
+    DELETE FROM worker_boots b
+     WHERE b.boot_id IN (
+            SELECT d.boot_id FROM worker_boots d
+             WHERE d.boot_id NOT IN ({LIVE_BOOTS_SQL})
+               AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)
+               AND NOT EXISTS (SELECT 1 FROM step_markers m WHERE m.claimed_by = d.boot_id)
+             LIMIT :limit)
+    """
+)
+
+
+def prune_dead_boots(session: Session, limit: int = 10_000) -> int:
+    """Delete up to ``limit`` dead boots that no run references; return how many."""
+    return session.execute(_PRUNE, {"limit": limit}).rowcount

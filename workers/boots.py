@@ -88,11 +88,10 @@ class Boot:
         )
         try:
             boot_id = uuid.uuid4()
-            lock_key = conn.execute(
-                "INSERT INTO worker_boots (boot_id, hostname, pid) VALUES (%s, %s, %s) "
-                "RETURNING lock_key",
-                [boot_id, socket.gethostname()[:255], os.getpid()],
-            ).fetchone()[0]
+            # The lock first, then the row: a boot row exists only while its lock
+            # is held, so repair's pruning of dead boots can never take a boot
+            # that is still being born.
+            lock_key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
             params = {"ns": LOCK_NAMESPACE, "key": lock_key}
             if not conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)",
                                 params).fetchone()[0]:
@@ -102,6 +101,11 @@ class Boot:
                     f"by backend pid {holder[0] if holder else '?'}: another application or "
                     "deployment uses this database's advisory lock keys"
                 )
+            conn.execute(
+                "INSERT INTO worker_boots (boot_id, lock_key, hostname, pid) "
+                "VALUES (%s, %s, %s, %s)",
+                [boot_id, lock_key, socket.gethostname()[:255], os.getpid()],
+            )
             backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             _check_session_kept(dsn, conn, backend_pid, params)
         except BaseException:

@@ -17,6 +17,7 @@ from celery.signals import (
 from flask import current_app
 
 from app.extensions import db
+from app.liveness import prune_dead_boots
 from app.runs import redrive_stranded_runs
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 
@@ -44,6 +45,10 @@ def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
     sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
                                     min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+    pruned = prune_dead_boots(db.session)
+    db.session.commit()
+    if pruned:
+        log.info("repair: pruned %d dead worker boot(s) no run refers to", pruned)
     return sent
 
 

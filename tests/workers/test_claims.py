@@ -470,3 +470,19 @@ def test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot(app, admit, pg, ds
                           [holder]).fetchone()[0] == 0  # its holder is dead: wreckage
     finally:
         boots.end_current_boot()
+
+
+def test_repair_prunes_dead_boots_that_no_run_refers_to(session, admit, boot_factory,
+                                                        dead_boot, pg):
+    from app.liveness import prune_dead_boots
+
+    pg.execute("INSERT INTO worker_boots (boot_id, hostname, pid) "
+               "SELECT gen_random_uuid(), 'gone', 1 FROM generate_series(1, 1000)")
+    referenced = dead_boot()
+    run_id = admit()
+    hold_as(pg, run_id, referenced)
+    live = boot_factory()
+    assert prune_dead_boots(session) == 1000
+    session.commit()
+    left = {r[0] for r in pg.execute("SELECT boot_id FROM worker_boots")}
+    assert left == {referenced, live.boot_id}
