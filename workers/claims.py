@@ -162,7 +162,8 @@ _FINISH = with_event(
 
 _RELEASE = with_event(
     """
-    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now()
+    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
+           attempt = attempt - 1
      WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
@@ -266,6 +267,9 @@ def _fence(boot_id: uuid.UUID | Collection[uuid.UUID]) -> list[uuid.UUID]:
 def release_claim(session: Session, run_id: uuid.UUID,
                   boot_id: uuid.UUID | Collection[uuid.UUID]) -> bool:
     """Put a run this boot claimed back to ``queued`` (a failure before user code started).
+
+    No user code ran, so the claim's attempt is given back: a rolling deploy that
+    bounces a run between workers must not use up its attempts.
 
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -264,6 +265,18 @@ def _run_claimed(claim: Claim) -> None:
     row = claim.run
     try:
         workflow = registry.get(row.workflow_name, row.workflow_version)
+    except registry.UnknownWorkflow:
+        # A rolling deploy: the run is pinned to a version this worker does not
+        # have (yet, or any more). Give it back, uncounted, and send it again a
+        # little later for a worker that has it.
+        _rollback()
+        ref = f"{row.workflow_name}@{row.workflow_version}"
+        if _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued):
+            delay = random.uniform(1.0, 3.0)
+            log.warning("run %s: pinned to %s, which this worker does not have; released "
+                        "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
+            send_run(current_app.extensions["celery"], run_id, ref, countdown=delay)
+        return
     except Exception as err:
         _rollback()
         released = _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued)
