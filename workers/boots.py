@@ -91,16 +91,7 @@ class Boot:
             # The lock first, then the row: a boot row exists only while its lock
             # is held, so repair's pruning of dead boots can never take a boot
             # that is still being born.
-            lock_key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
-            params = {"ns": LOCK_NAMESPACE, "key": lock_key}
-            if not conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)",
-                                params).fetchone()[0]:
-                holder = conn.execute(_HOLDER, params).fetchone()
-                raise LockKeyTaken(
-                    f"advisory lock ({LOCK_NAMESPACE}, {lock_key}) for boot {boot_id} is held "
-                    f"by backend pid {holder[0] if holder else '?'}: another application or "
-                    "deployment uses this database's advisory lock keys"
-                )
+            lock_key, params = _take_free_key(conn, boot_id)
             conn.execute(
                 "INSERT INTO worker_boots (boot_id, lock_key, hostname, pid) "
                 "VALUES (%s, %s, %s, %s)",
@@ -140,6 +131,30 @@ class Boot:
             self.conn.close()
         except Exception:  # noqa: BLE001 - closing a broken connection may raise
             pass
+
+
+def _take_free_key(conn: psycopg.Connection, boot_id: uuid.UUID) -> tuple[int, dict]:
+    """Take the advisory lock of the next free key of the (cycling) key sequence.
+
+    A key whose boot row still exists (a live boot, or a dead one some run still
+    refers to) is skipped. A key held by a connection that is no boot of ours
+    means another application uses our lock keys: fail loudly, naming it.
+    """
+    for _ in range(1000):
+        lock_key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
+        if conn.execute("SELECT EXISTS (SELECT 1 FROM worker_boots WHERE lock_key = %s)",
+                        [lock_key]).fetchone()[0]:
+            continue  # reused after a wrap-around: still some boot's key
+        params = {"ns": LOCK_NAMESPACE, "key": lock_key}
+        if conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)", params).fetchone()[0]:
+            return lock_key, params
+        holder = conn.execute(_HOLDER, params).fetchone()
+        raise LockKeyTaken(
+            f"advisory lock ({LOCK_NAMESPACE}, {lock_key}) for boot {boot_id} is held "
+            f"by backend pid {holder[0] if holder else '?'}: another application or "
+            "deployment uses this database's advisory lock keys"
+        )
+    raise LockKeyTaken("no free boot lock key in 1000 tries: prune dead boots (beat's repair)")
 
 
 def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,

@@ -486,3 +486,12 @@ def test_repair_prunes_dead_boots_that_no_run_refers_to(session, admit, boot_fac
     session.commit()
     left = {r[0] for r in pg.execute("SELECT boot_id FROM worker_boots")}
     assert left == {referenced, live.boot_id}
+
+
+def test_boot_lock_keys_wrap_around_and_skip_keys_still_in_use(boot_factory, dead_boot, pg):
+    held = dead_boot()  # its row stays: some run could still refer to it
+    # The sequence is at its end: the next key wraps to 1, then 2...
+    pg.execute("SELECT setval('worker_boot_lock_key', 2147483647)")
+    pg.execute("UPDATE worker_boots SET lock_key = 1 WHERE boot_id = %s", [held])
+    boot = boot_factory()
+    assert boot.lock_key == 2  # 1 is skipped: its boot row still exists
