@@ -67,6 +67,18 @@ def connect(database_url: str, **kwargs) -> psycopg.Connection:
     return psycopg.connect(libpq_url(database_url), **kwargs)
 
 
+def wait_until_waiting_on_a_lock(pg, application_name: str, timeout: float = 10.0) -> None:
+    """Return once the session named ``application_name`` waits on a lock (two-session tests)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pg.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+            "AND wait_event_type = 'Lock'", [application_name]).fetchone()[0]:
+        assert time.monotonic() < deadline, f"{application_name} never waited on a lock"
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def pg(database_url):
     with connect(database_url, autocommit=True) as conn:

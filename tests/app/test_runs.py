@@ -3,21 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 
-from tests.conftest import connect
-
-
-def _wait_until_blocked(pg, application_name: str, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        waiting = pg.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
-            "AND wait_event_type = 'Lock'", [application_name]).fetchone()[0]
-        if waiting:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{application_name} never waited on a lock")
+from tests.conftest import connect, wait_until_waiting_on_a_lock
 
 
 def test_cancel_racing_a_release_still_cancels(app, admit, pg, database_url):
@@ -47,7 +34,7 @@ def test_cancel_racing_a_release_still_cancels(app, admit, pg, database_url):
 
     canceller = threading.Thread(target=cancel)
     canceller.start()
-    _wait_until_blocked(pg, "test-canceller")
+    wait_until_waiting_on_a_lock(pg, "test-canceller")
     releaser.commit()
     releaser.close()
     canceller.join(10)

@@ -366,6 +366,7 @@ def _blocked_claim(app, run_id, boot_id, pg):
     import threading
 
     from app.extensions import db
+    from tests.conftest import wait_until_waiting_on_a_lock
 
     outcome = {}
 
@@ -377,11 +378,7 @@ def _blocked_claim(app, run_id, boot_id, pg):
 
     thread = threading.Thread(target=deliver)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not pg.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
-                         "'test-second-claimer' AND wait_event_type = 'Lock'").fetchone()[0]:
-        assert time.monotonic() < deadline, "the second claim never waited on the row"
-        time.sleep(0.02)
+    wait_until_waiting_on_a_lock(pg, "test-second-claimer")
     return thread, outcome
 
 
