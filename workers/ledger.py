@@ -696,8 +696,13 @@ class Dispatcher:
             # the workflow's retry policy applies to the exception, if it is ours).
             return Outcome(Ending.FAILED, error=failures[0], exc=first_failure,
                            close=self._closer(entry, status, failures[0], None))
-        result = (self.workflow.result(ctx) if self.workflow.result is not None
-                  else self._result_of(step, entry.outputs))
+        try:
+            result = (self.workflow.result(ctx) if self.workflow.result is not None
+                      else self._result_of(step, entry.outputs))
+        except Exception as err:  # noqa: BLE001 - a bug in `result` fails the run
+            error = error_info(err, code="result_failed")
+            return Outcome(Ending.FAILED, error=error, exc=err,
+                           close=self._closer(entry, EntryStatus.FAILED, error, None))
         return Outcome(Ending.SUCCEEDED, result=result,
                        close=self._closer(entry, status, None, None))
 
