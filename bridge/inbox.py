@@ -25,12 +25,10 @@ from the environment when it starts; see ``InboxConfig.from_env``.
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import random
 import re
-import signal
 import sys
 import threading
 import time
@@ -52,7 +50,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 from requests.adapters import HTTPAdapter
 
@@ -66,6 +63,7 @@ from .inbox_faults import (
     run_request_body,
 )
 from .kafka import client_settings, describe
+from .process import configure_logging, serve
 from .topics import dead_letter_topic, ensure_topics, topic_prefix
 
 log = logging.getLogger("poimen.inbox")
@@ -994,18 +992,10 @@ class Inbox:
 
 def main() -> int:
     """Run the inbox until SIGTERM or SIGINT."""
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = InboxConfig.from_env()
     inbox = Inbox(config)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, registry=inbox.metrics.registry)
-        log.info("metrics on :%d/metrics", config.metrics_port)
-    # `kill -USR1 <pid>` prints every thread's stack: where a stuck relay is stuck.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    signal.signal(signal.SIGTERM, inbox.stop)
-    signal.signal(signal.SIGINT, inbox.stop)
-    inbox.run()
+    serve(inbox, inbox.metrics.registry, config.metrics_port)
     if inbox.abandoned:
         # Calls that outlived the grace would hold the interpreter's exit (it joins the
         # HTTP threads) past Heroku's SIGKILL; their messages were not committed.

@@ -28,13 +28,11 @@ nothing from ``app`` or ``workers``: its SQL is its own.
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import logging
 import os
 import random
 import re
-import signal
 import sys
 import threading
 import time
@@ -51,10 +49,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 
 from .kafka import client_settings, describe
+from .process import configure_logging, serve
 from .topics import DEFAULT_PARTITIONS, ensure_topics, events_topic, topic_prefix
 
 log = logging.getLogger("poimen.outbox")
@@ -661,18 +659,10 @@ class OutboxRelay:
 
 def main() -> int:
     """Run the outbox relay until SIGTERM or SIGINT."""
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = OutboxConfig.from_env()
     relay = OutboxRelay(config)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, registry=relay.metrics.registry)
-        log.info("metrics on :%d/metrics", config.metrics_port)
-    # `kill -USR1 <pid>` prints every thread's stack: where a stuck relay is stuck.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    signal.signal(signal.SIGTERM, relay.stop)
-    signal.signal(signal.SIGINT, relay.stop)
-    relay.run()
+    serve(relay, relay.metrics.registry, config.metrics_port)
     return 0
 
 
