@@ -26,8 +26,9 @@ TICKS = 5
 
 
 def admit_backlog(app, tenant_id: int, n: int, batch: int = 500) -> list[uuid.UUID]:
-    """Admit ``n`` runs through the admission function (each sent after its commit)."""
+    """Admit ``n`` runs through the admission function; return once all are sent."""
     from app.admission import admit_run
+    from app.enqueue import sender
     from app.extensions import db
 
     ids = []
@@ -37,6 +38,8 @@ def admit_backlog(app, tenant_id: int, n: int, batch: int = 500) -> list[uuid.UU
                 ids.append(admit_run(db.session, tenant_id=tenant_id, workflow_ref="noop",
                                      input={}).run.id)
             db.session.commit()
+        # Admission hands runs to this process's sender thread after commit.
+        assert sender(app.extensions["celery"]).wait_idle(120), "admission's sends never went out"
     return ids
 
 
