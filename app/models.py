@@ -197,9 +197,8 @@ class StepMarker(db.Model):
                                           primary_key=True)
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
-    claimed_by: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True),
-                                                  ForeignKey("worker_boots.boot_id"),
-                                                  nullable=False)
+    # No foreign key (migration 0008): a dead boot's row may be pruned; the id stays.
+    claimed_by: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     claims: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     result: Mapped[dict | list | str | int | float | bool | None] = mapped_column(JSONB)

@@ -23,6 +23,40 @@ PARTICIPANTS = ["ana", "bo", "cy"]
 
 # -- helpers -----------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def app(database_url):
+    """The app, with a Celery queue of this module's own.
+
+    These tests count what runs enqueue; a worker some other test left running
+    on the session's queue must not be able to take it. The real workers here
+    are started on this queue too (``worker_env``).
+    """
+    import os
+
+    from celery import _state
+
+    from app import create_app
+    from app.extensions import db
+
+    previous = _state.default_app
+    session_queue = os.environ["POIMEN_QUEUE"]
+    os.environ["POIMEN_QUEUE"] = f"{session_queue}-ledger"
+    try:
+        flask_app = create_app()
+    finally:
+        os.environ["POIMEN_QUEUE"] = session_queue
+    flask_app.config["TESTING"] = True
+    yield flask_app
+    with flask_app.app_context():
+        db.engine.dispose()
+    if previous is not None:
+        previous.set_default()
+
+
+@pytest.fixture
+def queue_name(app) -> str:
+    return app.extensions["celery"].conf.task_default_queue
+
 @pytest.fixture
 def fresh_boot():
     """execute_run in this process registers a boot; end it so each test starts clean."""
@@ -46,11 +80,15 @@ def run_here(app, fresh_boot):
 
 
 @pytest.fixture
-def queue(redis_client, queue_name):
-    """The session's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
+def queue(app, redis_client, queue_name):
+    """This module's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
+    from app.enqueue import sender
+
     redis_client.delete(queue_name)
 
     def messages() -> list[str]:
+        # Committed runs are published by this process's sender thread: let it finish.
+        assert sender(app.extensions["celery"]).wait_idle(30)
         return [json.loads(raw)["headers"]["id"]
                 for raw in redis_client.lrange(queue_name, 0, -1)][::-1]  # oldest first
 
@@ -611,11 +649,12 @@ def processes():
 
 
 @pytest.fixture
-def worker_env(test_env):
+def worker_env(test_env, queue_name):
     from tests.workflows.ledger import MODULES
 
-    return {**test_env, "POIMEN_WORKFLOW_MODULES": MODULES, "POIMEN_REPAIR_INTERVAL": "1",
-            "POIMEN_REPAIR_MIN_AGE": "5", "POIMEN_BOOT_PROBE_INTERVAL": "0.5"}
+    return {**test_env, "POIMEN_QUEUE": queue_name, "POIMEN_WORKFLOW_MODULES": MODULES,
+            "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "5",
+            "POIMEN_BOOT_PROBE_INTERVAL": "0.5"}
 
 
 def wait_terminal(pg, run_id, timeout=120):
