@@ -58,6 +58,11 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
         "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "30")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
+        # A dead boot's run is re-sent at once but delivered this many seconds later:
+        # time for a process that lost its lock to a Postgres restart, and is still
+        # executing the run, to adopt it (docs/execution.md). Who runs it is still
+        # decided by liveness at the claim; this only orders the contenders.
+        "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY", "6")),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
         "POIMEN_SHUTDOWN_GRACE": float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),

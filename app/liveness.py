@@ -56,12 +56,15 @@ _PRUNE = text(
             SELECT d.boot_id FROM worker_boots d
              WHERE d.boot_id NOT IN ({LIVE_BOOTS_SQL})
                AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)
-               AND NOT EXISTS (SELECT 1 FROM step_markers m WHERE m.claimed_by = d.boot_id)
              LIMIT :limit)
     """
 )
 
 
 def prune_dead_boots(session: Session, limit: int = 10_000) -> int:
-    """Delete up to ``limit`` dead boots that no run references; return how many."""
+    """Delete up to ``limit`` dead boots that no run references; return how many.
+
+    Step markers keep their claimer's id without a foreign key (migration 0008):
+    a pruned boot is simply dead to them, as it was.
+    """
     return session.execute(_PRUNE, {"limit": limit}).rowcount

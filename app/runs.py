@@ -300,7 +300,8 @@ def _queue_depth(celery_app) -> int | None:
 
 
 def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
-                          limit: int | None = 1000) -> tuple[int, int]:
+                          limit: int | None = 1000, takeover_delay: float = 0.0
+                          ) -> tuple[int, int]:
     """Re-send runs held by dead boots, and queued runs last sent over ``min_age`` s ago.
 
     Re-sending is always safe (claims absorb duplicates), but every needless
@@ -313,6 +314,11 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
       as many as the queue has room for below one page: a message still waiting
       in the queue is not lost, and a copy would only wait behind it. Under a
       backlog of a page or more, no queued run is re-sent until workers drain it.
+
+    A dead boot's run is delivered ``takeover_delay`` seconds after it is sent:
+    a worker cut off by a Postgres restart may still be executing it and adopts
+    it as soon as it has a new boot; the delay lets it, rather than a rescuer
+    that would start the run over.
 
     ``limit=None`` (``flask runs redrive``) re-sends every such run at once,
     whatever the queue holds. Commits the marks, then sends. Return
@@ -327,7 +333,10 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     queued = session.execute(_QUEUED_RUNS, {**params, "limit": room}).all() if room != 0 else []
     session.commit()
     sent = 0
-    for row in (*dead, *queued):
+    for row in dead:
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         countdown=takeover_delay or None)
+    for row in queued:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
     if dead or queued:
         log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depth %s)",

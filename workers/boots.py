@@ -249,6 +249,19 @@ def holders(run_id: uuid.UUID) -> list[uuid.UUID]:
         return list(_holding.get(run_id, ()))
 
 
+def hold_if_held(run_id: uuid.UUID, boot_id: uuid.UUID) -> None:
+    """Add ``boot_id`` to ``run_id``'s holders if this process still executes it."""
+    with _holding_lock:
+        if run_id in _holding:
+            _holding[run_id].add(boot_id)
+
+
+def still_held(run_ids: Iterable[uuid.UUID]) -> bool:
+    """Whether this process still executes any of ``run_ids``."""
+    with _holding_lock:
+        return any(run_id in _holding for run_id in run_ids)
+
+
 def runs_held_by(boot_id: uuid.UUID) -> list[uuid.UUID]:
     with _holding_lock:
         return [run for run, boots in _holding.items() if boot_id in boots]

@@ -216,6 +216,11 @@ def _record(run_id: uuid.UUID, write: Callable[[Session, list[uuid.UUID]], bool]
         row = session.execute(
             text("SELECT status, claimed_by FROM runs WHERE id = :run"), {"run": run_id}
         ).one_or_none()
+        now_ours = boots.holders(run_id)
+        if (row is not None and row.status == RunStatus.RUNNING
+                and row.claimed_by in now_ours and row.claimed_by not in ours):
+            # Our watchdog adopted the run for a new boot while we wrote: write again.
+            return (True, True) if write(session, now_ours) else (False, False)
         return False, retrying and row is not None and already_done(row)
 
     return commit_fenced(run_id, attempt)
@@ -394,24 +399,33 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
         while True:
             try:
                 new = current_boot(boot_dsn)
+                for run_id in runs:
+                    # Before the adoption commits: a fenced write racing it must
+                    # already accept the new boot (it is ours either way).
+                    boots.hold_if_held(run_id, new.boot_id)
+                # The lost boot is ours whatever happened since: a run this process
+                # finished under it meanwhile is ours too, not lost.
                 outcomes = {run_id: adopt_run(db.session, run_id, lost.boot_id, new.boot_id,
-                                              boots.holders(run_id)) for run_id in runs}
+                                              {lost.boot_id, *boots.holders(run_id)})
+                            for run_id in runs}
                 db.session.commit()
                 break
             except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
                 _rollback()
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and boots.still_held(runs):
                     log.error("runs %s: no new boot within the retry window (%s); stopping",
                               [str(r) for r in runs], err)
                     os._exit(EXIT_CLAIM_LOST)
+                if not boots.still_held(runs):
+                    return  # every one of them ended here meanwhile: nothing to adopt
                 time.sleep(0.5)
         db.session.remove()
     for run_id, outcome in outcomes.items():
         if outcome == Adoption.ADOPTED:
-            boots.hold(run_id, new.boot_id)
             log.warning("run %s: adopted by new boot %s after boot %s lost its lock", run_id,
                         new.boot_id, lost.boot_id)
-        elif outcome == Adoption.LOST:
+        elif outcome == Adoption.LOST and boots.still_held([run_id]):
+            # Only a run this process is still executing needs stopping.
             log.error("run %s was taken over while boot %s was cut off; stopping this "
                       "execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
             os._exit(EXIT_CLAIM_LOST)

@@ -44,7 +44,8 @@ def execute(run_id: str) -> str:
 def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
     sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
-                                    min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"])
+                                    min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"],
+                                    takeover_delay=current_app.config["POIMEN_TAKEOVER_DELAY"])
     pruned = prune_dead_boots(db.session)
     db.session.commit()
     if pruned:
