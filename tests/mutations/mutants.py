@@ -41,6 +41,30 @@ MUTANTS: list[Mutant] = [
         ("tests/app/test_idempotent_admission.py::"
          "test_first_spawn_creates_and_replay_returns_the_same_run",),
     ),
+    Mutant(
+        "admission_check_then_insert",
+        "the index decides a key: admission never reads before it inserts",
+        "app/admission.py",
+        "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
+        "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
+        "            :origin_detail, :parent_run_id, :definition_hash)\n"
+        "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
+        "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
+        "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
+        "            :origin_detail, :parent_run_id, :definition_hash\n"
+        "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
+        "                          AND dispatch_key = :dispatch_key)\n",
+        ("tests/app/test_idempotent_admission.py::"
+         "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
+    ),
+    Mutant(
+        "replay_input_compared_loosely",
+        "a replay is the same request as stored (jsonb equality, decided by Postgres)",
+        "app/admission.py",
+        "input = CAST(:input AS jsonb) AS same_input",
+        "input::text::numeric IS NULL OR true AS same_input",
+        ("tests/app/test_hostile_input.py::test_true_and_1_under_one_key_are_a_conflict",),
+    ),
     # -- claims -------------------------------------------------------------------------------
     Mutant(
         "claim_without_claimer_liveness",
@@ -152,6 +176,15 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot",),
     ),
     Mutant(
+        "finish_refused_by_its_own_adoption",
+        "a fenced write racing this process's own adoption is recorded under the new boot",
+        "workers/execution.py",
+        "            return (True, True) if write(session, now_ours) else (False, False)\n",
+        "            pass\n",
+        (f"{CLAIM_TESTS}::"
+         "test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot",),
+    ),
+    Mutant(
         "forked_child_keeps_the_lock_socket",
         "liveness belongs to the worker process, not to a forked grandchild holding its socket",
         "workers/boots.py",
@@ -159,6 +192,34 @@ MUTANTS: list[Mutant] = [
         "",
         ("tests/chaos/test_boot_loss.py::"
          "test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive",),
+    ),
+    # -- the step-entry ledger ----------------------------------------------------------------
+    Mutant(
+        "ledger_continues_after_a_failed_marker",
+        "a marker-bearing action that fails or loses its claim abandons the rest of the entry",
+        "workers/ledger.py",
+        "            for act in step.actions:\n                if stop is not None:\n",
+        "            for act in step.actions:\n                if False and stop is not None:\n",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_a_failed_marker_at_position_0_leaves_the_fanout_enqueuing_nothing",),
+    ),
+    Mutant(
+        "marker_claim_without_claimer_liveness",
+        "a marker is claimed only by a live boot",
+        "workers/ledger.py",
+        "FROM run, live WHERE live.ok",
+        "FROM run, live",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_witness_a_marker_claim_requires_a_live_claimer",),
+    ),
+    Mutant(
+        "marker_takeover_without_compare_and_set",
+        "a dead boot's marker is taken over with a compare-and-set on the dead boot id",
+        "workers/ledger.py",
+        "       AND m.claimed_by = :dead AND live.ok",
+        "       AND live.ok",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set",),
     ),
     # -- unfenced run transitions -------------------------------------------------------------
     Mutant(

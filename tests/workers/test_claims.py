@@ -492,3 +492,40 @@ def test_boot_lock_keys_wrap_around_and_skip_keys_still_in_use(boot_factory, dea
     pg.execute("UPDATE worker_boots SET lock_key = 1 WHERE boot_id = %s", [held])
     boot = boot_factory()
     assert boot.lock_key == 2  # 1 is skipped: its boot row still exists
+
+
+def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, admit, pg,
+                                                                         boot_factory,
+                                                                         dead_boot):
+    """The watchdog adopts the run for a new boot between the finish's read of the fence
+    and its UPDATE: the finish must not report the claim lost (the run would stay
+    running, though it completed); it writes again under the adopted boot."""
+    from workers import boots
+    from workers.claims import adopt_run
+    from workers.execution import _finished_by_us, _record
+
+    run_id, lost = admit(), dead_boot()
+    hold_as(pg, run_id, lost)
+    new = boot_factory()
+    boots.hold(run_id, lost)
+    adopted = []
+
+    def finish_while_adopted(session, ours):
+        if not adopted:  # the watchdog thread's adoption lands right now
+            boots.hold_if_held(run_id, new.boot_id)
+            with app.app_context():
+                from app.extensions import db as other
+
+                with other.engine.begin() as conn:
+                    from sqlalchemy.orm import Session
+
+                    assert adopt_run(Session(bind=conn), run_id, lost, new.boot_id, ours)
+            adopted.append(True)
+        return finish_run(session, run_id, ours, status="succeeded")
+
+    try:
+        with app.app_context():
+            assert _record(run_id, finish_while_adopted, _finished_by_us(run_id)) is True
+    finally:
+        boots.let_go([run_id])
+    assert status_of(pg, run_id)[:2] == ("succeeded", new.boot_id)
