@@ -226,8 +226,8 @@ MUTANTS: list[Mutant] = [
         "cancel_misses_a_requeued_run",
         "cancel is one statement: a run requeued under it is still cancelled",
         "app/runs.py",
-        "AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}')",
-        "AND status = '{RunStatus.RUNNING}'",
+        "AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
+        "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
     ),
     # -- the inbox ----------------------------------------------------------------------------
@@ -236,7 +236,9 @@ MUTANTS: list[Mutant] = [
         "the inbox commits an offset only past messages that are all done",
         "bridge/inbox.py",
         "        while self.slots and self.slots[0].state is SlotState.DONE:\n"
-        "            self.commit_offset = self.slots.popleft().message.offset() + 1",
+        "            done = self.slots.popleft().message\n"
+        "            self.buffered_bytes -= message_bytes(done)\n"
+        "            self.commit_offset = done.offset() + 1",
         "        self.commit_offset = max(self.commit_offset or 0, slot.message.offset() + 1)",
         ("tests/bridge/test_partition_work.py::"
          "test_commit_waits_for_the_oldest_message_when_later_ones_finish_first",),
