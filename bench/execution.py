@@ -217,7 +217,7 @@ def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
 
 def reset_runs(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE runs, outbox")
+        conn.execute("TRUNCATE runs, outbox CASCADE")
         conn.execute("VACUUM ANALYZE runs")
 
 
