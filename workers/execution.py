@@ -341,8 +341,9 @@ def _finish_failed(ctx: RunContext, error: dict, close) -> None:
     run_id = ctx.run_id
     if _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
             s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id)):
-        log.error("run %s: failed: %s: %s", run_id, error.get("code", error.get("type")),
-                  error.get("message"))
+        # The error's type, not its message: a message may quote the run's input
+        # (GET /v1/runs/<id> shows the whole error to the tenant).
+        log.error("run %s: failed: %s", run_id, error.get("code", error.get("type")))
     else:
         log.warning("run %s: claim lost before recording failure", run_id)
 

@@ -658,7 +658,7 @@ class Dispatcher:
                     output = self._call(ctx, act)
                 except Exception as err:  # noqa: BLE001 - recorded; the sequence continues
                     log.info("run %s: action %s/%s failed (not marker-bearing; continuing): %s",
-                             self.run.run_id, step.id, act.name, err)
+                             self.run.run_id, step.id, act.name, type(err).__name__)
                     entry.outcomes[act.position] = {"status": "failed",
                                                     "error": error_info(err)}
                     first_failure = first_failure or err
