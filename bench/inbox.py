@@ -193,7 +193,7 @@ def main() -> int:
                 "",
                 f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
                 f"Python {platform.python_version()}; embedded Postgres/Redis/noida-db broker; "
-                f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
+                f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
                 "(other sessions' tests and benchmarks may share the machine)",
                 "- API: gunicorn, 2 workers x 8 threads; workflow `noop`; no Celery workers "
                 "running (admission only)",

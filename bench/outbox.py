@@ -280,7 +280,7 @@ def main() -> int:
                 "",
                 f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
                 f"Python {platform.python_version()}; embedded Postgres and noida-db broker; "
-                f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after",
+                f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
                 f"- {events} events ({events // EVENTS_PER_RUN} runs x {EVENTS_PER_RUN}), "
                 f"{PARTITIONS} partitions, batch {BATCH}",
                 f"- relay (`python -m bridge.outbox`, clock from lock release to last mark): "
