@@ -38,11 +38,23 @@ def database_url(base_env) -> str:
     """Create ``poimen_test_<id>``, migrate it with ``flask db upgrade``, drop it after."""
     from app.config import database_url as to_sqlalchemy
 
+    saved = {name: os.environ.get(name)
+             for name in ("DATABASE_URL", "POIMEN_QUEUE", "POIMEN_WORKFLOW_MODULES")}
     with scratch_database(base_env["DATABASE_URL"], "poimen_test", base_env) as url:
         os.environ["DATABASE_URL"] = url
         os.environ["POIMEN_QUEUE"] = f"poimen-test-{make_url(url).database[-8:]}"
         os.environ.setdefault("POIMEN_WORKFLOW_MODULES", "tests.workflows")
-        yield to_sqlalchemy(url)
+        try:
+            yield to_sqlalchemy(url)
+        finally:
+            # Leave the environment as found: a second session in this process
+            # (mutation tools run pytest several times) must not inherit a
+            # dropped database.
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
