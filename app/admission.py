@@ -212,7 +212,6 @@ def admit_run(
         workflow_ref=workflow_ref,
         workflow_name=workflow.name,
         workflow_version=workflow.version,
-        input=input,
         goal_id=goal_id,
         dispatch_key=dispatch_key,
         origin=origin_value,

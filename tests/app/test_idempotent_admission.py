@@ -351,6 +351,24 @@ def test_admission_writes_its_event_in_the_same_transaction(client, tenant, pg):
     assert rows == [("run.admitted", tenant.id)]
 
 
+def test_a_new_run_stores_the_request_and_its_admitted_event_says_what_was_admitted(
+        client, tenant, pg):
+    body = {"workflow_ref": "echo", "input": {"k": [1, "two"]}, "goal_id": "goal-7",
+            "dispatch_key": "stored-1"}
+    created = client.post("/v1/runs", json=body,
+                          headers={**tenant.headers, "User-Agent": "poimen-test/1"})
+    assert created.status_code == 201
+    run_id = created.json["id"]
+    row = pg.execute("SELECT input, goal_id, dispatch_key, origin, origin_detail, workflow_ref "
+                     "FROM runs WHERE id = %s", [run_id]).fetchone()
+    assert row == ({"k": [1, "two"]}, "goal-7", "stored-1", "http", "poimen-test/1", "echo")
+    [(payload,)] = pg.execute("SELECT payload FROM outbox WHERE run_id = %s",
+                              [run_id]).fetchall()
+    # The documented shape (app/events.py): run_id and type, then this event's fields.
+    assert payload == {"run_id": run_id, "type": "run.admitted", "workflow_ref": "echo@1",
+                       "goal_id": "goal-7", "dispatch_key": "stored-1", "origin": "http"}
+
+
 def test_origin_records_the_http_layer(client, tenant, pg):
     run_id = post_run(client, tenant, workflow_ref="echo", input={}).json["id"]
     assert pg.execute("SELECT origin FROM runs WHERE id = %s", [run_id]).fetchone()[0] == "http"
