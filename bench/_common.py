@@ -204,6 +204,27 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / _CLOCK_TICKS
 
 
+def cpu_seconds_with_children(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` and its reaped children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def append_result(results: Path, section: str, lines: list[str]) -> None:
+    """Append one run to ``section`` of ``results`` (RESULTS.md), leaving others' alone."""
+    text = results.read_text() if results.exists() else "# Benchmark results\n"
+    entry = "\n".join(lines) + "\n"
+    start = text.find(section)
+    if start < 0:
+        text = text.rstrip("\n") + f"\n\n{section}\n\n{entry}"
+    else:
+        end = text.find("\n## ", start + len(section))
+        end = len(text) if end < 0 else end + 1
+        text = text[:end].rstrip("\n") + f"\n\n{entry}" + ("\n" + text[end:] if end < len(text)
+                                                           else "")
+    results.write_text(text)
+
+
 class CpuMeter:
     """CPU seconds spent by named groups of processes between ``start()`` and ``stop()``.
 

@@ -35,6 +35,7 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
 from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
 from poimen_dev.scratch import scratch_database  # noqa: E402
 from tests.processes import start_inbox, start_web  # noqa: E402
@@ -57,12 +58,6 @@ def credentials(env: dict[str, str]) -> tuple[str, str]:
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout.split()
     return out[-2], out[-1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by process ``pid`` and its reaped children."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def count_runs(url: str, tenant: str) -> int:
@@ -120,21 +115,6 @@ def publish(bootstrap: str, topic: str, n: int) -> None:
         raise RuntimeError("the broker did not acknowledge every dispatch message")
 
 
-def record(lines: list[str]) -> None:
-    """Append this run to the "Kafka inbox" section of RESULTS.md, leaving others' alone."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    entry = "\n".join(lines) + "\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{entry}"
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        end = len(text) if end < 0 else end + 1
-        text = text[:end].rstrip("\n") + f"\n\n{entry}" + ("\n" + text[end:] if end < len(text)
-                                                           else "")
-    RESULTS.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=10_000)
@@ -180,7 +160,7 @@ def main() -> int:
                 raise RuntimeError(f"only {done} of {n} runs after 600 s; logs in {logs}")
             time.sleep(0.1)
         inbox_s = time.monotonic() - started
-        relay_cpu = cpu_seconds(relay.pid)
+        relay_cpu = cpu_seconds_with_children(relay.pid)
         print(f"inbox relay, {PARTITIONS} partitions: {n} runs in {inbox_s:.1f}s "
               f"= {n / inbox_s:.0f} runs/s")
         ratio = direct_s / inbox_s
@@ -188,7 +168,7 @@ def main() -> int:
               f"{relay_cpu:.1f}s = {relay_cpu / n * 1000:.2f} ms/message")
         load_after = os.getloadavg()
         if not args.no_record:
-            record([
+            append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
                 f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "

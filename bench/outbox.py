@@ -39,6 +39,7 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
 from bridge.outbox import (  # noqa: E402
     MARK_SQL,
     OUTBOX_LOCK_KEY,
@@ -58,12 +59,6 @@ EVENTS_PER_RUN = 4
 TENANT = "bench"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by process ``pid`` and its reaped children."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def backends_cpu(conn: psycopg.Connection, application_like: str) -> float:
     """CPU seconds of the Postgres backends serving ``application_like`` (same machine)."""
     pids = [r[0] for r in conn.execute(
@@ -71,7 +66,7 @@ def backends_cpu(conn: psycopg.Connection, application_like: str) -> float:
     total = 0.0
     for pid in pids:
         with contextlib.suppress(OSError):
-            total += cpu_seconds(pid)
+            total += cpu_seconds_with_children(pid)
     return total
 
 
@@ -132,7 +127,7 @@ def measure_relay(env: dict[str, str], db: str, logs: Path, events: int) -> dict
                 if not relay.alive() or time.monotonic() > deadline:
                     raise RuntimeError(f"the relay did not start:\n{relay.log()[-3000:]}")
                 time.sleep(0.05)
-            relay_cpu0 = cpu_seconds(relay.pid)
+            relay_cpu0 = cpu_seconds_with_children(relay.pid)
             holder.execute("SELECT pg_advisory_unlock(%s, %s)",
                            [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY])
             started = time.monotonic()
@@ -143,7 +138,7 @@ def measure_relay(env: dict[str, str], db: str, logs: Path, events: int) -> dict
                     raise RuntimeError(f"{left} events unpublished after 600 s; logs in {logs}")
                 time.sleep(0.02)
             elapsed = time.monotonic() - started
-            relay_cpu = cpu_seconds(relay.pid) - relay_cpu0
+            relay_cpu = cpu_seconds_with_children(relay.pid) - relay_cpu0
             pg_cpu = backends_cpu(conn, "poimen-outbox/%")
         finally:
             relay.stop()
@@ -211,21 +206,6 @@ def measure_sql(db: str, events: int) -> dict[str, float]:
             "pg_cpu_ms": pg_cpu / events * 1000}
 
 
-def record(lines: list[str]) -> None:
-    """Append this run to the "Outbox relay" section of RESULTS.md, leaving others' alone."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    entry = "\n".join(lines) + "\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{entry}"
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        end = len(text) if end < 0 else end + 1
-        text = text[:end].rstrip("\n") + f"\n\n{entry}" + ("\n" + text[end:] if end < len(text)
-                                                           else "")
-    RESULTS.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=100_000)
@@ -275,7 +255,7 @@ def main() -> int:
               f"relay / slower baseline {relay['rate'] / slower:.2f} (target >= 0.5), "
               f"{relay['rate']:.0f} events/s (target >= 20000)")
         if not args.no_record:
-            record([
+            append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
                 f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from poimen_dev.platform import procfile_commands
 
@@ -179,3 +180,18 @@ def start_procfile_process(name: str, env: Mapping[str, str], log_dir: Path) -> 
     command = procfile_commands()[name]
     env = {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"}
     return Process(name, ["/bin/sh", "-c", f"exec {command}"], env, log_dir).start()
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Scrape a Prometheus endpoint into ``{(sample name, sorted labels): value}``."""
+    text = requests.get(url, timeout=5).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus endpoint (0 when absent)."""
+    return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import requests
 from confluent_kafka import Consumer, Producer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
 from tests.processes import (
     ROOT,
     Process,
     free_port,
+    metric,
+    metrics,
     start_inbox,
     start_kafka_broker,
     start_web,
@@ -136,20 +136,6 @@ def setup(test_env, make_tenant, web, tmp_path):
         relay.stop()
         # Shown by pytest when the test failed.
         print(f"--- {relay.name} ---\n{relay.log()[-6000:]}")
-
-
-def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    """Scrape a Prometheus endpoint into ``{(sample name, sorted labels): value}``."""
-    text = requests.get(url, timeout=5).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def metric_sum(url: str, name: str) -> float:

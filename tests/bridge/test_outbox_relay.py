@@ -26,7 +26,6 @@ import psycopg
 import pytest
 import requests
 from confluent_kafka import Consumer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
 from bridge.topics import declare_topics, events_topic
@@ -37,6 +36,7 @@ from tests.processes import (
     ROOT,
     Process,
     free_port,
+    metric,
     start_web,
     start_worker,
     wait_until,
@@ -47,20 +47,6 @@ SCHEMA = json.loads((ROOT / "docs" / "events.schema.json").read_text())
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    """Scrape a Prometheus endpoint into ``{(sample name, sorted labels): value}``."""
-    text = requests.get(url, timeout=5).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @dataclass
