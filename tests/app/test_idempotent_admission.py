@@ -155,6 +155,12 @@ def test_same_key_under_two_tenants_is_two_runs(client, db_session, make_tenant)
     rb = post_run(client, b, workflow_ref="echo", input={}, dispatch_key="shared")
     assert ra.status_code == rb.status_code == 201
     assert ra.json["id"] != rb.json["id"]
+    # Each tenant's replay finds its own run, never the other tenant's.
+    for creds, first in ((a, ra), (b, rb), (b, rb), (a, ra)):
+        again = post_run(client, creds, workflow_ref="echo", input={}, dispatch_key="shared")
+        assert again.status_code == 200
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json["id"] == first.json["id"]
     assert count_runs(pg, dispatch_key="shared") == 2
 
 
@@ -345,10 +351,34 @@ def test_the_message_names_the_run_and_workflow(client, tenant, redis_client, qu
 
 
 def test_admission_writes_its_event_in_the_same_transaction(client, tenant, pg):
-    run_id = post_run(client, tenant, workflow_ref="echo", input={}).json["id"]
-    rows = pg.execute("SELECT event_type, tenant_id FROM outbox WHERE run_id = %s",
-                      [run_id]).fetchall()
-    assert rows == [("run.admitted", tenant.id)]
+    def events(run_id):
+        return pg.execute("SELECT event_type, tenant_id FROM outbox WHERE run_id = %s",
+                          [run_id]).fetchall()
+
+    first = post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="evt")
+    run_id = first.json["id"]
+    assert events(run_id) == [("run.admitted", tenant.id)]
+    # A replay is not an admission: it writes no second event.
+    again = post_run(client, tenant, workflow_ref="echo", input={}, dispatch_key="evt")
+    assert again.status_code == 200 and again.json["id"] == run_id
+    assert events(run_id) == [("run.admitted", tenant.id)]
+
+    # The same transaction: when the event cannot be written, the run is not admitted
+    # either (a run committed on its own would exist here without its event).
+    pg.execute("CREATE FUNCTION test_refuse_outbox() RETURNS trigger LANGUAGE plpgsql AS "
+               "$$ BEGIN RAISE EXCEPTION 'the test refuses outbox writes'; END $$")
+    pg.execute("CREATE TRIGGER test_refuse_outbox BEFORE INSERT ON outbox "
+               "FOR EACH ROW EXECUTE FUNCTION test_refuse_outbox()")
+    try:
+        refused = post_run(client, tenant, workflow_ref="echo", input={},
+                           dispatch_key="no-event")
+        assert refused.status_code == 500
+        assert refused.json["error"]["code"] == "internal_error"
+    finally:
+        pg.execute("DROP TRIGGER test_refuse_outbox ON outbox")
+        pg.execute("DROP FUNCTION test_refuse_outbox()")
+    assert count_runs(pg, tenant.id, dispatch_key="no-event") == 0
+    assert count_runs(pg, tenant.id) == 1
 
 
 def test_a_new_run_stores_the_request_and_its_admitted_event_says_what_was_admitted(
