@@ -92,7 +92,16 @@ def _authenticate() -> Principal:
             "missing bearer token",
             headers={"WWW-Authenticate": 'Bearer realm="poimen"'},
         )
-    key = (hash_token(token.strip()), request.headers.get(TENANT_HEADER))
+    return principal_for(hash_token(token.strip()), request.headers.get(TENANT_HEADER))
+
+
+def principal_for(token_hash: str, acting_for: str | None = None) -> Principal:
+    """Return the principal of the token whose SHA-256 is ``token_hash``, or raise a 401.
+
+    The one token check: the API's bearer tokens and the console's session
+    (which keeps only the hash) both come through here, cache included.
+    """
+    key = (token_hash, acting_for)
     principal = _principals.get(key)
     if principal is None:
         principal = _lookup(*key)
