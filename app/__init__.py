@@ -24,6 +24,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
 
     from . import api, enqueue, health, metrics  # noqa: F401 - enqueue registers its hooks
     from .cli import register_cli
+    from .console import init_console
     from .errors import register_error_handlers
     from .extensions import db, migrate
 
@@ -48,6 +49,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
+    init_console(app)
     register_error_handlers(app)
     register_cli(app)
     return app

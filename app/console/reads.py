@@ -1,0 +1,65 @@
+"""What the console reads beyond ``app/runs.py``: each query scoped to one tenant.
+
+Runs themselves, their step entries and their children come from
+``app/runs.py`` (the API's reads); these are the few views only a person
+needs: counts by status, a run's events, the worker boot holding a run.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..liveness import boot_alive
+from ..models import OutboxEvent, Run, RunStatus, WorkerBoot
+
+# A run's events shown on its page; a run with more shows the first ones and says so.
+MAX_EVENTS = 500
+
+
+def status_counts(session: Session, tenant_id: int) -> dict[str, int]:
+    """Return ``tenant_id``'s runs per status, every status present (zero included)."""
+    counts = dict(session.execute(
+        select(Run.status, func.count()).where(Run.tenant_id == tenant_id).group_by(Run.status)
+    ).all())
+    return {status.value: counts.get(status.value, 0) for status in RunStatus}
+
+
+def run_events(session: Session, tenant_id: int, run_id: uuid.UUID,
+               limit: int = MAX_EVENTS) -> list[OutboxEvent]:
+    """Return ``run_id``'s events in the order they were written (the outbox id order).
+
+    Published rows older than the outbox retention are gone from the table
+    (``POIMEN_OUTBOX_RETENTION``); Kafka still has them.
+    """
+    return list(session.scalars(
+        select(OutboxEvent)
+        .where(OutboxEvent.tenant_id == tenant_id, OutboxEvent.run_id == run_id)
+        .order_by(OutboxEvent.id).limit(limit)
+    ))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The worker boot a run is claimed by, and whether it is alive now."""
+
+    boot_id: uuid.UUID
+    alive: bool
+    hostname: str | None = None
+    pid: int | None = None
+    started_at: datetime | None = None
+
+
+def run_holder(session: Session, run: Run) -> Holder | None:
+    """Return the boot holding ``run`` (None if unclaimed), live or dead by its lock."""
+    if run.claimed_by is None:
+        return None
+    boot = session.get(WorkerBoot, run.claimed_by)
+    alive = boot_alive(session, run.claimed_by)
+    if boot is None:
+        return Holder(run.claimed_by, alive)
+    return Holder(boot.boot_id, alive, boot.hostname, boot.pid, boot.started_at)
