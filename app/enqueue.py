@@ -29,6 +29,8 @@ from flask import current_app
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from workers import registry
+
 from .task_names import EXECUTE_RUN
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,21 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
         producer=producer,
         # Shown by Flower next to the task: which workflow this run is.
         shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
+        **_routing(workflow_ref),
     )
+
+
+def _routing(workflow_ref: str) -> dict:
+    """The workflow's queue, time limits and priority (``@workflow(queue=...)``), if set.
+
+    Every send (admission's sender, retries, repair, replays) goes through
+    ``_publish``, so a run's every message goes where its workflow says. A
+    version this process does not have (a rolling deploy) goes to the default queue.
+    """
+    try:
+        return registry.resolve(workflow_ref).send_options()
+    except registry.UnknownWorkflow:
+        return {}
 
 
 class Sender:

@@ -190,6 +190,13 @@ class Workflow:
     result: Callable[..., Any] | None = field(default=None, compare=False)
     # A loop that never ends fails the run instead of filling the ledger.
     max_entries: int = 1000
+    # Routing and limits, passed to Celery's send_task with every message of a
+    # run (``send_options``); not part of the definition's hash: moving a
+    # workflow to another queue changes no run's meaning.
+    queue: str | None = None
+    time_limit: float | None = None
+    soft_time_limit: float | None = None
+    priority: int | None = None
     definition_hash: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +221,12 @@ class Workflow:
 
     def has_step(self, step_id: str) -> bool:
         return any(step.id == step_id for step in self.steps)
+
+    def send_options(self) -> dict[str, Any]:
+        """The ``send_task`` options of this workflow's runs (only those that are set)."""
+        options = {"queue": self.queue, "time_limit": self.time_limit,
+                   "soft_time_limit": self.soft_time_limit, "priority": self.priority}
+        return {k: v for k, v in options.items() if v is not None}
 
     def retry_delay(self, attempt: int) -> float:
         """Return the delay before attempt ``attempt + 1`` (capped exponential)."""
@@ -254,6 +267,28 @@ def _validate(wf: Workflow) -> None:
             if target is not None and target not in ids:
                 raise InvalidDefinition(f"{wf.ref}: step {step.id!r} goes to unknown step "
                                         f"{target!r}")
+    _validate_routing(wf)
+
+
+QUEUE_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+
+
+def _validate_routing(wf: Workflow) -> None:
+    if wf.queue is not None and not QUEUE_PATTERN.match(wf.queue):
+        raise InvalidDefinition(f"{wf.ref}: invalid queue name {wf.queue!r}")
+    for name in ("time_limit", "soft_time_limit"):
+        value = getattr(wf, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise InvalidDefinition(f"{wf.ref}: {name} must be a positive number of seconds")
+    if (wf.time_limit is not None and wf.soft_time_limit is not None
+            and wf.soft_time_limit >= wf.time_limit):
+        raise InvalidDefinition(f"{wf.ref}: soft_time_limit must be below time_limit (the soft "
+                                "limit warns the workflow before the hard one kills it)")
+    if wf.priority is not None and (isinstance(wf.priority, bool)
+                                    or not isinstance(wf.priority, int)
+                                    or not 0 <= wf.priority <= 255):
+        raise InvalidDefinition(f"{wf.ref}: priority must be an integer from 0 to 255")
 
 
 def _hash(wf: Workflow) -> str:
@@ -279,11 +314,17 @@ def workflow(
     backoff_seconds: float = 1.0,
     backoff_max_seconds: float = 60.0,
     retry_on: Iterable[type[BaseException]] = (Exception,),
+    queue: str | None = None,
+    time_limit: float | None = None,
+    soft_time_limit: float | None = None,
+    priority: int | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated ``(ctx, input)`` function as workflow ``name@version``.
 
     Sugar for a workflow of one step (``main``) with one action at position 0
     that is not marker-bearing: a run lost mid-way starts it again from the top.
+    ``queue``, ``time_limit``, ``soft_time_limit`` and ``priority`` go to
+    Celery with every message of its runs (docs/celery.md).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
@@ -298,6 +339,10 @@ def workflow(
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
             retry_on=tuple(retry_on),
+            queue=queue,
+            time_limit=time_limit,
+            soft_time_limit=soft_time_limit,
+            priority=priority,
         ))
         return fn
 
