@@ -134,3 +134,37 @@ def register_cli(app: Flask) -> None:
         for name in names:
             for topic in tenant_topics(prefix, name):
                 click.echo(f"{topic}\t{'created' if topic in created else 'exists'}")
+
+    @topics.command("replay-dlq")
+    @click.option("--tenant", "tenant_name", required=True, help="The tenant whose DLQ to replay.")
+    @click.option("--reason", help="Only dead letters with this reason (poimen.dlq.reason).")
+    @click.option("--since", help="Only those dead-lettered since: ISO 8601 time, or an age "
+                                  "(30m, 2h, 7d).")
+    @click.option("--dry-run", is_flag=True, help="List what would be replayed; publish nothing.")
+    @_domain_errors
+    def topics_replay_dlq(tenant_name: str, reason: str | None, since: str | None,
+                          dry_run: bool):
+        """Re-publish a tenant's dead letters to its dispatch topic (safe to run twice).
+
+        A message keeps its dispatch key (a keyless one gets the key derived from
+        its origin), so replaying it again yields the same run, never a second.
+        """
+        from confluent_kafka import KafkaException
+
+        from bridge.dlq import REPLAY_GROUP, parse_since, replay_dead_letters
+        from bridge.kafka import client_settings
+        from bridge.topics import consumer_group, topic_prefix
+
+        tenant_service.find_tenant(tenant_name)
+        try:
+            when = parse_since(since) if since else None
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--since") from None
+        try:
+            report = replay_dead_letters(
+                client_settings(), topic_prefix(), tenant_name,
+                group=consumer_group(REPLAY_GROUP), reason=reason, since=when,
+                dry_run=dry_run, show=click.echo)
+        except (RuntimeError, TimeoutError, KafkaException) as err:
+            raise click.ClickException(str(err)) from err
+        click.echo(report.summary(dry_run))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 
 MAX_BODY_BYTES = 1024 * 1024
+REDIS_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+                   "none": ssl.CERT_NONE}
 
 
 def database_url(raw: str) -> str:
@@ -26,6 +29,26 @@ def libpq_url(raw: str) -> str:
 def broker_url(env: Mapping[str, str]) -> str:
     """Return the Celery broker URL: ``CELERY_BROKER_URL`` wins over ``REDIS_URL``."""
     return env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+
+
+def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict | None:
+    """Return the TLS options of a ``rediss://`` URL (None for ``redis://``).
+
+    The same dict is Celery's ``broker_use_ssl`` and redis-py's keyword
+    arguments (``redis.Redis.from_url(url, **options)``). Certificates are
+    verified unless ``POIMEN_REDIS_SSL_CERT_REQS`` says otherwise: Heroku Data for
+    Redis serves a self-signed certificate, so a Heroku app sets it to ``none``
+    (app.json does); ``POIMEN_REDIS_SSL_CA_CERTS`` names a CA bundle file instead.
+    """
+    if not url.startswith("rediss://"):
+        return None
+    reqs = env.get("POIMEN_REDIS_SSL_CERT_REQS", "").strip().lower() or "required"
+    if reqs not in REDIS_CERT_REQS:
+        raise ValueError(f"POIMEN_REDIS_SSL_CERT_REQS={reqs!r}: use required, optional or none")
+    options: dict = {"ssl_cert_reqs": REDIS_CERT_REQS[reqs]}
+    if env.get("POIMEN_REDIS_SSL_CA_CERTS", "").strip():
+        options["ssl_ca_certs"] = env["POIMEN_REDIS_SSL_CA_CERTS"].strip()
+    return options
 
 
 def load_config(env: Mapping[str, str] | None = None) -> dict:
@@ -51,6 +74,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             "isolation_level": "READ COMMITTED",
         },
         "CELERY_BROKER_URL": broker_url(env),
+        "CELERY_BROKER_USE_SSL": redis_ssl_options(broker_url(env), env),
         "POIMEN_WORKFLOW_MODULES": [
             m.strip() for m in env.get("POIMEN_WORKFLOW_MODULES", "").split(",") if m.strip()
         ],

@@ -26,8 +26,22 @@ TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
 def topic_prefix(env: Mapping[str, str] | None = None) -> str:
+    """Return the topic prefix: ``POIMEN_TOPIC_PREFIX`` (``poimen``) after Heroku's ``KAFKA_PREFIX``.
+
+    On Heroku's multi-tenant Kafka plans every topic name must start with
+    ``KAFKA_PREFIX`` (e.g. ``acme-42.``), so ``poimen.<tenant>.dispatch`` becomes
+    ``acme-42.poimen.<tenant>.dispatch``.
+    """
     env = os.environ if env is None else env
-    return env.get("POIMEN_TOPIC_PREFIX", "").strip() or DEFAULT_PREFIX
+    return (env.get("KAFKA_PREFIX", "").strip()
+            + (env.get("POIMEN_TOPIC_PREFIX", "").strip() or DEFAULT_PREFIX))
+
+
+def consumer_group(name: str, env: Mapping[str, str] | None = None) -> str:
+    """Return the consumer group ``name`` with Heroku's ``KAFKA_PREFIX`` in front (if set)."""
+    env = os.environ if env is None else env
+    prefix = env.get("KAFKA_PREFIX", "").strip()
+    return name if not prefix or name.startswith(prefix) else prefix + name
 
 
 def dispatch_topic(prefix: str, tenant: str) -> str:

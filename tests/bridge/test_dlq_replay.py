@@ -1,0 +1,132 @@
+"""DLQ replay over real processes (issue 14, Verify 5).
+
+A real broker, gunicorn serving the API, ``python -m bridge.inbox`` and the
+operator's command ``flask --app app topics replay-dlq`` as subprocesses. Three
+messages are dead-lettered for reasons an operator can fix: one names a workflow
+no process has registered yet (the API's 422), two trip a bug in the relay
+(``POIMEN_INBOX_TEST_RAISE_ON``: dead-lettered as ``internal_error`` after three
+tries), one of those without a ``dispatch_key``. The fix is deployed (a web
+process that registers the workflow, a relay without the bug), the DLQ is
+replayed: one run each. Replayed again: no new run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+from confluent_kafka import Producer
+
+from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
+from tests.processes import ROOT, metric, start_inbox, start_web, wait_until
+
+pytestmark = pytest.mark.slow
+
+BUG = "trips-the-relay-bug"
+
+
+def tenant_runs(pg, tenant: str) -> list[tuple[str, str]]:
+    return [tuple(r) for r in pg.execute(
+        "SELECT r.dispatch_key, r.workflow_ref FROM runs r JOIN tenants t ON t.id = r.tenant_id "
+        "WHERE t.name = %s ORDER BY r.dispatch_key", (tenant,)).fetchall()]
+
+
+def replay(env: dict, tenant: str, *extra: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "app", "topics", "replay-dlq",
+         "--tenant", tenant, *extra],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none(
+        test_env, make_tenant, pg, tmp_path):
+    service, tenant = make_tenant(service=True), make_tenant()
+    tag = uuid.uuid4().hex[:8]
+    late_flow = f"late-{tag}"
+    prefix = f"dlq{tag}"
+    bootstrap = test_env["KAFKA_BOOTSTRAP_SERVERS"]
+    env = {**test_env, "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"inbox-dlq-{tag}",
+           "POIMEN_API_TOKEN": service.token, "POIMEN_INBOX_BACKOFF_INITIAL": "0.2",
+           "POIMEN_INBOX_BACKOFF_MAX": "1", "POIMEN_INBOX_METADATA_REFRESH_MS": "1000"}
+    declare_topics(bootstrap, prefix, [tenant.name], 1)
+    started = []
+    try:
+        # Before the fix: a web process that does not know late_flow, a relay with a bug.
+        web, api = start_web(env, tmp_path, workers=1, threads=4, name="web-before")
+        started.append(web)
+        relay, relay_metrics = start_inbox({**env, "POIMEN_API_URL": api,
+                                            "POIMEN_INBOX_TEST_RAISE_ON": BUG}, tmp_path,
+                                           name="inbox-before")
+        started.append(relay)
+        producer = Producer({"bootstrap.servers": bootstrap})
+        for value in ({"workflow_ref": late_flow, "input": {"n": 1}, "dispatch_key": "late-1"},
+                      {"workflow_ref": "echo", "input": {"why": BUG}, "dispatch_key": "bug-1"},
+                      {"workflow_ref": "echo", "input": {"why": BUG}}):  # keyless
+            producer.produce(dispatch_topic(prefix, tenant.name), json.dumps(value).encode())
+        assert producer.flush(30) == 0
+        wait_until(lambda: sum(metric(relay_metrics, "poimen_inbox_dead_lettered_total",
+                                      reason=r) for r in ("http_422", "internal_error")) == 3,
+                   timeout=90, what="three messages dead-lettered")
+        assert metric(relay_metrics, "poimen_inbox_dead_lettered_total", reason="http_422") == 1
+        assert tenant_runs(pg, tenant.name) == []
+        relay.stop()
+        web.stop()
+
+        # A dry run lists the three and publishes nothing.
+        listing = replay(env, tenant.name, "--dry-run")
+        assert listing.count("-> replay") == 3, listing
+        assert "would replay 3 of 3" in listing, listing
+        assert "reason=http_422" in listing and listing.count("reason=internal_error") == 2
+
+        # The fix: the workflow is registered (a module the new web process loads),
+        # and the relay runs without the bug.
+        (tmp_path / f"late_flows_{tag}.py").write_text(textwrap.dedent(f"""
+            from workers.registry import workflow
+
+            @workflow({late_flow!r})
+            def late(ctx, input):
+                return input
+        """))
+        fixed = {**env, "PYTHONPATH": f"{ROOT}:{tmp_path}",
+                 "POIMEN_WORKFLOW_MODULES": f"tests.workflows,late_flows_{tag}"}
+        web, api = start_web(fixed, tmp_path, workers=1, threads=4, name="web-after")
+        started.append(web)
+        relay, relay_metrics = start_inbox({**fixed, "POIMEN_API_URL": api}, tmp_path,
+                                           name="inbox-after")
+        started.append(relay)
+
+        # --reason selects: only the 422 first.
+        out = replay(env, tenant.name, "--reason", "http_422")
+        assert "replayed 1 of 1" in out, out
+        wait_until(lambda: len(tenant_runs(pg, tenant.name)) == 1, timeout=60,
+                   what="the unknown-workflow message admitted after the fix")
+        out = replay(env, tenant.name, "--since", "1h")
+        assert "replayed 3 of 3" in out, out
+        wait_until(lambda: metric(relay_metrics, "poimen_inbox_admitted_total")
+                   + metric(relay_metrics, "poimen_inbox_replayed_total") == 4, timeout=60,
+                   what="the four replayed messages answered by the API")
+        rows = tenant_runs(pg, tenant.name)
+        derived = f"kafka:{dispatch_topic(prefix, tenant.name)}:0:2"
+        assert rows == sorted([("bug-1", "echo"), (derived, "echo"), ("late-1", late_flow)]), rows
+
+        # Replayed again: every message is admission's replay, no new run.
+        out = replay(env, tenant.name)
+        assert "replayed 3 of 3" in out, out
+        wait_until(lambda: metric(relay_metrics, "poimen_inbox_replayed_total") == 4, timeout=60,
+                   what="the second replay answered as replays")
+        assert metric(relay_metrics, "poimen_inbox_admitted_total") == 3
+        assert tenant_runs(pg, tenant.name) == rows
+        assert metric(relay_metrics, "poimen_inbox_dead_lettered_total", reason="http_422") == 0
+        # Nothing was dead-lettered again: the DLQ still holds the three originals.
+        from tests.bridge.test_inbox_relay import topic_end
+        assert topic_end(bootstrap, dead_letter_topic(prefix, tenant.name)) == [3]
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+            print(f"--- {proc.name} ---\n{proc.log()[-4000:]}")
