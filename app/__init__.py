@@ -72,6 +72,8 @@ def celery_init_app(app: Flask) -> Celery:
 
     celery_app = Celery(app.name, task_cls=FlaskTask)
     celery_app.config_from_object(celery_settings(app.config["CELERY_BROKER_URL"]))
+    if app.config.get("CELERY_BROKER_USE_SSL"):  # rediss:// (app/config.py: redis_ssl_options)
+        celery_app.conf.broker_use_ssl = app.config["CELERY_BROKER_USE_SSL"]
     celery_app.conf.update(
         include=["workers.tasks"],
         beat_schedule={
