@@ -24,7 +24,11 @@ services: install
 run: install
 	$(BIN)/poimen-dev run
 
+# The console's browser tests drive Debian's chromium; without it they skip (and say so).
 test: services
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
+		|| apt-get install -y chromium chromium-driver \
+		|| echo "make test: could not install chromium; tests/console will skip"
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The mutation gate: every named mutant of a core rule must be killed by its tests.
