@@ -58,8 +58,13 @@ def tenant_principal(token_hash: str) -> Principal:
     token (it acts for any tenant; the console shows one) or a scoped token
     that may not read runs.
     """
-    principal = principal_for(token_hash)
-    if principal.is_service:
+    try:
+        principal = principal_for(token_hash)
+    except ApiError as err:
+        if err.status == 401:
+            raise
+        principal = None  # a service token without a default tenant (tenant_required)
+    if principal is None or principal.is_service:
         raise ConsoleError(403, "service_token", "sign in with a tenant token, not a service token")
     if not principal.allows("read"):
         raise ConsoleError(403, "forbidden",

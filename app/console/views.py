@@ -41,8 +41,10 @@ from .session import (
     check_csrf,
     csrf_token,
     safe_next,
-    sign_in as start_session,
     signed_in,
+)
+from .session import (
+    sign_in as start_session,
 )
 
 log = logging.getLogger(__name__)
