@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: install run test mutations services down status lint bench clean
+.PHONY: install run test mutations services down status lint docs bench clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ bench: services
 
 lint: install
 	$(BIN)/ruff check .
+
+# docs/configuration.md, generated from app/settings_reference.py (the one list of variables).
+docs: install
+	$(BIN)/python -m app.settings_reference
 
 down:
 	$(BIN)/poimen-dev down
