@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -10,8 +12,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
+from celery.exceptions import Retry as CeleryRetry
 from flask import current_app
 from psycopg import Error as psycopg_errors
 from sqlalchemy import text
@@ -43,6 +47,25 @@ class ClaimReleased(RuntimeError):
     """The run failed before its workflow started and went back to ``queued``."""
 
 
+class RunEnding(enum.StrEnum):
+    """How one execution of a claimed run ended (what Celery is told: ``workers/tasks.py``)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    RETRYING = "retrying"  # queued again; its delayed message is sent
+    WAITING = "waiting"  # a join: the last child's finish re-queues it
+    RELEASED = "released"  # given back before its workflow started (a version it lacks)
+    LOST = "lost"  # the claim was lost: nothing of this execution was recorded
+
+
+@dataclass(frozen=True)
+class Ended:
+    status: RunEnding
+    code: str | None = None  # FAILED: the error's code (or type); never its message
+    delay: float | None = None  # RETRYING: seconds until the next attempt
+
+
 @dataclass
 class RunContext:
     """What a workflow function gets besides its input."""
@@ -53,6 +76,8 @@ class RunContext:
     workflow: registry.Workflow
     boot_id: uuid.UUID
     _cancelled: bool = field(default=False, repr=False)
+    # Workflow exceptions recorded before this attempt (a Celery task's self.request.retries).
+    failures: int = 0
 
     @property
     def cancelled(self) -> bool:
@@ -94,7 +119,10 @@ def boot_dsn() -> str:
 
 
 def execute_run(run_id: str) -> Claim:
-    """Execute run ``run_id`` if this delivery wins its claim; return the claim outcome."""
+    """Execute run ``run_id`` if this delivery wins its claim; return the claim outcome.
+
+    A claim that was executed carries how the execution ended (``claim.ended``).
+    """
     run_uuid = uuid.UUID(run_id)
     _watch_boots()
     claim = _claim(run_uuid)
@@ -109,7 +137,7 @@ def execute_run(run_id: str) -> Claim:
 
     boots.hold(run_uuid, claim.boot_id)
     try:
-        _run_claimed(claim)
+        ended = _run_claimed(claim)
     except ClaimReleased:
         raise
     except Exception:
@@ -125,7 +153,7 @@ def execute_run(run_id: str) -> Claim:
         raise
     finally:
         boots.let_go([run_uuid])
-    return claim
+    return dataclasses.replace(claim, ended=ended)
 
 
 def _claim(run_id: uuid.UUID) -> Claim:
@@ -263,7 +291,7 @@ def _requeued(row) -> bool:
     return row.status == RunStatus.QUEUED
 
 
-def _run_claimed(claim: Claim) -> None:
+def _run_claimed(claim: Claim) -> Ended:
     run_id = claim.run_id
     # Between the claim and user code: any failure releases the claim, scoped
     # to this boot, so the run goes back to queued rather than being stranded.
@@ -281,14 +309,15 @@ def _run_claimed(claim: Claim) -> None:
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
             send_run(current_app.extensions["celery"], run_id, ref, countdown=delay)
-        return
+            return Ended(RunEnding.RELEASED, delay=delay)
+        return Ended(RunEnding.LOST)
     except Exception as err:
         _rollback()
         released = _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued)
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
-                     _cancelled=row.cancel_requested)
+                     _cancelled=row.cancel_requested, failures=row.failures)
 
     # The ledger dispatcher executes the steps; the last entry is closed here,
     # in the transaction that finishes (or retries) the run.
@@ -296,17 +325,15 @@ def _run_claimed(claim: Claim) -> None:
     _rollback()
     if outcome.ending == ledger.Ending.WAITING:
         log.info("run %s: waiting for its children (attempt %s)", run_id, claim.attempt)
-        return
+        return Ended(RunEnding.WAITING)
     if outcome.ending == ledger.Ending.LOST:
         log.warning("run %s: claim lost while executing its steps; stopped", run_id)
-        return
+        return Ended(RunEnding.LOST)
     close = outcome.close
     if outcome.ending == ledger.Ending.FAILED:
         if outcome.exc is not None:
-            _record_failure(ctx, row.failures, outcome.exc, close, outcome.error)
-        else:
-            _finish_failed(ctx, outcome.error, close)
-        return
+            return _record_failure(ctx, row.failures, outcome.exc, close, outcome.error)
+        return _finish_failed(ctx, outcome.error, close)
 
     status = RunStatus.CANCELLED if ctx._cancelled else RunStatus.SUCCEEDED
     result = outcome.result
@@ -326,10 +353,13 @@ def _run_claimed(claim: Claim) -> None:
         finished = _record(run_id, lambda s, ours: _closed(s, ours, bare) and finish_run(
             s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id))
         status = RunStatus.FAILED
-    if finished:
-        log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
-    else:
+    if not finished:
         log.warning("run %s: claim lost before finishing; result discarded", run_id)
+        return Ended(RunEnding.LOST)
+    log.info("run %s: %s (attempt %s)", run_id, status, claim.attempt)
+    if status == RunStatus.FAILED:
+        return Ended(RunEnding.FAILED, code="result_not_storable")
+    return Ended(RunEnding(str(status)))
 
 
 def _closed(session: Session, ours: list[uuid.UUID], close) -> bool:
@@ -337,34 +367,48 @@ def _closed(session: Session, ours: list[uuid.UUID], close) -> bool:
     return close is None or close(session, ours)
 
 
-def _finish_failed(ctx: RunContext, error: dict, close) -> None:
+def _finish_failed(ctx: RunContext, error: dict, close) -> Ended:
     run_id = ctx.run_id
+    code = error.get("code", error.get("type"))
     if _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
             s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id)):
         # The error's type, not its message: a message may quote the run's input
         # (GET /v1/runs/<id> shows the whole error to the tenant).
-        log.error("run %s: failed: %s", run_id, error.get("code", error.get("type")))
-    else:
-        log.warning("run %s: claim lost before recording failure", run_id)
+        log.error("run %s: failed: %s", run_id, code)
+        return Ended(RunEnding.FAILED, code=code)
+    log.warning("run %s: claim lost before recording failure", run_id)
+    return Ended(RunEnding.LOST)
 
 
 def _record_failure(ctx: RunContext, failures: int, err: Exception, close=None,
-                    error: dict | None = None) -> None:
+                    error: dict | None = None) -> Ended:
     error = error or ledger.error_info(err)
     workflow = ctx.workflow
     run_id = ctx.run_id
     retryable = isinstance(err, workflow.retry_on) and failures + 1 < workflow.max_attempts
     if retryable:
-        delay = workflow.retry_delay(failures + 1)
+        delay = _retry_delay(workflow, failures, err)
         if _record(run_id, lambda s, ours: _closed(s, ours, close) and schedule_retry(
                 s, run_id, ours, delay=delay, error=error), _requeued):
             log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
             send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay)
-            return
+            return Ended(RunEnding.RETRYING, delay=delay)
         log.warning("run %s: claim lost before recording failure", run_id)
-        return
-    _finish_failed(ctx, error, close)
+        return Ended(RunEnding.LOST)
+    return _finish_failed(ctx, error, close)
+
+
+def _retry_delay(workflow: registry.Workflow, failures: int, err: Exception) -> float:
+    """The delay a Celery task's ``self.retry(countdown=..., eta=...)`` asked for, else
+    the workflow's capped exponential backoff."""
+    when = err.when if isinstance(err, CeleryRetry) else None
+    if isinstance(when, datetime):
+        now = datetime.now(when.tzinfo or UTC)
+        return max(0.0, (when - now).total_seconds())
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        return max(0.0, float(when))
+    return workflow.retry_delay(failures + 1)
 
 
 # -- a boot that lost its lock while this process executes runs under it --------------------

@@ -6,6 +6,7 @@ import logging
 
 from celery import current_app as current_celery_app
 from celery import shared_task
+from celery.exceptions import Retry
 from celery.signals import (
     task_postrun,
     task_prerun,
@@ -21,7 +22,7 @@ from app.liveness import prune_dead_boots
 from app.runs import redrive_stranded_runs
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 
-from . import shutdown
+from . import celery_native, shutdown
 from .boots import (
     LockKeyTaken,
     PooledLockConnection,
@@ -29,15 +30,28 @@ from .boots import (
     current_boot,
     end_current_boot,
 )
-from .execution import boot_dsn, execute_run
+from .execution import ClaimReleased, boot_dsn, execute_run
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name=EXECUTE_RUN)
-def execute(run_id: str) -> str:
-    """Execute run ``run_id`` (claims make duplicate deliveries do nothing)."""
-    return execute_run(run_id).outcome.value
+# Request: revoke/terminate cancel the run, a hard time limit fails it (celery_native).
+# throws: a failed run is FAILURE without a traceback in the log (it is the workflow's).
+@shared_task(name=EXECUTE_RUN, bind=True, Request="workers.celery_native:RunRequest",
+             throws=(celery_native.RunFailed,))
+def execute(self, run_id: str) -> str:
+    """Execute run ``run_id`` (claims make duplicate deliveries do nothing).
+
+    The task's state is the execution's (``celery_native.report``): SUCCESS
+    only for a run this delivery finished ``succeeded``.
+    """
+    try:
+        claim = execute_run(run_id)
+    except ClaimReleased:
+        # Back to queued before its workflow started; beat re-sends it.
+        raise Retry(f"run {run_id} released before start",
+                    exc=celery_native.RunRetrying("released before start")) from None
+    return celery_native.report(self, claim)
 
 
 @shared_task(name=REPAIR_RUNS)

@@ -1,0 +1,418 @@
+"""Celery's own tools keep their meaning for runs (``docs/celery.md``).
+
+* **States.** ``runs.execute`` ends its Celery task the way the run's
+  execution ended (:func:`report`): a run that succeeded is SUCCESS, one that
+  failed is FAILURE (after the failure is recorded; ``acks_late`` still acks),
+  a retry or a join's wait is RETRY (the run will be delivered again), a
+  cancelled run is REVOKED. A delivery that did no work (a duplicate, a run
+  already finished, not due yet) is ``Ignore``d: no SUCCESS for work not done.
+* **Controls.** ``celery control revoke <run id>`` cancels the run through the
+  API's cancel path (``app/runs.py: cancel_run``); ``--terminate`` records the
+  cancel first, then kills the pool process (SIGKILL for SIGTERM: a pool
+  process reads SIGTERM as a deploy's and protects its run), and the run ends
+  ``cancelled`` once its boot is dead, never resumed.
+* **Time limits.** A run past its workflow's hard ``time_limit`` is recorded
+  ``failed`` (``error.code = "time_limit"``) by the worker's main process
+  before Celery kills the pool process, so no takeover resumes it.
+* **Existing tasks as workflows.** :func:`workflow_from_task` (and the
+  :func:`task_workflow` decorator) register a Celery task as a one-step
+  workflow whose body runs under the run's claim with ``self.request.id`` =
+  the run id and ``self.retry`` mapped to the workflow's retry.
+
+The web process imports this module only through workflow modules that call
+:func:`workflow_from_task`, so its top level imports nothing of the execution.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import signal as signals_module
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery import signals
+from celery.exceptions import Ignore, Retry
+from celery.platforms import signals as platform_signals
+from celery.worker.request import Request
+from sqlalchemy import text
+
+from app.task_names import EXECUTE_RUN
+
+from .registry import REF_PATTERN, Action, InvalidDefinition, Step, Workflow, register
+
+log = logging.getLogger(__name__)
+
+
+class RunFailed(Exception):
+    """The run ended ``failed`` (its task ends in FAILURE); the message names the error code.
+
+    Only the code or type: an error's message may quote the run's input, and
+    Celery logs and broadcasts this exception.
+    """
+
+
+class RunRetrying(Exception):
+    """The run goes back to ``queued`` and will be delivered again (its task ends in RETRY)."""
+
+
+# -- what Celery is told -------------------------------------------------------------------------
+
+def report(task, claim) -> str:
+    """End ``runs.execute`` the way this delivery's execution of the run ended.
+
+    Return (SUCCESS) only for a run this delivery finished ``succeeded``; raise
+    for the rest (see the module's docstring).
+    """
+    from .execution import RunEnding
+
+    ended = claim.ended
+    if ended is None:
+        return _not_executed(task, claim)
+    if ended.status == RunEnding.SUCCEEDED:
+        return "succeeded"
+    if ended.status == RunEnding.FAILED:
+        raise RunFailed(f"run {claim.run_id} failed: {ended.code}")
+    if ended.status == RunEnding.CANCELLED:
+        _announce_cancelled(task)
+        raise Ignore()
+    if ended.status in (RunEnding.RETRYING, RunEnding.RELEASED, RunEnding.WAITING):
+        what = {RunEnding.RETRYING: "retrying", RunEnding.RELEASED: "released to another worker",
+                RunEnding.WAITING: "waiting for its children"}[ended.status]
+        raise Retry(f"run {claim.run_id} {what}", exc=RunRetrying(what), when=ended.delay)
+    raise Ignore()  # LOST: another worker holds the run; nothing of ours was recorded
+
+
+def _not_executed(task, claim) -> str:
+    from app.extensions import db
+
+    from .claims import ClaimOutcome
+
+    if claim.outcome == ClaimOutcome.FINISHED:
+        status, error = db.session.execute(
+            text("SELECT status, error FROM runs WHERE id = :run"), {"run": claim.run_id}
+        ).one()
+        db.session.rollback()
+        if status == "cancelled":
+            _announce_cancelled(task)
+        elif status == "failed" and claim.holder is not None:
+            # This delivery took over a dead worker's run and ended it (worker_lost).
+            raise RunFailed(f"run {claim.run_id} failed: {(error or {}).get('code')}")
+    raise Ignore()
+
+
+def _announce_cancelled(task) -> None:
+    # Celery's own revoke announces REVOKED; a run cancelled through the API
+    # says the same, so Flower shows cancelled runs as REVOKED.
+    try:
+        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+    except Exception:  # noqa: BLE001 - an event is a courtesy; the run is recorded
+        log.warning("could not send task-revoked for %s", task.request.id, exc_info=True)
+
+
+# -- revoke, terminate, hard time limits: in the worker's main process ---------------------------
+
+class RunRequest(Request):
+    """``runs.execute``'s request in the worker's main process (``Request=`` on the task)."""
+
+    def terminate(self, pool, signal=None):
+        signum = platform_signals.signum(signal or "TERM")
+        if self.time_start:
+            # Cancel first: once the pool process is dead its boot is too, and a
+            # takeover must find cancel_requested and end the run, not resume it.
+            _cancel(self.task.app.flask_app, self.id)
+            if signum == signals_module.SIGTERM:
+                # A pool process protects its run from SIGTERM for the shutdown
+                # grace (a deploy, workers/shutdown.py) and would then die with
+                # whatever it runs next. --terminate means stop this run now.
+                log.warning("run %s: terminate with SIGTERM; killing pool process %s with "
+                            "SIGKILL (pool processes hold SIGTERM for deploys)", self.id,
+                            self.worker_pid)
+                signum = signals_module.SIGKILL
+        return super().terminate(pool, signum)
+
+    def on_timeout(self, soft, timeout):
+        if not soft and self.worker_pid:
+            # Before Celery kills the pool process: a dead boot's run would be taken
+            # over and resumed; a failed one never is.
+            _record_time_limit(self.task.app.flask_app, self.id, self.worker_pid, timeout)
+        return super().on_timeout(soft, timeout)
+
+
+@signals.task_revoked.connect
+def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=False, **_):
+    """``celery control revoke <run id>``: cancel the run (the API's cancel path)."""
+    if sender is None or getattr(sender, "name", None) != EXECUTE_RUN or request is None:
+        return
+    if expired:
+        return  # runs' messages carry no expiry; not an operator's revoke
+    flask_app = sender.app.flask_app
+    run_id = request.id
+    if _cancel(flask_app, run_id) == "running" and terminated:
+        threading.Thread(target=_end_when_holder_dead, args=(flask_app, run_id),
+                         name=f"poimen-revoke-{run_id}", daemon=True).start()
+
+
+def _cancel(flask_app, run_id: str) -> str | None:
+    """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
+    from app.extensions import db
+    from app.runs import cancel_run
+
+    try:
+        run_uuid = uuid.UUID(run_id)
+    except (TypeError, ValueError):
+        return None
+    with flask_app.app_context():
+        try:
+            tenant_id = db.session.execute(text("SELECT tenant_id FROM runs WHERE id = :run"),
+                                           {"run": run_uuid}).scalar_one_or_none()
+            if tenant_id is None:
+                db.session.rollback()
+                return None
+            row = cancel_run(db.session, tenant_id, run_uuid)
+            ended = _end_abandoned(db.session, run_uuid)
+            db.session.commit()
+        except Exception:  # noqa: BLE001 - the revoke stands; repair and the API remain
+            db.session.rollback()
+            log.exception("run %s: revoked, but its cancel could not be recorded", run_id)
+            return None
+        finally:
+            db.session.remove()
+    status = "cancelled" if ended else (row.status if row is not None else None)
+    log.info("run %s: revoked through Celery; %s", run_id,
+             "cancel requested" if status == "running" else status or "already finished")
+    return status
+
+
+def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None:
+    """After a terminate: end the run ``cancelled`` as soon as its pool process's boot is dead.
+
+    Every message of a revoked id is dropped by the workers that got the
+    revoke, so no takeover may ever come; this is its stand-in.
+    """
+    from app.extensions import db
+
+    run_uuid = uuid.UUID(run_id)
+    deadline = time.monotonic() + timeout
+    with flask_app.app_context():
+        while time.monotonic() < deadline:
+            try:
+                if _end_abandoned(db.session, run_uuid):
+                    db.session.commit()
+                    log.info("run %s: cancelled (its terminated process is gone)", run_id)
+                    return
+                status = db.session.execute(_STATUS, {"run": run_uuid}).scalar_one_or_none()
+                db.session.rollback()
+                if status != "running":
+                    return  # it ended where it ran (a checkpoint saw the cancel)
+            except Exception:  # noqa: BLE001 - keep trying until the deadline
+                db.session.rollback()
+            finally:
+                db.session.remove()
+            time.sleep(0.2)
+    log.warning("run %s: still running %ss after terminate; left to repair", run_id, timeout)
+
+
+def _end_abandoned(session, run_id: uuid.UUID) -> bool:
+    from app.runs import send_woken
+
+    row = session.execute(_END_ABANDONED(), {"run": run_id}).one_or_none()
+    send_woken(session, row)
+    return row is not None
+
+
+def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None:
+    import json
+
+    from app.extensions import db
+    from app.runs import send_woken
+
+    error = {"code": "time_limit", "type": "poimen.TimeLimitExceeded",
+             "message": f"the run exceeded its hard time limit ({timeout:g}s); its worker "
+                        "process was killed and the run is not resumed",
+             "traceback": ""}
+    try:
+        run_uuid = uuid.UUID(run_id)
+        with flask_app.app_context():
+            try:
+                row = db.session.execute(_TIME_LIMIT(), {
+                    "run": run_uuid, "pid": pid, "host": socket.gethostname()[:255],
+                    "error": json.dumps(error)}).one_or_none()
+                send_woken(db.session, row)
+                db.session.commit()
+            finally:
+                db.session.remove()
+    except Exception:  # noqa: BLE001 - the process is killed anyway; takeover would resume it
+        log.exception("run %s: hard time limit; could not record its failure", run_id)
+        return
+    if row is not None:
+        log.error("run %s: failed: time_limit (%gs)", run_id, timeout)
+
+
+# The statements build lazily: app.runs (JOIN_RELEASE) is not imported at this
+# module's import, which the web process may do through a workflow module.
+_STATUS = text("SELECT status FROM runs WHERE id = :run")
+
+
+class _Lazy:
+    def __init__(self, build: Callable[[], Any]):
+        self.build, self.value = build, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.build()
+        return self.value
+
+
+def _build_end_abandoned():
+    from app.events import with_event
+    from app.liveness import LIVE_BOOTS_SQL
+    from app.runs import JOIN_RELEASE, WITH_WOKEN
+
+    # A run whose cancel was requested and whose holder is dead ends cancelled,
+    # as a takeover would end it (workers/claims.py: _TAKE_OVER). Conditional on
+    # both, so it races a takeover or the run's own finish safely: one wins.
+    return with_event(
+        f"""
+        UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
+         WHERE id = :run AND status = 'running' AND cancel_requested
+           AND claimed_by NOT IN ({LIVE_BOOTS_SQL})
+        """,
+        "id, tenant_id, status, attempt",
+        "'run.cancelled'",
+        "jsonb_build_object('attempt', attempt)",
+        then=JOIN_RELEASE,
+        select=WITH_WOKEN,
+    )
+
+
+def _build_time_limit():
+    from app.events import with_event
+    from app.runs import JOIN_RELEASE, WITH_WOKEN
+
+    # Only the run held by the very pool process Celery is about to kill (its
+    # boots are this host's with its pid), and only while it runs there.
+    return with_event(
+        """
+        UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
+               failures = failures + 1, finished_at = now(), updated_at = now()
+         WHERE id = :run AND status = 'running'
+           AND claimed_by IN (SELECT boot_id FROM worker_boots
+                               WHERE hostname = :host AND pid = :pid)
+        """,
+        "id, tenant_id, status, attempt, error",
+        "'run.failed'",
+        "jsonb_build_object('attempt', attempt, 'error', error)",
+        then=JOIN_RELEASE,
+        select=WITH_WOKEN,
+    )
+
+
+_END_ABANDONED = _Lazy(_build_end_abandoned)
+_TIME_LIMIT = _Lazy(_build_time_limit)
+
+
+# -- existing Celery tasks as workflows ----------------------------------------------------------
+
+class TaskBody:
+    """The action of a task workflow: the task's own function, called under the run's claim.
+
+    ``self.request`` (for ``bind=True`` tasks) is a request whose ``id`` is the
+    run id and ``retries`` the run's recorded failures; ``self.retry(...)``
+    raises Celery's ``Retry`` without sending anything, and the run is retried
+    by Poimen (``workers/execution.py``) after the countdown it asked for.
+    The run's input (a JSON object) is the task's keyword arguments.
+    """
+
+    def __init__(self, task_name: str):
+        self.task_name = task_name
+        # The definition hash names the task (workers/registry.py: _callable_name).
+        self.__module__ = "celery.task"
+        self.__qualname__ = task_name
+        self.__name__ = task_name
+
+    def __call__(self, ctx, input: dict) -> Any:
+        from flask import current_app
+
+        task = current_app.extensions["celery"].tasks[self.task_name]
+        run = getattr(ctx, "_run", ctx)  # the ledger's StepContext wraps the RunContext
+        task.push_request(
+            id=str(ctx.run_id), task=task.name, retries=getattr(run, "failures", 0),
+            args=[], kwargs=dict(input), called_directly=False,
+            # "eager": self.retry() raises Retry instead of publishing a message;
+            # the run's retry is Poimen's, with the run's claim and backoff.
+            is_eager=True, delivery_info={"is_eager": True}, hostname=socket.gethostname(),
+            root_id=str(ctx.run_id), parent_id=None, group=None, chord=None, callbacks=None,
+            errbacks=None, chain=None, ignore_result=True,
+        )
+        try:
+            return task.run(**input)
+        finally:
+            task.pop_request()
+
+
+def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None,
+                       max_takeovers: int = 5, queue: str | None = None,
+                       time_limit: float | None = None, soft_time_limit: float | None = None,
+                       priority: int | None = None) -> Workflow:
+    """Register the Celery task ``task`` (a task, or its name) as a one-step workflow.
+
+    The workflow is named after the task (``name`` to choose another) and
+    executes the task's own function in the run's worker, under the run's
+    claim; the run's input is its keyword arguments. Retries are the task's:
+    ``self.retry(countdown=..., max_retries=...)`` and ``autoretry_for`` retry
+    the run (Celery's ``max_retries`` decides when to stop); any other
+    exception fails it. ``time_limit`` and ``soft_time_limit`` default to the
+    task's own. See docs/celery.md for what does not carry over.
+    """
+    celery_task = _resolve_task(task) if isinstance(task, str) else task
+    task_name = celery_task.name
+    return register(Workflow(
+        name=name or task_name,
+        version=version,
+        steps=[Step("main", actions=[Action(position=0, name="task", kind="call",
+                                            fn=TaskBody(task_name))])],
+        # Celery's retry() enforces max_retries itself (it raises the task's
+        # exception once they are used up), so the workflow does not count.
+        max_attempts=2**31 - 1,
+        max_takeovers=max(0, max_takeovers),
+        retry_on=(Retry,),
+        queue=queue,
+        time_limit=time_limit if time_limit is not None else getattr(celery_task, "time_limit",
+                                                                     None),
+        soft_time_limit=(soft_time_limit if soft_time_limit is not None
+                         else getattr(celery_task, "soft_time_limit", None)),
+        priority=priority,
+    ))
+
+
+def task_workflow(version: str = "1", **options: Any) -> Callable[[Any], Any]:
+    """Decorator form of :func:`workflow_from_task`, above ``@shared_task`` / ``@app.task``."""
+
+    def decorate(task: Any) -> Any:
+        workflow_from_task(task, version, **options)
+        return task
+
+    return decorate
+
+
+def _resolve_task(ref: str):
+    """The task named ``ref`` (a registered task name, or ``module.attribute``)."""
+    from celery import current_app as celery_app
+
+    if not REF_PATTERN.match(ref):
+        raise InvalidDefinition(f"malformed task name {ref!r}")
+    tasks = celery_app.tasks
+    if ref in tasks:
+        return tasks[ref]
+    module_name, _, attribute = ref.rpartition(".")
+    if not module_name:
+        raise InvalidDefinition(f"no Celery task named {ref!r}")
+    found = getattr(importlib.import_module(module_name), attribute, None)
+    if found is None or not hasattr(found, "run"):
+        raise InvalidDefinition(f"no Celery task named {ref!r}")
+    return found
