@@ -271,4 +271,16 @@ MUTANTS: list[Mutant] = [
         ("tests/bridge/test_outbox_relay.py::"
          "test_rows_of_younger_transactions_wait_for_an_older_open_one",),
     ),
+    # -- the Python client --------------------------------------------------------------------
+    Mutant(
+        "client_retries_without_a_key",
+        "every attempt of one admit() carries one dispatch_key, generated when the caller gave none",
+        "bridge/client.py",
+        '        request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),\n'
+        '                                   "dispatch_key": key}\n',
+        '        request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),\n'
+        '                                   "dispatch_key": dispatch_key}\n',
+        ("tests/bridge/test_client.py::"
+         "test_twenty_threads_through_a_dropping_proxy_admit_exactly_one_run_per_call",),
+    ),
 ]
