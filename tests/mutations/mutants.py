@@ -271,6 +271,26 @@ MUTANTS: list[Mutant] = [
         ("tests/bridge/test_outbox_relay.py::"
          "test_rows_of_younger_transactions_wait_for_an_older_open_one",),
     ),
+    # -- the console ---------------------------------------------------------------------------
+    Mutant(
+        "console_redrive_without_derived_key",
+        "a re-drive of a failed run is one admission: its dispatch key derives from that run",
+        "app/console/views.py",
+        "dispatch_key=redrive_key(run.id),",
+        "dispatch_key=None,",
+        ("tests/console/test_console.py::"
+         "test_redrive_of_a_failed_run_clicked_twice_at_once_is_one_new_run",),
+    ),
+    Mutant(
+        "console_post_without_csrf_check",
+        "every console POST carries the session's CSRF token",
+        "app/console/views.py",
+        "    if request.method == \"POST\":\n        check_csrf()\n",
+        "    pass\n",
+        ("tests/console/test_console.py::"
+         "test_a_post_without_the_csrf_token_is_refused_and_changes_nothing",),
+        ci=False,
+    ),
     # -- the Python client --------------------------------------------------------------------
     Mutant(
         "client_retries_without_a_key",
