@@ -7,7 +7,6 @@ process, the workers, beat and Flower share one wiring.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
     from workers import registry
 
-    from . import api, enqueue, health, metrics  # noqa: F401 - enqueue registers its hooks
+    from . import api, enqueue, health, logs, metrics  # noqa: F401 - enqueue registers its hooks
     from .cli import register_cli
     from .console import init_console
     from .errors import register_error_handlers
@@ -38,8 +37,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
             "`eval \"$(.venv/bin/poimen-dev env)\"` to point at the embedded services."
         )
     app.json.sort_keys = False
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.init_app(app)
 
     db.init_app(app)
     migrate.init_app(app, db, directory=str(Path(__file__).resolve().parent.parent / "migrations"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -14,7 +15,7 @@ from sqlalchemy import exc as sa_exc
 
 from workers import registry
 
-from . import metrics
+from . import logs, metrics
 from . import runs as run_service
 from .admission import (
     AdmissionConflict,
@@ -162,7 +163,9 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
 @bp.post("/runs")
 @require_token(ADMIT)
 def create_run():
+    started = time.perf_counter()
     fields = validate_run_request(_json_body())
+    logs.note(dispatch_key=fields.get("dispatch_key"))
     principal = g.principal
     try:
         admission = admit_run(
@@ -197,6 +200,8 @@ def create_run():
     body = serialize_run(admission.run, principal.tenant_name)
     location = url_for("v1.get_run", run_id=admission.run.id)
     db.session.commit()
+    metrics.ADMISSION_SECONDS.labels("http").observe(time.perf_counter() - started)
+    logs.note(run_id=admission.run.id)
     if admission.created:
         metrics.ADMISSIONS.labels("http", "created").inc()
         response = _json(body, 201)

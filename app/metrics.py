@@ -1,66 +1,164 @@
-"""Prometheus metrics of the web process, served at ``/metrics`` to its scraper only.
+"""Prometheus metrics: what each process counts, and the global gauges beat alone exports.
 
-Counters are per process; with several gunicorn workers set
-``PROMETHEUS_MULTIPROC_DIR`` so they are aggregated (prometheus_client's
-multiprocess mode). Run-state gauges are read from the database at scrape time
-(at most once per ``POIMEN_METRICS_CACHE_SECONDS`` per process), so they are
-right whichever process answers.
+Every metric and the process that exports it: ``docs/metrics.md``.
+
+* Counters and histograms are per process and add up across processes:
+  ``web`` runs gunicorn in prometheus_client's multiprocess mode
+  (``gunicorn.conf.py`` prepares ``PROMETHEUS_MULTIPROC_DIR``), so
+  ``/metrics`` sums every gunicorn worker; the Celery worker does the same for
+  its pool processes (``workers/metrics.py``).
+* Global gauges (runs by status, live worker boots, outbox lag, queue depth)
+  are facts of the database and the broker, not of a process. Exported by
+  every web and worker instance they were counted once per instance; now only
+  ``beat`` exports them (there is exactly one beat), read at scrape time at
+  most once per ``POIMEN_METRICS_CACHE_SECONDS``.
 
 ``/metrics`` shares the public web port with the API and shows every tenant's
 counts, so it answers only ``Authorization: Bearer $POIMEN_METRICS_TOKEN``
 (401 without a bearer token, 403 with another one). Without that setting the
 web process does not serve it at all: 404.
+
+All metrics here are labelled, so their values are created on first use: a
+process that switches to multiprocess mode after importing this module (the
+Celery worker, see ``workers/metrics.py``) still counts in shared files.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from . import runs
 from .errors import ApiError
-from .events import outbox_lag
-from .extensions import db
+
+# Admission takes milliseconds; a run's queue wait and duration span seconds to hours.
+FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RUN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+               3600.0, 14400.0)
 
 ADMISSIONS = Counter(
     "poimen_admissions_total",
     "Admission calls by origin and outcome (created, replayed, conflict).",
     ["origin", "outcome"],
 )
+ADMISSION_SECONDS = Histogram(
+    "poimen_admission_seconds",
+    "Time to admit a run (insert or replay, its event, the commit), by origin.",
+    ["origin"], buckets=FAST_BUCKETS,
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "poimen_run_queue_wait_seconds",
+    "From a run's admission to its first start (database clock), by workflow.",
+    ["workflow"], buckets=RUN_BUCKETS,
+)
+RUN_DURATION_SECONDS = Histogram(
+    "poimen_run_duration_seconds",
+    "One execution of a run: from a worker's claim to its recorded outcome (finished, "
+    "retrying, waiting for children), by workflow.",
+    ["workflow"], buckets=RUN_BUCKETS,
+)
+CLAIMS = Counter(
+    "poimen_claims_total",
+    "Deliveries of runs to workers by claim outcome (claimed, taken_over, duplicate, "
+    "finished, waiting, not_due, missing, claimer_dead).",
+    ["outcome"],
+)
+REPAIRS = Counter(
+    "poimen_repairs_total",
+    "Runs repair re-sent, by reason (dead_boot: held by a dead worker; queued: "
+    "queued and last sent over POIMEN_REPAIR_MIN_AGE ago).",
+    ["reason"],
+)
 
 bp = Blueprint("metrics", __name__)
+log = logging.getLogger(__name__)
 
 
 class GaugeCache:
-    """The database gauges' text, re-read at most once per ``ttl`` seconds.
+    """A value re-read at most once per ``ttl`` seconds.
 
     A scrape used to count the runs table and the outbox every time; anyone
-    polling ``/metrics`` could make the database do that in a loop. The lock
-    makes concurrent scrapes wait for one read instead of each doing their own.
+    polling could make the database do that in a loop. The lock makes
+    concurrent scrapes wait for one read instead of each doing their own.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._read_at = -math.inf
-        self._text = ""
+        self._value = None
 
-    def get(self, ttl: float, read) -> str:
+    def get(self, ttl: float, read):
         with self._lock:
             if time.monotonic() - self._read_at >= ttl:
-                self._text = read()
+                self._value = read()
                 self._read_at = time.monotonic()
-            return self._text
+            return self._value
+
+
+class GlobalGauges:
+    """The global gauges, read from the database (and the broker) at scrape time.
+
+    A prometheus_client collector for the one process that exports them
+    (``beat``). ``queue_depths()`` returns ``{queue: messages waiting}``.
+    """
+
+    def __init__(self, flask_app: Flask,
+                 queue_depths: Callable[[], Mapping[str, int]] | None = None) -> None:
+        self.flask_app = flask_app
+        self.queue_depths = queue_depths
+        self.cache = GaugeCache()
+
+    def collect(self) -> Iterable[Metric]:
+        ttl = self.flask_app.config.get("POIMEN_METRICS_CACHE_SECONDS", 5.0)
+        try:
+            yield from self.cache.get(ttl, self.read)
+        except Exception:  # noqa: BLE001 - the database is away: scrape says so by absence
+            log.warning("global gauges not read", exc_info=True)
+
+    def read(self) -> list[Metric]:
+        from .events import outbox_lag
+        from .extensions import db
+        from .liveness import live_boot_count
+        from .runs import status_counts
+
+        runs = GaugeMetricFamily("poimen_runs", "Runs by status (all tenants).",
+                                 labels=["status"])
+        boots = GaugeMetricFamily("poimen_live_boots",
+                                  "Worker boots (pool processes) holding their liveness lock.")
+        pending = GaugeMetricFamily("poimen_outbox_unpublished",
+                                    "Outbox events not yet published (all tenants).")
+        oldest = GaugeMetricFamily("poimen_outbox_unpublished_age_seconds",
+                                   "Age of the oldest unpublished outbox event.")
+        depth = GaugeMetricFamily("poimen_queue_depth", "Messages waiting in the Celery queue.",
+                                  labels=["queue"])
+        with self.flask_app.app_context():
+            try:
+                for status, count in status_counts(db.session).items():
+                    runs.add_metric([status], count)
+                boots.add_metric([], live_boot_count(db.session))
+                unpublished, age = outbox_lag(db.session)
+                pending.add_metric([], unpublished)
+                oldest.add_metric([], age)
+            finally:
+                db.session.remove()
+        if self.queue_depths is not None:
+            for queue, count in self.queue_depths().items():
+                depth.add_metric([queue], count)
+        return [runs, boots, pending, oldest, depth]
 
 
 @bp.record_once
@@ -70,39 +168,23 @@ def _settings(state) -> None:
     config.setdefault("POIMEN_METRICS_TOKEN", os.environ.get("POIMEN_METRICS_TOKEN") or None)
     config.setdefault("POIMEN_METRICS_CACHE_SECONDS",
                       float(os.environ.get("POIMEN_METRICS_CACHE_SECONDS", "5")))
-    state.app.extensions["poimen_metrics_gauges"] = GaugeCache()
+
+
+def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
+    """A registry that sums the values every process wrote under ``path``."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    return registry
 
 
 def _registry() -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-        return registry
+        return multiprocess_registry()
     from prometheus_client import REGISTRY
 
     return REGISTRY
-
-
-def _read_run_gauges() -> str:
-    lines = [
-        "# HELP poimen_runs Runs by status.",
-        "# TYPE poimen_runs gauge",
-    ]
-    for status, count in runs.status_counts(db.session).items():
-        lines.append(f'poimen_runs{{status="{status}"}} {count}')
-    pending, oldest = outbox_lag(db.session)
-    lines += [
-        "# HELP poimen_outbox_unpublished Outbox events not yet published.",
-        "# TYPE poimen_outbox_unpublished gauge",
-        f"poimen_outbox_unpublished {pending}",
-        "# HELP poimen_outbox_oldest_age_seconds Age of the oldest unpublished event.",
-        "# TYPE poimen_outbox_oldest_age_seconds gauge",
-        f"poimen_outbox_oldest_age_seconds {oldest}",
-    ]
-    db.session.rollback()
-    return "\n".join(lines) + "\n"
 
 
 def _require_metrics_token() -> None:
@@ -120,7 +202,4 @@ def _require_metrics_token() -> None:
 @bp.get("/metrics")
 def metrics():
     _require_metrics_token()
-    gauges = current_app.extensions["poimen_metrics_gauges"].get(
-        current_app.config["POIMEN_METRICS_CACHE_SECONDS"], _read_run_gauges)
-    body = generate_latest(_registry()).decode() + gauges
-    return Response(body, mimetype=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_registry()), mimetype=CONTENT_TYPE_LATEST)

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import Row, and_, func, or_, select, text
 from sqlalchemy.orm import Session
 
+from . import metrics
 from .enqueue import enqueue_after_commit, send_run
 from .events import outbox_rows, with_event
 from .liveness import LIVE_BOOTS_SQL
@@ -338,6 +339,8 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
                          countdown=takeover_delay or None)
     for row in queued:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+    metrics.REPAIRS.labels("dead_boot").inc(len(dead))
+    metrics.REPAIRS.labels("queued").inc(len(queued))
     if dead or queued:
         log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depth %s)",
                  sent, len(queued), len(dead), depth)

@@ -51,6 +51,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+import logconfig
+
 from .client import Transport, TransportError, TransportTimeout
 from .inbox_faults import (
     DETAIL_CHARS,
@@ -683,7 +685,9 @@ class Inbox:
                     while work.tasks < window and work.waiting > unclaimed:
                         work.tasks += 1
                         unclaimed += 1
-                        self._pool.submit(self._drain, work)
+                        # Its records carry the tenant (LOG_FORMAT=json: a field).
+                        self._pool.submit(logconfig.run_with, self._drain, work,
+                                          tenant=work.tenant)
                 if work.should_pause(self.config.max_buffered, over_budget):
                     work.paused = True
                     pause.append(work.tp)

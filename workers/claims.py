@@ -73,7 +73,9 @@ _RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, 
 _ATTEMPT = "jsonb_build_object('attempt', attempt)"
 # A claim also returns the pinned definition hash and the run's latest step
 # entry (the ledger resumes from it), so starting a run costs no extra read.
-_CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, (SELECT to_jsonb(e) FROM step_entries e " \
+# created_at and started_at give the queue wait (poimen_run_queue_wait_seconds).
+_CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, created_at, started_at, " \
+    "(SELECT to_jsonb(e) FROM step_entries e " \
     "WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry"
 
 # Liveness is part of every claim: the claiming boot must hold its lock *in

@@ -25,7 +25,10 @@ from sqlalchemy.orm import Session
 from app.config import libpq_url
 from app.enqueue import send_run
 from app.extensions import db
+from app.logs import note_tenant
+from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
 from app.models import TERMINAL_STATUSES, RunStatus
+from logconfig import quiet_traceback
 
 from . import boots, ledger, registry
 from .boots import current_boot, end_current_boot
@@ -126,6 +129,7 @@ def execute_run(run_id: str) -> Claim:
     run_uuid = uuid.UUID(run_id)
     _watch_boots()
     claim = _claim(run_uuid)
+    observe_claim(claim)
     if not claim.outcome.execute:
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
@@ -136,6 +140,7 @@ def execute_run(run_id: str) -> Claim:
                     claim.attempt)
 
     boots.hold(run_uuid, claim.boot_id)
+    started = time.monotonic()
     try:
         ended = _run_claimed(claim)
     except ClaimReleased:
@@ -152,8 +157,23 @@ def execute_run(run_id: str) -> Claim:
         end_current_boot()
         raise
     finally:
+        RUN_DURATION_SECONDS.labels(claim.run.workflow_name).observe(
+            time.monotonic() - started)
         boots.let_go([run_uuid])
     return dataclasses.replace(claim, ended=ended)
+
+
+def observe_claim(claim: Claim) -> None:
+    """Count the claim's outcome; a run's first start observes its queue wait."""
+    CLAIMS.labels(claim.outcome.value).inc()
+    row = claim.run
+    if row is None:
+        return
+    note_tenant(row.tenant_id)
+    if claim.outcome == ClaimOutcome.CLAIMED and claim.attempt == 1 \
+            and row.started_at is not None and row.created_at is not None:
+        QUEUE_WAIT_SECONDS.labels(row.workflow_name).observe(
+            max(0.0, (row.started_at - row.created_at).total_seconds()))
 
 
 def _claim(run_id: uuid.UUID) -> Claim:
@@ -386,6 +406,10 @@ def _record_failure(ctx: RunContext, failures: int, err: Exception, close=None,
     workflow = ctx.workflow
     run_id = ctx.run_id
     retryable = isinstance(err, workflow.retry_on) and failures + 1 < workflow.max_attempts
+    # One record with the traceback: frames and exception types only, since a
+    # message may quote the run's input.
+    log.log(logging.WARNING if retryable else logging.ERROR, "run %s: attempt %s raised %s",
+            run_id, ctx.attempt, error["type"], extra={"traceback": quiet_traceback(err)})
     if retryable:
         delay = _retry_delay(workflow, failures, err)
         if _record(run_id, lambda s, ours: _closed(s, ours, close) and schedule_retry(

@@ -1,61 +1,126 @@
-"""Prometheus metrics of the ``worker`` process, on ``METRICS_PORT``.
+"""Prometheus metrics of the ``worker`` and ``beat`` processes, on ``METRICS_PORT``.
 
-Values are read from Postgres and Redis at scrape time, so they are right no
-matter which pool process did the work, and need no multiprocess bookkeeping.
+* ``worker``: what its pool processes count (claims, repairs, admissions of
+  fanned-out children, queue wait and run duration histograms). Pool processes
+  are forked children, so the worker runs prometheus_client's multiprocess
+  mode in a private directory made when it starts (``PROMETHEUS_MULTIPROC_DIR``
+  is not needed and, if set for gunicorn, not shared with it) and its main
+  process serves the sum.
+* ``beat``: the global gauges (``app.metrics.GlobalGauges``: runs by status,
+  live boots, outbox lag, queue depth), read from Postgres and the broker at
+  scrape time. Only beat exports them: one beat runs, so each is counted once.
+
+Both serve ``/healthz`` next to ``/metrics``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 
-from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import GaugeMetricFamily
-
-from app.extensions import db
-from app.liveness import live_boot_count
-from app.runs import status_counts
+from bridge.process import start_metrics_server
 
 log = logging.getLogger(__name__)
 
+_private_dir: str | None = None
 
-class WorkerCollector:
-    """Runs by status, live boots and the Celery queue depth."""
 
-    def __init__(self, flask_app, celery_app):
-        self.flask_app = flask_app
-        self.celery_app = celery_app
+def metrics_port() -> int | None:
+    port = os.environ.get("METRICS_PORT") or os.environ.get("PORT")
+    return int(port) if port and port != "0" else None
 
-    def collect(self):
-        runs = GaugeMetricFamily("poimen_worker_runs", "Runs by status.", labels=["status"])
-        boots = GaugeMetricFamily("poimen_worker_live_boots",
-                                  "Worker boots holding their liveness lock.")
-        depth = GaugeMetricFamily("poimen_worker_queue_depth",
-                                  "Messages waiting in the Celery queue.", labels=["queue"])
-        try:
-            with self.flask_app.app_context():
-                for status, count in status_counts(db.session).items():
-                    runs.add_metric([status], count)
-                boots.add_metric([], live_boot_count(db.session))
-                db.session.remove()
-            queue = self.celery_app.conf.task_default_queue
-            with self.celery_app.connection_for_read() as connection:
-                client = connection.default_channel.client
-                depth.add_metric([queue], client.llen(queue))
-        except Exception:  # noqa: BLE001 - a scrape must not crash the worker
-            log.exception("metrics scrape failed")
-        yield from (runs, boots, depth)
+
+def queue_depths(celery_app) -> dict[str, int]:
+    """Messages waiting in the Celery queue (Redis: the list's length)."""
+    queue = celery_app.conf.task_default_queue
+    with celery_app.connection_for_read() as connection:
+        client = connection.default_channel.client
+        return {queue: client.llen(queue)}
+
+
+def _count_in_shared_files() -> str:
+    """Make this process and the pool processes it forks count in one private directory.
+
+    The ``celery`` command imported prometheus_client before our code ran (Flower's
+    plugin does), so its value class is already chosen: switch it here, in the
+    main process before the pool forks. Every poimen metric is labelled, so its
+    values are created later, in the new class.
+    """
+    global _private_dir
+    from prometheus_client import values
+
+    _private_dir = tempfile.mkdtemp(prefix="poimen-metrics-worker-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _private_dir
+    values.ValueClass = values.MultiProcessValue()
+    return _private_dir
+
+
+def _pool_process_exited(**_) -> None:
+    from prometheus_client import multiprocess
+
+    if _private_dir:
+        multiprocess.mark_process_dead(os.getpid(), _private_dir)
+
+
+def _remove_private_dir(**_) -> None:
+    if _private_dir:
+        shutil.rmtree(_private_dir, ignore_errors=True)
 
 
 def serve_metrics(flask_app, celery_app) -> None:
-    """Serve metrics on ``METRICS_PORT`` (else ``PORT``) from the worker's main process."""
-    port = os.environ.get("METRICS_PORT") or os.environ.get("PORT")
-    if not port or port == "0":
+    """Serve the pool's counters and histograms on ``METRICS_PORT`` (else ``PORT``)."""
+    from celery import signals
+
+    from app.metrics import multiprocess_registry
+
+    port = metrics_port()
+    if port is None:
         return
+    path = _count_in_shared_files()
+    signals.worker_process_shutdown.connect(_pool_process_exited, weak=False)
+    signals.worker_shutdown.connect(_remove_private_dir, weak=False)
     try:
-        start_http_server(int(port))
+        start_metrics_server(port, multiprocess_registry(path))
     except OSError as err:
         log.error("worker metrics not served: port %s: %s", port, err)
         return
-    REGISTRY.register(WorkerCollector(flask_app, celery_app))
-    log.info("worker metrics on :%s/metrics", port)
+    log.info("worker metrics on :%s/metrics, health on :%s/healthz", port, port)
+
+
+def serve_global_metrics(flask_app, celery_app) -> None:
+    """Serve the global gauges from ``beat`` on ``METRICS_PORT`` (else ``PORT``)."""
+    from prometheus_client import CollectorRegistry
+
+    from app.metrics import GlobalGauges
+
+    port = metrics_port()
+    if port is None:
+        return
+    registry = CollectorRegistry()
+
+    def depths() -> dict[str, int]:
+        try:
+            return queue_depths(celery_app)
+        except Exception:  # noqa: BLE001 - a scrape must not fail over the broker
+            log.warning("queue depth not measured", exc_info=True)
+            return {}
+
+    registry.register(GlobalGauges(flask_app, depths))
+    try:
+        start_metrics_server(port, registry)
+    except OSError as err:
+        log.error("beat metrics not served: port %s: %s", port, err)
+        return
+    log.info("beat metrics (global gauges) on :%s/metrics, health on :%s/healthz", port, port)
+
+
+def connect_beat(celery_app) -> None:
+    """Serve the global gauges when this process turns out to be ``beat``."""
+    from celery import signals
+
+    def started(sender=None, **_) -> None:
+        serve_global_metrics(celery_app.flask_app, celery_app)
+
+    signals.beat_init.connect(started, weak=False)

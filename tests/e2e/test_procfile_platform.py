@@ -24,7 +24,9 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
         metrics_port = free_port()
         procs.append(start_procfile_process("worker", {**env, "METRICS_PORT": str(metrics_port)},
                                             tmp_path))
-        procs.append(start_procfile_process("beat", env, tmp_path))
+        beat_metrics_port = free_port()
+        procs.append(start_procfile_process("beat", {**env, "METRICS_PORT": str(beat_metrics_port)},
+                                            tmp_path))
         api, flower = f"http://127.0.0.1:{web_port}", f"http://127.0.0.1:{flower_port}"
         wait_until(lambda: requests.get(f"{api}/readyz", timeout=2).ok, what="web")
         wait_until(lambda: requests.get(f"{flower}/api/workers", timeout=2).ok, what="flower")
@@ -51,11 +53,17 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
         assert requests.get(f"{api}/metrics", timeout=5).status_code == 401
         metrics = requests.get(f"{api}/metrics", timeout=5,
                                headers={"Authorization": "Bearer e2e-metrics"}).text
-        assert 'poimen_runs{status="succeeded"} 1' in metrics
+        assert 'poimen_admissions_total{origin="http",outcome="created"} 1.0' in metrics
         worker_metrics = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-        assert 'poimen_worker_runs{status="succeeded"} 1.0' in worker_metrics
-        assert "poimen_worker_live_boots 1.0" in worker_metrics
-        assert "poimen_worker_queue_depth{" in worker_metrics
+        assert 'poimen_claims_total{outcome="claimed"} 1.0' in worker_metrics
+        # The global gauges come from beat alone (docs/metrics.md).
+        assert "poimen_runs{" not in metrics + worker_metrics
+        beat_metrics = f"http://127.0.0.1:{beat_metrics_port}/metrics"
+        wait_until(lambda: 'poimen_runs{status="succeeded"} 1.0'
+                   in requests.get(beat_metrics, timeout=5).text, what="beat's gauges")
+        beat_text = requests.get(beat_metrics, timeout=5).text
+        assert "poimen_live_boots 1.0" in beat_text
+        assert "poimen_queue_depth{" in beat_text
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -1,0 +1,128 @@
+"""The one logging setup (``logconfig.py``) wired into Flask and Celery.
+
+* ``init_app``: the web process logs in ``LOG_FORMAT`` at ``LOG_LEVEL``, and a
+  record logged while serving a request carries the request's ``tenant`` (its
+  token's), ``run_id`` (the URL's, or the run just admitted) and
+  ``dispatch_key``.
+* ``init_celery``: the worker, beat and Flower log the same way. Celery's own
+  logging setup is replaced through its ``setup_logging`` signal (Celery then
+  leaves the loggers alone); ``--loglevel`` is used only when ``LOG_LEVEL`` is
+  unset. While a task runs its records carry ``task_id``, and for
+  ``runs.execute`` the ``run_id`` and, once claimed, the ``tenant``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask, g, has_request_context, request
+
+import logconfig
+
+from .task_names import EXECUTE_RUN
+
+log = logging.getLogger(__name__)
+
+
+# -- web ---------------------------------------------------------------------------------------
+
+
+def _request_context() -> Mapping[str, Any]:
+    if not has_request_context():
+        return {}
+    fields: dict[str, Any] = {}
+    principal = g.get("principal")
+    if principal is not None:
+        fields["tenant"] = getattr(principal, "tenant_name", None)
+    if request.view_args and request.view_args.get("run_id"):
+        fields["run_id"] = request.view_args["run_id"]
+    fields.update(g.get("_poimen_log_fields", {}))
+    return fields
+
+
+def note(**fields: Any) -> None:
+    """Add ``fields`` to the records of the current request (or of this context)."""
+    if has_request_context():
+        g._poimen_log_fields = {**g.get("_poimen_log_fields", {}),
+                                **{k: v for k, v in fields.items() if v is not None}}
+    else:
+        logconfig.bind(**fields)
+
+
+def init_app(app: Flask) -> None:
+    """Log the web process's records in ``LOG_FORMAT``; requests add their fields."""
+    # force=False: under gunicorn (and the flask CLI) the root logger is ours to
+    # set up; inside a program that configured logging already (pytest), not.
+    logconfig.configure(force=False)
+    logconfig.add_context_source(_request_context)
+
+
+# -- Celery ------------------------------------------------------------------------------------
+
+_task_tokens: dict[str, Any] = {}
+
+
+def _setup_logging(loglevel=None, **_: Any) -> None:
+    # Connected receivers make Celery skip its own setup (no hijacked root logger,
+    # no second handler); LOG_LEVEL wins over --loglevel.
+    logconfig.configure(capture_stdout=True, default_level=loglevel or "INFO")
+
+
+def _quiet_banner(sender=None, instance=None, **_: Any) -> None:
+    # The worker's banner is printed straight to the real stdout, many lines of
+    # plain text: in JSON mode its facts are logged instead (one record).
+    if instance is not None and logconfig.json_enabled():
+        instance.quiet = True
+        log.info("celery worker %s starting: concurrency %s, queues from %s", sender,
+                 getattr(instance, "concurrency", "?"), instance.app.conf.task_default_queue)
+
+
+def _task_started(task_id=None, task=None, args=None, **_: Any) -> None:
+    fields: dict[str, Any] = {"task_id": task_id}
+    if task is not None and task.name == EXECUTE_RUN and args:
+        fields["run_id"] = args[0]
+    _task_tokens[task_id] = logconfig.bind(**fields)
+
+
+def _task_done(task_id=None, **_: Any) -> None:
+    token = _task_tokens.pop(task_id, None)
+    if token is not None:
+        try:
+            logconfig.unbind(token)
+        except ValueError:  # bound in another context (a thread pool): nothing to undo here
+            pass
+
+
+def init_celery() -> None:
+    """Log this Celery process (worker, beat, Flower) through ``logconfig``; call at start-up."""
+    from celery import signals
+
+    # Now, not only in setup_logging: beat prints its banner before setting up logging.
+    logconfig.configure(capture_stdout=True)
+    signals.setup_logging.connect(_setup_logging, weak=False)
+    signals.celeryd_init.connect(_quiet_banner, weak=False)
+    signals.task_prerun.connect(_task_started, weak=False)
+    signals.task_postrun.connect(_task_done, weak=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tenant_name(tenant_id: int) -> str | None:
+    from sqlalchemy import text
+
+    from .extensions import db
+
+    with db.engine.connect() as conn:
+        return conn.execute(text("SELECT name FROM tenants WHERE id = :id"),
+                            {"id": tenant_id}).scalar()
+
+
+def note_tenant(tenant_id: int) -> None:
+    """Add the tenant (by name, as the web logs it) to the current task's records."""
+    try:
+        name = _tenant_name(tenant_id)
+    except Exception:  # noqa: BLE001 - a log field must not fail a run
+        name = None
+    logconfig.bind(tenant=name or tenant_id)

@@ -1,0 +1,73 @@
+"""gunicorn settings of ``web``: metrics summed over its workers, and its log format.
+
+The Procfile runs ``gunicorn -c gunicorn.conf.py ...`` (gunicorn also reads this
+file by default when started from the repository root). Command-line flags
+(bind, workers, threads, timeouts) win over anything here.
+
+* Metrics: each gunicorn worker is its own process with its own counters; a
+  scrape of ``/metrics`` reaches one of them. prometheus_client's multiprocess
+  mode makes every worker write its values to files under
+  ``PROMETHEUS_MULTIPROC_DIR`` and ``/metrics`` sum them. Unset, a private
+  directory is made here (before any worker imports prometheus_client) and
+  removed on exit; set, it is emptied of an earlier run's files at start. A
+  worker that exits is marked dead (``child_exit``) so its live gauges go.
+* Logs: gunicorn's own error and access logs use ``LOG_FORMAT`` (``json``: one
+  object per line) and ``LOG_LEVEL``, like every other process (``logconfig.py``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+
+from gunicorn.glogging import Logger
+
+# Names here that match gunicorn settings are read as settings: keep imports private.
+import logconfig as _logs
+
+_OWN_DIR = "POIMEN_GUNICORN_METRICS_DIR"  # the directory this file made (kept across reloads)
+
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ[_OWN_DIR] = tempfile.mkdtemp(prefix="poimen-metrics-web-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[_OWN_DIR]
+
+_logs.configure()
+
+
+def on_starting(server) -> None:
+    # An operator-provided directory may hold a previous run's files, whose
+    # counters would be added to this run's.
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.makedirs(directory, exist_ok=True)
+    if directory != os.environ.get(_OWN_DIR):
+        for path in glob.glob(os.path.join(directory, "*.db")):
+            os.remove(path)
+
+
+def child_exit(server, worker) -> None:
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server) -> None:
+    own = os.environ.get(_OWN_DIR)
+    if own and own == os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        shutil.rmtree(own, ignore_errors=True)
+
+
+class PoimenLogger(Logger):
+    """gunicorn's logs in this process's ``LOG_FORMAT``, at ``LOG_LEVEL`` when set."""
+
+    def setup(self, cfg) -> None:
+        super().setup(cfg)
+        if os.environ.get("LOG_LEVEL"):
+            self.error_log.setLevel(_logs.level())
+        for log in (self.error_log, self.access_log):
+            for handler in log.handlers:
+                _logs.style(handler)
+
+
+logger_class = PoimenLogger
