@@ -201,8 +201,10 @@ SETTINGS: tuple[Setting, ...] = (
     _obs("POIMEN_GUNICORN_METRICS_DIR", "", WEB,
          "Internal: set by `gunicorn.conf.py` to the directory it made; do not set."),
     _obs("POIMEN_CONSOLE_SECRET", "", WEB,
-         "Secret (at least 32 characters) that signs the `/console` session cookie; unset or "
-         "short, the console is off."),
+         "Signs the console's session cookie (`/console`); 32 characters or more, the same in "
+         "every `web` process. Unset or shorter: the console answers 503 and the API is "
+         "unaffected. `make run` keeps one in `.poimen/console-secret`. Changing it signs "
+         "everyone out. See docs/console.md."),
     # -- dev
     _dev("POIMEN_DEV_DIR", ".poimen", DEV, "Where `poimen-dev` keeps the embedded services' state."),
 )

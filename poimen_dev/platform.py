@@ -57,6 +57,18 @@ def _ensure_token(path: Path, tenant: str | None, service: bool, label: str,
     return token
 
 
+def _ensure_secret(path: Path) -> str:
+    """Return the secret kept at ``path``, making one the first time (the console's key)."""
+    import secrets
+
+    secret = path.read_text().strip() if path.exists() else ""
+    if len(secret) < 32:
+        secret = secrets.token_urlsafe(48)
+        path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return secret
+
+
 def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
     """Migrate; make sure the dev tenant, its token, the inbox's token and its topics exist."""
     _log("migrating the database (flask db upgrade) ...")
@@ -87,6 +99,8 @@ def run_platform(env: Mapping[str, str], processes: list[str]) -> int:
     env.setdefault("POIMEN_API_URL", f"http://127.0.0.1:{env['PORT']}")
     tenant_token, service_token = bootstrap(env)
     env.setdefault("POIMEN_API_TOKEN", service_token)
+    # The console's session key: kept, so a restart of `make run` keeps people signed in.
+    env.setdefault("POIMEN_CONSOLE_SECRET", _ensure_secret(state_dir() / "console-secret"))
     names = processes or [p for p in procfile_commands() if p != "release"]
     # honcho gives each process PORT = base + 100 * position: web first gets PORT.
     names.sort(key=lambda n: (n != "web", n != "flower"))
@@ -95,6 +109,8 @@ def run_platform(env: Mapping[str, str], processes: list[str]) -> int:
         "\n"
         f"Poimen is starting: {', '.join(names)}\n"
         f"  API     http://127.0.0.1:{port}  (OpenAPI: /v1/openapi.json)\n"
+        + (f"  Console http://127.0.0.1:{port}/console  (sign in with the token below)\n"
+           if "web" in names else "")
         + (f"  Flower  http://127.0.0.1:{port + 100}\n" if "flower" in names else "")
         + f"  tenant  {DEV_TENANT}\n"
         f"  token   {tenant_token}\n\n"
