@@ -111,6 +111,8 @@ def variables_read() -> dict[str, str]:
         path = ROOT / name
         if path.exists():
             for number, line in enumerate(path.read_text().splitlines(), 1):
+                if line.lstrip().startswith("#"):
+                    continue
                 for match in re.finditer(r"\$\{?([A-Z][A-Z0-9_]*)", line):
                     reads.setdefault(match.group(1), f"{name}:{number}")
     return reads
