@@ -27,7 +27,13 @@ def free_port() -> int:
 
 
 def wait_until(check, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    """Poll ``check`` until it returns a truthy value; return it, or fail after ``timeout``."""
+    """Poll ``check`` until it returns a truthy value; return it, or fail after ``timeout``.
+
+    A falsy value or an error (a service not answering yet) means "not yet". An
+    ``AssertionError`` raised by ``check`` is a verdict, not "not yet": it fails the
+    wait at once (a dead relay, a run that ended in the wrong state), instead of
+    being swallowed until the deadline.
+    """
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
@@ -35,6 +41,8 @@ def wait_until(check, timeout: float = 30.0, interval: float = 0.1, what: str = 
             value = check()
             if value:
                 return value
+        except AssertionError:
+            raise
         except Exception as err:  # noqa: BLE001 - keep polling, report the last error
             last_error = err
         time.sleep(interval)

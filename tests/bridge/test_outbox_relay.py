@@ -28,7 +28,7 @@ import requests
 from confluent_kafka import Consumer, TopicPartition
 
 from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
-from bridge.topics import declare_topics, events_topic
+from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
 from tests.processes import (
@@ -148,7 +148,7 @@ class World:
 
     @property
     def topic(self) -> str:
-        return events_topic(self.prefix, self.tenant)
+        return f"{self.prefix}.{self.tenant}.events"  # docs/outbox.md, not the code
 
     def connect(self, autocommit: bool = True) -> psycopg.Connection:
         return psycopg.connect(libpq_url(self.database_url), autocommit=autocommit)
