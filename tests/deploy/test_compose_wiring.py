@@ -98,3 +98,16 @@ def test_the_entrypoint_runs_each_procfile_command_as_written(tmp_path):
     # Anything else is run as a command: one-off operator commands in the image.
     assert _argv_through([str(ENTRYPOINT), "flask", "--app", "app", "tenants", "list"],
                          tmp_path, env) == ["flask", "--app", "app", "tenants", "list"]
+
+
+def test_app_json_declares_the_add_ons_and_every_long_running_process():
+    import json
+
+    manifest = json.loads((ROOT / "app.json").read_text())
+    plans = {addon["plan"].split(":")[0] for addon in manifest["addons"]}
+    assert {"heroku-postgresql", "heroku-redis", "heroku-kafka"} <= plans
+    assert set(manifest["formation"]) == set(procfile_commands()) - {"release"}
+    # Heroku's Redis certificate is self-signed: without this, rediss:// is refused.
+    assert manifest["env"]["POIMEN_REDIS_SSL_CERT_REQS"]["value"] == "none"
+    # The release phase is the Procfile's, run by Heroku before every deploy.
+    assert procfile_commands()["release"] == "flask --app app db upgrade"
