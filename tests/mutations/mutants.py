@@ -303,4 +303,51 @@ MUTANTS: list[Mutant] = [
         ("tests/bridge/test_client.py::"
          "test_twenty_threads_through_a_dropping_proxy_admit_exactly_one_run_per_call",),
     ),
+    # -- Celery's own tools (workers/celery_native.py) ----------------------------------------
+    Mutant(
+        "failed_run_reports_success",
+        "a run that ends failed ends its Celery task in FAILURE (Flower, celery events)",
+        "workers/celery_native.py",
+        '        raise RunFailed(f"run {claim.run_id} failed: {ended.code}")\n'
+        "    if ended.status == RunEnding.CANCELLED:\n",
+        "        return claim.outcome.value\n"
+        "    if ended.status == RunEnding.CANCELLED:\n",
+        ("tests/workers/test_celery_native.py::"
+         "test_flower_and_task_events_show_each_runs_outcome",),
+    ),
+    Mutant(
+        "duplicate_delivery_reports_success",
+        "a delivery that did no work is Ignored, never SUCCESS",
+        "workers/celery_native.py",
+        "            raise RunFailed(f\"run {claim.run_id} failed: {(error or {}).get('code')}\")\n"
+        "    raise Ignore()\n",
+        "            raise RunFailed(f\"run {claim.run_id} failed: {(error or {}).get('code')}\")\n"
+        "    return claim.outcome.value\n",
+        ("tests/workers/test_celery_native.py::"
+         "test_a_duplicate_delivery_while_the_run_goes_is_not_a_success",),
+        ci=False,
+    ),
+    Mutant(
+        "revoke_does_not_cancel",
+        "celery control revoke/terminate cancels the run (never re-sent, never resumed)",
+        "workers/celery_native.py",
+        "    try:\n        run_uuid = uuid.UUID(run_id)\n    except (TypeError, ValueError):\n"
+        "        return None\n    with flask_app.app_context():\n",
+        "    return None\n    with flask_app.app_context():\n",
+        ("tests/workers/test_celery_native.py::"
+         "test_revoke_of_a_queued_run_cancels_it_and_it_never_runs",
+         "tests/workers/test_celery_native.py::"
+         "test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed"),
+        ci=False,
+    ),
+    Mutant(
+        "time_limit_leaves_run_to_takeover",
+        "a run past its hard time limit is recorded failed before its process is killed",
+        "workers/celery_native.py",
+        "        if not soft and self.worker_pid:\n",
+        "        if False:\n",
+        ("tests/workers/test_celery_native.py::"
+         "test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed",),
+        ci=False,
+    ),
 ]

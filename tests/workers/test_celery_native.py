@@ -1,0 +1,404 @@
+"""Celery's own tools keep their meaning (docs/celery.md), against real processes.
+
+Flower (the Procfile's command) and a real event receiver (what ``celery
+events`` uses) see each run's task end the way the run ended; ``celery control
+revoke`` (with and without ``--terminate``) cancels runs; a plain
+``@shared_task(bind=True)`` runs as a workflow; workflows choose their queue,
+time limits and priority.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import uuid
+
+import pytest
+import requests
+
+from tests.processes import (
+    BIN,
+    ROOT,
+    Process,
+    free_port,
+    start_beat,
+    start_procfile_process,
+    start_worker,
+    wait_until,
+)
+
+MODULES = "tests.workflows,tests.workflows.celery_tasks"
+
+
+@pytest.fixture
+def celery_tasks(app):
+    """Register the Celery-task workflows in this process too (admission validates refs)."""
+    import tests.workflows.celery_tasks as module
+
+    return module
+
+
+@pytest.fixture
+def env(test_env, celery_tasks, side_effects):
+    """Child processes' environment (the test workflows record into side_effects)."""
+    return {**test_env, "POIMEN_WORKFLOW_MODULES": MODULES}
+
+
+@pytest.fixture
+def processes():
+    started: list[Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def run_row(pg, run_id):
+    return pg.execute(
+        "SELECT status, attempt, failures, result, error, cancel_requested FROM runs "
+        "WHERE id = %s", [run_id]).fetchone()
+
+
+def wait_status(pg, run_id, statuses, timeout=90):
+    return wait_until(lambda: run_row(pg, run_id)[0] in statuses and run_row(pg, run_id),
+                      timeout=timeout, what=f"run {run_id} to reach {statuses}")
+
+
+def run_events(pg, run_id) -> list[str]:
+    return [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def effects(pg, run_id) -> list[str]:
+    return [r[0] for r in pg.execute(
+        "SELECT kind FROM side_effects WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def celery_cli(env, *args: str) -> subprocess.CompletedProcess:
+    """Run ``celery -A workers <args>`` as an operator would."""
+    proc = subprocess.run([str(BIN / "celery"), "-A", "workers", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def wait_ready(worker: Process, timeout: float = 90) -> None:
+    def ready() -> bool:
+        if not worker.alive():
+            raise AssertionError(f"{worker.name} exited:\n{worker.log()[-3000:]}")
+        return " ready." in worker.log()
+
+    wait_until(ready, timeout=timeout, what=f"{worker.name} to be ready")
+
+
+class EventLog:
+    """Celery task events, captured by a real receiver (as ``celery events`` does)."""
+
+    def __init__(self, celery_app):
+        self.app = celery_app
+        self.events: list[dict] = []
+        self.ready = threading.Event()
+        self.receiver = None
+        self.thread = threading.Thread(target=self._capture, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30), "the event receiver never started consuming"
+
+    def _capture(self) -> None:
+        with self.app.connection_for_read() as conn:
+            self.receiver = self.app.events.Receiver(conn, handlers={"*": self._on_event})
+            self.receiver.on_consume_ready = lambda *a, **k: self.ready.set()
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def _on_event(self, event: dict) -> None:
+        if event.get("type", "").startswith("task-"):
+            self.events.append(event)
+
+    def of(self, run_id) -> list[str]:
+        return [e["type"] for e in list(self.events) if e.get("uuid") == str(run_id)]
+
+    def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.should_stop = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def task_events(app):
+    log = EventLog(app.extensions["celery"])
+    yield log
+    log.stop()
+
+
+@pytest.fixture
+def flower(env, tmp_path, processes):
+    """The Procfile's ``flower``, with basic auth (its API is refused without it)."""
+    port = free_port()
+    proc = start_procfile_process("flower", {**env, "PORT": str(port),
+                                             "FLOWER_BASIC_AUTH": "ops:s3cret"}, tmp_path)
+    processes.append(proc)
+    url = f"http://127.0.0.1:{port}"
+
+    def answering() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"flower exited:\n{proc.log()[-3000:]}")
+        return requests.get(f"{url}/healthcheck", timeout=2).ok
+
+    wait_until(answering, timeout=90, what="flower")
+    assert requests.get(f"{url}/api/task/info/{uuid.uuid4()}", timeout=5).status_code == 401
+
+    def task_info(run_id) -> dict | None:
+        r = requests.get(f"{url}/api/task/info/{run_id}", auth=("ops", "s3cret"), timeout=5)
+        return r.json() if r.status_code == 200 else None
+
+    return task_info
+
+
+def flower_state(flower, run_id) -> str | None:
+    info = flower(run_id)
+    return info and info.get("state")
+
+
+# -- 1. Flower and `celery events` tell the run's outcome ------------------------------------
+
+def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path, processes,
+                                                        flower, task_events, side_effects,
+                                                        client, tenant, app):
+    """A failed run is FAILURE, a duplicate delivery never SUCCESS, a retry RETRY, a cancel REVOKED."""
+    from app.enqueue import send_run
+
+    worker = start_worker(env, tmp_path, "flowerw", concurrency=1)
+    processes.append(worker)
+
+    failed = admit("fail", {"message": "secret input text"})
+    info = wait_until(lambda: flower_state(flower, failed) == "FAILURE" and flower(failed),
+                      timeout=120, what="Flower to show the failed run as FAILURE")
+    assert run_row(pg, failed)[0] == "failed"
+    assert info["name"] == "runs.execute[fail@1]"
+    assert "RunFailed" in info["exception"] and "secret input text" not in info["exception"]
+    wait_until(lambda: "task-failed" in task_events.of(failed), timeout=30,
+               what="a task-failed event")
+    assert "task-succeeded" not in task_events.of(failed)
+    assert "secret input text" not in worker.log()
+
+    succeeded = admit("echo", {"n": 1})
+    wait_until(lambda: flower_state(flower, succeeded) == "SUCCESS", timeout=60,
+               what="Flower to show the succeeded run as SUCCESS")
+
+    # A duplicate delivery of the finished run does no work: no SUCCESS for it.
+    # One worker process takes messages in order, so once a later run has
+    # succeeded, the duplicate was consumed.
+    with app.app_context():
+        send_run(app.extensions["celery"], failed, "fail@1")
+    wait_until(lambda: task_events.of(failed).count("task-started") == 2, timeout=60,
+               what="the duplicate delivery to start")
+    marker = admit("echo", {"n": 2})
+    wait_until(lambda: "task-succeeded" in task_events.of(marker), timeout=60,
+               what="the run after the duplicate to succeed")
+    assert "task-succeeded" not in task_events.of(failed)
+    assert flower_state(flower, failed) == "FAILURE"
+
+    # A workflow exception with attempts left: RETRY, then the retry's SUCCESS.
+    flaky = admit("flaky", {"failures": 1})
+    wait_until(lambda: flower_state(flower, flaky) == "SUCCESS", timeout=60,
+               what="the flaky run to end SUCCESS in Flower")
+    assert run_row(pg, flaky)[:3] == ("succeeded", 2, 1)
+    assert task_events.of(flaky).count("task-retried") == 1
+    assert task_events.of(flaky).count("task-succeeded") == 1
+
+    # Cancelled through the API while running: REVOKED.
+    cancelled = admit("effect", {"seconds": 60})
+    wait_until(lambda: side_effects(cancelled, "start") == 1, timeout=60,
+               what="the long run to start")
+    assert client.post(f"/v1/runs/{cancelled}/cancel", headers=tenant.headers).status_code \
+        in (200, 202)
+    wait_until(lambda: flower_state(flower, cancelled) == "REVOKED", timeout=60,
+               what="Flower to show the cancelled run as REVOKED")
+    assert run_row(pg, cancelled)[0] == "cancelled"
+    assert "task-succeeded" not in task_events.of(cancelled)
+
+
+def test_a_duplicate_delivery_while_the_run_goes_is_not_a_success(admit, env, pg, tmp_path,
+                                                                   processes, task_events,
+                                                                   side_effects, app):
+    from app.enqueue import send_run
+
+    processes.append(start_worker(env, tmp_path, "dupw", concurrency=2))
+    run_id = admit("effect", {"seconds": 4})
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    with app.app_context():
+        send_run(app.extensions["celery"], run_id, "effect@1")
+    wait_until(lambda: task_events.of(run_id).count("task-started") == 2, timeout=60,
+               what="the duplicate delivery to start")
+    assert run_row(pg, run_id)[0] == "running"
+    assert "task-succeeded" not in task_events.of(run_id)
+    wait_status(pg, run_id, {"succeeded"})
+    wait_until(lambda: "task-succeeded" in task_events.of(run_id), timeout=30,
+               what="the run's own SUCCESS")
+    assert task_events.of(run_id).count("task-succeeded") == 1
+    assert side_effects(run_id, "start") == 1
+
+
+# -- 2. revoke and terminate cancel runs -----------------------------------------------------
+
+def test_revoke_of_a_queued_run_cancels_it_and_it_never_runs(admit, env, pg, tmp_path,
+                                                             processes, side_effects,
+                                                             task_events, client, tenant):
+    worker = start_worker(env, tmp_path, "revw", concurrency=1)
+    processes.append(worker)
+    # Beat re-sends queued runs every second: a revoked run left queued would be re-sent.
+    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
+                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    wait_ready(worker)
+    # The worker's one process is busy, so the next run waits in the queue.
+    blocker = admit("effect", {"seconds": 120})
+    wait_until(lambda: side_effects(blocker, "start") == 1, timeout=60, what="the blocker")
+    queued = admit("effect", {"seconds": 0})
+    assert run_row(pg, queued)[0] == "queued"
+
+    out = celery_cli(env, "control", "--timeout", "10", "revoke", str(queued))
+    assert "revw@" in out.stdout and "revoked" in out.stdout, out.stdout
+    # Free the worker: it takes the revoked run's message next.
+    assert client.post(f"/v1/runs/{blocker}/cancel", headers=tenant.headers).status_code \
+        in (200, 202)
+
+    status, attempt, *_ = wait_status(pg, queued, {"cancelled", "succeeded"}, timeout=60)
+    assert status == "cancelled"
+    assert attempt == 0
+    assert run_events(pg, queued) == ["run.admitted", "run.cancelled"]
+    assert side_effects(queued, "start") == 0
+    wait_until(lambda: "task-revoked" in task_events.of(queued), timeout=30,
+               what="the task-revoked event")
+    assert "task-started" not in task_events.of(queued)
+
+
+def test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed(admit, env, pg, tmp_path,
+                                                                     processes, side_effects,
+                                                                     task_events):
+    worker = start_worker(env, tmp_path, "termw", concurrency=1)
+    processes.append(worker)
+    # Beat re-sends runs of dead boots every second: a resumable run would be resumed.
+    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
+                                 "POIMEN_REPAIR_MIN_AGE": "1", "POIMEN_TAKEOVER_DELAY": "0"},
+                                tmp_path))
+    run_id = admit("blind", {"seconds": 60})  # no checkpoint: only killing it stops it
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+
+    # The CLI's form of revoke(terminate=True), with Celery's default signal.
+    out = celery_cli(env, "control", "--timeout", "10", "terminate", "SIGTERM", str(run_id))
+    assert "termw@" in out.stdout, out.stdout
+
+    status, attempt, failures, result, error, cancel_requested = wait_status(
+        pg, run_id, {"cancelled", "succeeded", "failed"}, timeout=60)
+    assert (status, attempt, failures, cancel_requested) == ("cancelled", 1, 0, True)
+    events = run_events(pg, run_id)
+    assert events.count("run.started") == 1 and "run.resumed" not in events, events
+    assert events[-1] == "run.cancelled"
+    assert "task-revoked" in task_events.of(run_id)
+
+    # The worker lives on with a new pool process, and later runs are not hurt.
+    after = admit("effect", {"seconds": 0})
+    wait_status(pg, after, {"succeeded"}, timeout=60)
+    assert worker.alive()
+    events = run_events(pg, run_id)
+    assert events.count("run.started") == 1 and "run.resumed" not in events, events
+    assert side_effects(run_id, "start") == 1 and side_effects(run_id, "finish") == 0
+
+
+# -- 3. existing @shared_task code as a workflow ---------------------------------------------
+
+def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp_path,
+                                                            processes, task_events):
+    processes.append(start_worker(env, tmp_path, "taskw", concurrency=1))
+    run_id = admit("tests.celery_tasks.retry_twice", {"countdown": 0.2})
+    given_up = admit("celery-give-up")
+
+    status, attempt, failures, result, error, _ = wait_status(pg, run_id, {"succeeded",
+                                                                           "failed"})
+    assert status == "succeeded", error
+    assert (attempt, failures) == (3, 2)  # three attempts, one success
+    # self.request.id is the run id (each attempt recorded its side effect under it).
+    assert effects(pg, run_id) == ["try:0", "try:1", "try:2"]
+    assert result == {"request_id": str(run_id), "retries": 2}
+    events = run_events(pg, run_id)
+    assert events.count("run.retrying") == 2 and events.count("run.started") == 3
+    assert events[-1] == "run.succeeded"
+    assert task_events.of(run_id).count("task-retried") == 2
+    assert task_events.of(run_id).count("task-succeeded") == 1
+
+    # max_retries=1: the second self.retry() raises the task's exception: failed.
+    status, attempt, failures, _, error, _ = wait_status(pg, given_up, {"succeeded", "failed"})
+    assert (status, attempt, failures) == ("failed", 2, 2)
+    assert error["type"].endswith("NotYet")
+    assert effects(pg, given_up) == ["try:0", "try:1"]
+
+
+# -- 4. routing and time limits --------------------------------------------------------------
+
+def test_a_workflow_on_another_queue_runs_only_on_a_worker_consuming_it(
+        admit, env, pg, tmp_path, processes, celery_tasks, redis_client, side_effects):
+    slow = celery_tasks.SLOW_QUEUE
+    default = start_worker(env, tmp_path, "defaultw", concurrency=1)
+    processes.append(default)
+    routed = admit("routed-slow")
+    plain = admit("echo")
+
+    # The default worker drains its own queue and leaves the slow one alone.
+    wait_status(pg, plain, {"succeeded"})
+    assert run_row(pg, routed)[0] == "queued"
+    assert side_effects(routed, "start") == 0
+
+    # The message carries the workflow's queue, priority and time limits.
+    keys = [k for k in redis_client.keys(f"{slow}*") if k.decode().startswith(slow)]
+    messages = [json.loads(m) for k in keys for m in redis_client.lrange(k, 0, -1)]
+    mine = [m for m in messages if m["headers"]["id"] == str(routed)]
+    assert len(mine) == 1, messages
+    assert mine[0]["properties"]["priority"] == 3
+    assert mine[0]["headers"]["timelimit"] == [120, 100]
+    assert mine[0]["headers"]["shadow"] == "runs.execute[routed-slow@1]"
+
+    slow_worker = start_worker(env, tmp_path, "sloww", concurrency=1, extra=["-Q", slow])
+    processes.append(slow_worker)
+    status, *_ , result, error, _ = wait_status(pg, routed, {"succeeded", "failed"})
+    assert status == "succeeded", error
+    assert result["ppid"] == slow_worker.pid  # a pool process of the slow queue's worker
+    assert side_effects(routed, "start") == 1
+
+
+def test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed(admit, env, pg, tmp_path,
+                                                                processes, side_effects,
+                                                                task_events):
+    worker = start_worker(env, tmp_path, "limitw", concurrency=1)
+    processes.append(worker)
+    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
+                                 "POIMEN_REPAIR_MIN_AGE": "1", "POIMEN_TAKEOVER_DELAY": "0"},
+                                tmp_path))
+    run_id = admit("over-time", {"seconds": 60})
+
+    status, attempt, failures, result, error, _ = wait_status(
+        pg, run_id, {"failed", "succeeded", "cancelled"}, timeout=90)
+    assert status == "failed"
+    assert error["code"] == "time_limit", error
+    assert attempt == 1 and failures == 1
+    wait_until(lambda: "task-failed" in task_events.of(run_id), timeout=30,
+               what="the task-failed event")
+
+    # Later runs go through the same worker (its killed pool process was replaced);
+    # by then beat has had many ticks to resume the over-time run, had it been left running.
+    after = admit("effect", {"seconds": 0})
+    wait_status(pg, after, {"succeeded"}, timeout=60)
+    events = run_events(pg, run_id)
+    assert events == ["run.admitted", "run.started", "run.failed"], events
+    assert side_effects(run_id, "start") == 1 and side_effects(run_id, "finish") == 0
+    assert worker.alive()
+
+
+def test_routing_options_are_checked_when_a_workflow_is_declared():
+    from workers.registry import InvalidDefinition, workflow
+
+    def body(ctx, input):
+        return None
+
+    for bad in ({"soft_time_limit": 10, "time_limit": 5}, {"time_limit": 0},
+                {"priority": 256}, {"queue": "no spaces allowed"}, {"time_limit": True}):
+        with pytest.raises(InvalidDefinition):
+            workflow("bad-routing", version="1", **bad)(body)
