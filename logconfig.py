@@ -155,6 +155,9 @@ class JsonFormatter(logging.Formatter):
         # Fields passed with ``extra=`` (e.g. ``run_id``) win over the context's.
         for key, value in record.__dict__.items():
             if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                if key == "data" and isinstance(value, dict) and "traceback" in value:
+                    # Celery's task records repeat their traceback, messages included.
+                    value = {k: v for k, v in value.items() if k != "traceback"}
                 entry[key] = value
         err = _exception(record.exc_info)
         if err is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,12 +97,27 @@ def _task_done(task_id=None, **_: Any) -> None:
             pass
 
 
+def _say_as_json(msg: str, f: Any = None) -> None:
+    # Celery's signal handlers ("worker: Warm shutdown (MainProcess)") write with a
+    # raw os.write, around logging and sys.stdout; in JSON mode they write a record.
+    # Also a raw write: a signal handler must not re-enter a buffered stream.
+    record = logging.LogRecord("celery.worker", logging.INFO, __file__, 0, "%s", (msg,), None)
+    try:
+        os.write(2, (logconfig.JsonFormatter().format(record) + "\n").encode())
+    except OSError:
+        pass
+
+
 def init_celery() -> None:
     """Log this Celery process (worker, beat, Flower) through ``logconfig``; call at start-up."""
     from celery import signals
 
     # Now, not only in setup_logging: beat prints its banner before setting up logging.
     logconfig.configure(capture_stdout=True)
+    if logconfig.json_enabled():
+        import celery.apps.worker
+
+        celery.apps.worker.safe_say = _say_as_json
     signals.setup_logging.connect(_setup_logging, weak=False)
     signals.celeryd_init.connect(_quiet_banner, weak=False)
     signals.task_prerun.connect(_task_started, weak=False)

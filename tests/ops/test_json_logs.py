@@ -1,0 +1,105 @@
+"""LOG_FORMAT=json: every line of every process is one JSON object (issue 14, Verify 3).
+
+The platform runs from the Procfile (web under gunicorn with gunicorn.conf.py,
+worker, beat, inbox, outbox). A run comes in over Kafka, one over HTTP fails
+(its workflow raises with the input in its message), one Kafka message names
+a workflow that does not exist (dead-lettered). Every run's input holds a
+secret that must appear in no log line. Then every process is stopped, so
+start-up and shutdown lines are in the logs too.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import requests
+
+from tests.ops.platform import start_platform
+from tests.processes import wait_until
+
+
+def records(text: str, name: str) -> list[dict]:
+    """Every line of ``text`` as a JSON object; fails naming the first line that is not one."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    assert lines, f"{name} wrote nothing"
+    parsed = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"{name} line {number} is not JSON: {line[:300]!r}") from None
+        assert isinstance(record, dict), f"{name} line {number} is not an object: {line[:300]!r}"
+        parsed.append(record)
+    return parsed
+
+
+def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
+        test_env, make_tenant, pg, tmp_path):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    platform = start_platform(test_env, make_tenant, tmp_path, LOG_FORMAT="json",
+                              LOG_LEVEL="INFO")
+    headers = platform.creds.headers
+    try:
+        # Over Kafka: one run that succeeds (echo: its result is its input), and one
+        # message naming a workflow that does not exist (the API's 422: dead-lettered).
+        platform.publish(
+            {"workflow_ref": "echo", "input": {"note": secret}, "dispatch_key": "ops-kafka-1"},
+            {"workflow_ref": "no-such-workflow", "input": {"note": secret},
+             "dispatch_key": "ops-kafka-2"})
+        # Over HTTP: a run whose workflow raises with the input in its message.
+        failing = requests.post(f"{platform.api}/v1/runs", headers=headers, timeout=10, json={
+            "workflow_ref": "fail", "input": {"message": secret}, "dispatch_key": "ops-http-1"})
+        assert failing.status_code == 201, failing.text
+        failed_id = failing.json()["id"]
+
+        def run(dispatch_key: str) -> dict | None:
+            found = requests.get(f"{platform.api}/v1/runs", headers=headers, timeout=10,
+                                 params={"dispatch_key": dispatch_key}).json()["runs"]
+            return found[0] if found else None
+
+        wait_until(lambda: (r := run("ops-kafka-1")) and r["status"] == "succeeded",
+                   timeout=90, what="the Kafka run to succeed")
+        wait_until(lambda: (r := run("ops-http-1")) and r["status"] == "failed",
+                   timeout=90, what="the failing run to fail")
+        assert run("ops-http-1")["error"]["message"] == secret  # the tenant sees it; logs do not
+        inbox = platform.procs["inbox"]
+        wait_until(lambda: "dead-lettered" in inbox.log(), timeout=60,
+                   what="the unknown workflow's message to be dead-lettered")
+        # The outbox shipped every event; beat sent its repair task at least twice.
+        wait_until(lambda: pg.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                   .fetchone()[0] == 0, timeout=60, what="the outbox to publish every event")
+        wait_until(lambda: platform.procs["beat"].log().count("runs.repair") >= 2, timeout=60,
+                   what="beat to send its repair task")
+    finally:
+        platform.stop()
+
+    logs = {name: records(proc.log(), name) for name, proc in platform.procs.items()}
+    for name, proc in platform.procs.items():
+        assert secret not in proc.log(), f"{name} logged a run's input"
+
+    # The failed run's traceback is inside one record that carries its run id.
+    worker = logs["worker"]
+    with_traceback = [r for r in worker
+                      if r.get("run_id") == failed_id and "ExampleFailure" in r.get("traceback", "")]
+    assert with_traceback, "no worker record carries the failed run's traceback and run_id"
+    record = with_traceback[0]
+    assert record["traceback"].startswith("Traceback (most recent call last):")
+    assert "workers/examples.py" in record["traceback"]  # its frames, not only its type
+    assert record["tenant"] == platform.tenant
+    assert record["task_id"] == failed_id  # the Celery task id is the run id
+    assert record["level"] == "ERROR"
+
+    # Each process wrote records of its own, at INFO.
+    assert any(r["logger"] == "gunicorn.access" and "POST /v1/runs" in r["message"]
+               for r in logs["web"])
+    assert any("ready" in r["message"] for r in worker)
+    assert any("runs.repair" in r["message"] for r in logs["beat"])
+    dead_lettered = [r for r in logs["inbox"] if "dead-lettered" in r["message"]]
+    assert dead_lettered and dead_lettered[0]["tenant"] == platform.tenant
+    assert any("stopped" in r["message"] for r in logs["inbox"])
+    assert logs["outbox"]
+    for name, parsed in logs.items():
+        assert {"time", "level", "logger", "message"} <= set(parsed[0]), name
