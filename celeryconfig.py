@@ -5,11 +5,78 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
+AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
+# RabbitMQ closes the channel of a consumer that holds a message unacknowledged longer
+# than its consumer_timeout (30 min by default); with acks_late that is every run longer
+# than that. Poimen's liveness is the boot's advisory lock, not this timer, so by
+# default the consumer asks for a day (docs/rabbitmq.md).
+DEFAULT_AMQP_CONSUMER_TIMEOUT = "86400"
+
+
+def broker_scheme(broker_url: str) -> str:
+    """Return the scheme of ``broker_url`` (``redis``, ``amqp``, ...), lower-cased."""
+    return broker_url.split("://", 1)[0].lower() if "://" in broker_url else ""
+
 
 def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> dict:
-    """Return Celery's settings for ``broker_url``."""
+    """Return Celery's settings for ``broker_url``: common ones, then its broker's own."""
     env = os.environ if env is None else env
+    return {**_common_settings(broker_url, env), **broker_settings(broker_url, env)}
+
+
+def broker_settings(broker_url: str, env: Mapping[str, str]) -> dict:
+    """Return the settings that only mean something on ``broker_url``'s kind of broker."""
+    scheme = broker_scheme(broker_url)
+    if scheme in REDIS_SCHEMES:
+        return _redis_settings(env)
+    if scheme in AMQP_SCHEMES:
+        return _amqp_settings(env)
+    return {}
+
+
+def _redis_settings(env: Mapping[str, str]) -> dict:
     visibility = float(env.get("POIMEN_VISIBILITY_TIMEOUT", "3600"))
+    return {
+        # Redis redelivers a message not acked within visibility_timeout (even one
+        # still running); the sweep that does it runs every interval * throttle s.
+        "broker_transport_options": {
+            "visibility_timeout": visibility,
+            "unacked_restore_interval": int(env.get("POIMEN_UNACKED_RESTORE_INTERVAL", "10")),
+            "unacked_restore_throttle": int(env.get("POIMEN_UNACKED_RESTORE_THROTTLE", "10")),
+            # A hung or black-holed Redis must fail a publish, not hang it forever
+            # (redis-py waits without limit by default).
+            "socket_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
+            "socket_connect_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
+        },
+    }
+
+
+def amqp_consumer_arguments(env: Mapping[str, str]) -> dict:
+    """Return the ``basic.consume`` arguments of a worker's consumer on RabbitMQ."""
+    raw = env.get("POIMEN_AMQP_CONSUMER_TIMEOUT", DEFAULT_AMQP_CONSUMER_TIMEOUT).strip().lower()
+    if raw in ("", "0", "off", "server"):
+        return {}  # the server's consumer_timeout (or its queue policy) decides
+    return {"x-consumer-timeout": int(float(raw) * 1000)}
+
+
+def _amqp_settings(env: Mapping[str, str]) -> dict:
+    from kombu import Exchange, Queue
+
+    queue = env.get("POIMEN_QUEUE", "poimen")
+    return {
+        # RabbitMQ confirms each publish: a send that returns is in the broker, so an
+        # admitted run's message is not lost silently between commit and repair.
+        "broker_transport_options": {"confirm_publish": True},
+        # The default queue as Celery would declare it (a direct exchange of its own
+        # name), plus the consumer timeout runs need under acks_late. The argument is a
+        # consumer's, not the queue's: an existing queue needs no re-declaring.
+        "task_queues": [Queue(queue, Exchange(queue, type="direct"), routing_key=queue,
+                              consumer_arguments=amqp_consumer_arguments(env) or None)],
+    }
+
+
+def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
     return {
         "broker_url": broker_url,
         # Runs report through Postgres; no result backend to fill up.
@@ -24,17 +91,6 @@ def celery_settings(broker_url: str, env: Mapping[str, str] | None = None) -> di
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": int(env.get("CELERY_PREFETCH_MULTIPLIER", "1")),
-        # Redis redelivers a message not acked within visibility_timeout (even one
-        # still running); the sweep that does it runs every interval * throttle s.
-        "broker_transport_options": {
-            "visibility_timeout": visibility,
-            "unacked_restore_interval": int(env.get("POIMEN_UNACKED_RESTORE_INTERVAL", "10")),
-            "unacked_restore_throttle": int(env.get("POIMEN_UNACKED_RESTORE_THROTTLE", "10")),
-            # A hung or black-holed Redis must fail a publish, not hang it forever
-            # (redis-py waits without limit by default).
-            "socket_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
-            "socket_connect_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
-        },
         "broker_connection_retry_on_startup": True,
         # Flower shows received/started/succeeded only if workers send events.
         "worker_send_task_events": True,

@@ -33,11 +33,29 @@ def metrics_port() -> int | None:
 
 
 def queue_depths(celery_app) -> dict[str, int]:
-    """Messages waiting in the Celery queue (Redis: the list's length)."""
+    """Messages waiting in the Celery queue, on Redis or RabbitMQ.
+
+    A passive ``queue_declare`` asks the broker and creates nothing: kombu answers
+    it from the list's length on Redis, RabbitMQ from the queue itself (an ``llen``
+    fails on every scrape over amqp). A queue that does not exist holds nothing:
+    Redis drops an empty list, RabbitMQ has none until a worker declared it.
+    """
+    from kombu.exceptions import ChannelError
+
     queue = celery_app.conf.task_default_queue
     with celery_app.connection_for_read() as connection:
-        client = connection.default_channel.client
-        return {queue: client.llen(queue)}
+        connection.ensure_connection(max_retries=1)
+        # A channel of its own: RabbitMQ closes the channel a passive declare missed on.
+        channel = connection.channel()
+        try:
+            return {queue: channel.queue_declare(queue=queue, passive=True).message_count}
+        except ChannelError:
+            return {queue: 0}
+        finally:
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001 - already closed by the broker
+                pass
 
 
 def _count_in_shared_files() -> str:

@@ -1,0 +1,194 @@
+"""Poimen on RabbitMQ: web, worker and beat with ``CELERY_BROKER_URL=amqp://...``, real
+processes, the real broker (see conftest.py for where it comes from and how sessions are
+kept apart). Postgres and Redis stay where they are used for everything else.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import redis as redis_lib
+from celery import Celery
+from kombu import Connection
+
+from bridge.client import Runs
+from celeryconfig import celery_settings
+from tests.processes import Process, start_beat, start_web, start_worker, wait_until
+
+
+@pytest.fixture
+def processes():
+    started: list[Process] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def run_row(pg, run_id):
+    return pg.execute("SELECT status, attempt, takeovers FROM runs WHERE id = %s",
+                      [run_id]).fetchone()
+
+
+def events_of(pg, run_id) -> list[str]:
+    return [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+
+
+def amqp_queue_depth(url: str, queue: str) -> int | None:
+    """Messages in ``queue`` on RabbitMQ, or None if the queue does not exist there."""
+    from kombu.exceptions import ChannelError
+
+    with Connection(url) as conn:
+        conn.ensure_connection(max_retries=3)
+        channel = conn.channel()
+        try:
+            return channel.queue_declare(queue=queue, passive=True).message_count
+        except ChannelError:
+            return None
+
+
+def start_api(env, tmp_path, processes) -> str:
+    web, url = start_web(env, tmp_path, workers=1, threads=4, name="amqp-web")
+    processes.append(web)
+    return url
+
+
+def test_a_run_admitted_over_http_is_executed_through_rabbitmq(amqp_env, amqp_url, queue_name,
+                                                               tenant, pg, tmp_path, processes):
+    url = start_api(amqp_env, tmp_path, processes)
+    worker = start_worker(amqp_env, tmp_path, "amqp-worker")
+    processes.append(worker)
+    with Runs(url, tenant.token) as runs:
+        run = runs.admit("echo", {"broker": "rabbitmq"})
+        done = runs.wait(run.id, timeout=90)
+    assert done.status == "succeeded" and done.result == {"broker": "rabbitmq"}
+    assert events_of(pg, run.id) == ["run.admitted", "run.started", "run.succeeded"]
+    # The message went through RabbitMQ: the worker is connected there, and the session's
+    # queue exists there (drained), not in Redis.
+    assert f"Connected to amqp://guest:**@127.0.0.1:5672{urlsplit(amqp_url).path}" in worker.log()
+    assert amqp_queue_depth(amqp_url, queue_name) == 0
+
+
+def test_beat_re_sends_a_run_whose_message_rabbitmq_lost(amqp_env, amqp_url, queue_name, tenant,
+                                                         pg, tmp_path, processes):
+    """Admit with no worker, purge the queue (the message is lost), then start a worker and
+    beat: beat's repair finds the queued run over amqp and re-sends it; it runs once."""
+    env = {**amqp_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "2"}
+    url = start_api(env, tmp_path, processes)
+    with Runs(url, tenant.token) as runs:
+        run = runs.admit("echo", {"lost": True})
+    wait_until(lambda: amqp_queue_depth(amqp_url, queue_name) == 1, timeout=30,
+               what="the run's message in RabbitMQ")
+    with Connection(amqp_url) as conn:
+        assert conn.default_channel.queue_purge(queue_name) == 1
+    processes.append(start_worker(env, tmp_path, "amqp-worker"))
+    processes.append(start_beat(env, tmp_path, "amqp-beat"))
+    wait_until(lambda: run_row(pg, run.id)[0] == "succeeded", timeout=90,
+               what="beat to re-send the lost run and the worker to finish it")
+    assert events_of(pg, run.id).count("run.started") == 1
+
+
+def test_kill_9_of_a_worker_mid_run_resumes_the_run_exactly_once(amqp_env, tenant, side_effects,
+                                                                 pg, tmp_path, processes):
+    """SIGKILL the worker running a run: RabbitMQ re-delivers the unacked message, the
+    rescuer takes the dead boot's claim over and finishes the run: one resume, one finish."""
+    env = {**amqp_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    url = start_api(env, tmp_path, processes)
+    victim = start_worker(env, tmp_path, "amqp-victim")
+    processes.append(victim)
+    with Runs(url, tenant.token) as runs:
+        run = runs.admit("blind", {"seconds": 3})
+    run_id = uuid.UUID(run.id)
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    victim.kill()
+    assert side_effects(run_id, "finish") == 0
+
+    processes.append(start_worker(env, tmp_path, "amqp-rescuer"))
+    processes.append(start_beat(env, tmp_path, "amqp-beat"))
+    wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=120,
+               what="the run to be resumed and succeed")
+    assert run_row(pg, run_id)[1:] == (2, 1)  # attempt 2, one takeover
+    assert side_effects(run_id, "start") == 2 and side_effects(run_id, "finish") == 1
+    events = events_of(pg, run_id)
+    assert events.count("run.resumed") == 1 and events.count("run.succeeded") == 1
+
+
+# -- queue depth on both brokers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_queue_depth_answers_on_both_brokers(broker, base_env, request):
+    """What the queue-depth gauge reads (``workers.metrics.queue_depths``), on each broker:
+    0 for a queue nobody declared yet, then the messages waiting, with no consumer."""
+    from workers.metrics import queue_depths
+
+    url = base_env["REDIS_URL"] if broker == "redis" else request.getfixturevalue("amqp_url")
+    queue = f"poimen-depth-{uuid.uuid4().hex[:8]}"
+    app = Celery("depth", set_as_current=False)
+    app.config_from_object(celery_settings(url, {"POIMEN_QUEUE": queue}))
+    try:
+        assert queue_depths(app) == {queue: 0}
+        for n in range(3):
+            app.send_task("poimen.depth-probe", args=[n])
+        wait_until(lambda: queue_depths(app) == {queue: 3}, timeout=20,
+                   what=f"three messages counted on {broker}")
+    finally:
+        if broker == "redis":
+            client = redis_lib.Redis.from_url(url)
+            client.delete(queue)
+            client.close()
+        else:
+            with Connection(url) as conn:
+                conn.default_channel.queue_delete(queue)
+        app.close()
+
+
+# -- RabbitMQ's consumer_timeout ---------------------------------------------------------------
+
+
+def consumer_arguments(amqp_url: str, queue: str) -> list[str]:
+    vhost = unquote(urlsplit(amqp_url).path[1:]) or "/"
+    out = subprocess.run(["rabbitmqctl", "-q", "list_consumers", "-p", vhost,
+                          "queue_name", "arguments"], capture_output=True, text=True,
+                         timeout=60).stdout
+    return [line for line in out.splitlines() if line.startswith(queue + "\t")]
+
+
+@pytest.mark.skipif(not shutil.which("rabbitmqctl"), reason="needs rabbitmqctl on this machine")
+def test_the_workers_consumer_asks_for_the_configured_consumer_timeout(amqp_env, amqp_url,
+                                                                       queue_name, tmp_path,
+                                                                       processes):
+    """With acks_late a run holds its message unacked for its whole length; the worker's
+    consumer carries ``x-consumer-timeout`` (POIMEN_AMQP_CONSUMER_TIMEOUT, seconds) so
+    RabbitMQ (3.12+; see docs/rabbitmq.md for older servers) does not close its channel
+    under a run longer than the server's default 30 minutes."""
+    if urlsplit(amqp_url).hostname not in ("127.0.0.1", "localhost"):
+        pytest.skip("rabbitmqctl only sees a local broker")
+    env = {**amqp_env, "POIMEN_AMQP_CONSUMER_TIMEOUT": "7200"}
+    processes.append(start_worker(env, tmp_path, "amqp-timeout"))
+    lines = wait_until(lambda: consumer_arguments(amqp_url, queue_name), timeout=60,
+                       what="the worker's consumer on RabbitMQ")
+    assert len(lines) == 1
+    assert "x-consumer-timeout" in lines[0] and "7200000" in lines[0], lines[0]
+
+
+def test_broker_settings_apply_only_to_their_broker():
+    env = {"POIMEN_QUEUE": "q", "POIMEN_VISIBILITY_TIMEOUT": "99"}
+    redis_conf = celery_settings("rediss://h:6380/0", env)
+    assert redis_conf["broker_transport_options"]["visibility_timeout"] == 99.0
+    assert "task_queues" not in redis_conf
+    amqp_conf = celery_settings("amqp://guest:guest@h:5672//", env)
+    assert amqp_conf["broker_transport_options"] == {"confirm_publish": True}
+    (queue,) = amqp_conf["task_queues"]
+    assert (queue.name, queue.routing_key, queue.exchange.name) == ("q", "q", "q")
+    assert queue.consumer_arguments == {"x-consumer-timeout": 86_400_000}
+    off = celery_settings("amqp://h//", {**env, "POIMEN_AMQP_CONSUMER_TIMEOUT": "0"})
+    assert off["task_queues"][0].consumer_arguments is None
+    assert "broker_transport_options" not in celery_settings("sqs://", env)
+    # The settings every broker shares are the same on each.
+    for name in ("task_acks_late", "task_reject_on_worker_lost", "task_default_queue"):
+        assert redis_conf[name] == amqp_conf[name]
