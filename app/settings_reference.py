@@ -207,6 +207,9 @@ SETTINGS: tuple[Setting, ...] = (
          "everyone out. See docs/console.md."),
     # -- dev
     _dev("POIMEN_DEV_DIR", ".poimen", DEV, "Where `poimen-dev` keeps the embedded services' state."),
+    _dev("POIMEN_CONSOLE_SCREENSHOT", "", DEV,
+         "Tests only: where `tests/console` copies its screenshot of a run's page "
+         "(`docs/img/console-run.png` refreshes the README's picture)."),
 )
 
 PROCESS_NOTES = {
