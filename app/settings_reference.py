@@ -132,6 +132,10 @@ SETTINGS: tuple[Setting, ...] = (
             "The sweep runs every interval x throttle seconds."),
     _celery("POIMEN_BROKER_SOCKET_TIMEOUT", "5", (*CELERY, CLI),
             "Redis socket timeouts, seconds: a hung broker fails a send instead of hanging it."),
+    _celery("POIMEN_AMQP_CONSUMER_TIMEOUT", "86400", (*CELERY, CLI),
+            "RabbitMQ only: seconds a worker's consumer may hold a run's message unacknowledged "
+            "(`x-consumer-timeout`, honoured by RabbitMQ 3.12+); must exceed the longest run. "
+            "`0`: the server's `consumer_timeout` decides. See docs/rabbitmq.md."),
     _celery("CELERY_PREFETCH_MULTIPLIER", "1", WORKER,
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", "0", (*CELERY, CLI),
@@ -207,6 +211,9 @@ SETTINGS: tuple[Setting, ...] = (
          "everyone out. See docs/console.md."),
     # -- dev
     _dev("POIMEN_DEV_DIR", ".poimen", DEV, "Where `poimen-dev` keeps the embedded services' state."),
+    _dev("POIMEN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//", DEV,
+         "Tests only: the RabbitMQ `tests/rabbitmq` uses (the default only if its port answers; "
+         "otherwise those tests are skipped, loudly)."),
     _dev("POIMEN_CONSOLE_SCREENSHOT", "", DEV,
          "Tests only: where `tests/console` copies its screenshot of a run's page "
          "(`docs/img/console-run.png` refreshes the README's picture)."),
