@@ -130,3 +130,42 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
         for proc in reversed(started):
             proc.stop()
             print(f"--- {proc.name} ---\n{proc.log()[-4000:]}")
+
+
+# -- the rules replay applies to each dead letter (no broker needed) ---------------------------
+
+
+def test_since_takes_an_iso_time_or_an_age():
+    from datetime import UTC, datetime, timedelta
+
+    from bridge.dlq import parse_since
+
+    now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    assert parse_since("2026-11-29T10:00:00Z", now) == datetime(2026, 11, 29, 10, tzinfo=UTC)
+    assert parse_since("2026-11-29T10:00:00", now) == datetime(2026, 11, 29, 10, tzinfo=UTC)
+    assert parse_since("90m", now) == now - timedelta(minutes=90)
+    assert parse_since("7d", now) == now - timedelta(days=7)
+    with pytest.raises(ValueError, match="--since"):
+        parse_since("yesterday", now)
+
+
+def test_what_replay_publishes_for_each_kind_of_dead_letter():
+    from bridge.dlq import DeadLetter, replay_request
+
+    def letter(value: bytes | None, **dlq: str) -> DeadLetter:
+        origin = {"origin.topic": "poimen.t.dispatch", "origin.partition": "3",
+                  "origin.offset": "41"}
+        return DeadLetter(0, 0, 0, None, value, [], {"reason": "http_422", **origin, **dlq})
+
+    keyed = b'{"workflow_ref": "echo", "dispatch_key": "k1"}'
+    assert replay_request(letter(keyed)) == (keyed, "")
+    # A keyless message gets the key its first delivery was admitted under.
+    body, why = replay_request(letter(b'{"workflow_ref": "echo", "input": {}}'))
+    assert why == "" and json.loads(body)["dispatch_key"] == "kafka:poimen.t.dispatch:3:41"
+    assert replay_request(letter(b'{"workflow_ref": "echo", "dispatch_key": null}'))[0] is not None
+    # Never replayed: a cut value, a value that is no run request, a keyless one of unknown origin.
+    assert replay_request(letter(keyed, truncated="value")) == (None, "truncated")
+    assert replay_request(letter(b"not json")) == (None, "never_a_run:invalid_json")
+    assert replay_request(letter(None)) == (None, "never_a_run:no_value")
+    orphan = DeadLetter(0, 0, 0, None, b'{"workflow_ref": "echo"}', [], {"reason": "x"})
+    assert replay_request(orphan) == (None, "keyless_without_origin")
