@@ -69,26 +69,27 @@ SETTINGS: tuple[Setting, ...] = (
           "(app.json does). Applied to Celery's `broker_use_ssl` and to redis-py."),
     _core("POIMEN_REDIS_SSL_CA_CERTS", "", (*CELERY, CLI),
           "For a `rediss://` broker: a CA bundle file to verify the server's certificate with."),
-    _core("KAFKA_BOOTSTRAP_SERVERS", "KAFKA_URL", (INBOX, OUTBOX, CLI, DEV),
-          "Kafka-protocol brokers, `host:port,...`. Required by the relays (else `KAFKA_URL`)."),
-    _core("KAFKA_*", "", (INBOX, OUTBOX, CLI),
+    _core("KAFKA_BOOTSTRAP_SERVERS", "KAFKA_URL", (WEB, INBOX, OUTBOX, CLI, DEV),
+          "Kafka-protocol brokers, `host:port,...`. Required by the relays (else `KAFKA_URL`); "
+          "`web` uses it for the console's dead-letter page only."),
+    _core("KAFKA_*", "", (WEB, INBOX, OUTBOX, CLI),
           "Any other `KAFKA_<NAME>` is the librdkafka setting `<name>` with `_` as `.` "
           "(`KAFKA_SECURITY_PROTOCOL=SASL_SSL` -> `security.protocol`); it wins over a "
           "translated Heroku value. Credentials are shown as `***` in logs."),
     # -- Heroku
-    _heroku("KAFKA_URL", "", (INBOX, OUTBOX, CLI),
+    _heroku("KAFKA_URL", "", (WEB, INBOX, OUTBOX, CLI),
             "Apache Kafka on Heroku: `kafka+ssl://host:port,...`. Used when "
             "`KAFKA_BOOTSTRAP_SERVERS` is unset: the list becomes `host:port,...` and "
             "`kafka+ssl` sets `security.protocol=SSL`."),
-    _heroku("KAFKA_TRUSTED_CERT", "", (INBOX, OUTBOX, CLI),
+    _heroku("KAFKA_TRUSTED_CERT", "", (WEB, INBOX, OUTBOX, CLI),
             "PEM of the CA that signed the brokers: librdkafka `ssl.ca.pem`. Host names are not "
             "verified against it (`ssl.endpoint.identification.algorithm=none`: Heroku's broker "
             "certificates do not name the hosts); the chain is."),
-    _heroku("KAFKA_CLIENT_CERT", "", (INBOX, OUTBOX, CLI),
+    _heroku("KAFKA_CLIENT_CERT", "", (WEB, INBOX, OUTBOX, CLI),
             "PEM client certificate: librdkafka `ssl.certificate.pem`."),
-    _heroku("KAFKA_CLIENT_CERT_KEY", "", (INBOX, OUTBOX, CLI),
+    _heroku("KAFKA_CLIENT_CERT_KEY", "", (WEB, INBOX, OUTBOX, CLI),
             "PEM client key: librdkafka `ssl.key.pem`."),
-    _heroku("KAFKA_PREFIX", "", (INBOX, OUTBOX, CLI, DEV),
+    _heroku("KAFKA_PREFIX", "", (WEB, INBOX, OUTBOX, CLI, DEV),
             "Heroku multi-tenant plans: put in front of every topic name "
             "(`acme.` + `poimen.<tenant>.dispatch`) and consumer group (`acme.poimen-inbox`)."),
     # -- processes

@@ -58,4 +58,18 @@ def init_console(app: Flask) -> None:
         SESSION_COOKIE_SAMESITE="Strict",
     )
     app.session_interface = ConsoleSessionInterface()
+    app.config["POIMEN_CONSOLE_KAFKA"] = _kafka_settings()
     app.register_blueprint(views.bp)
+
+
+def _kafka_settings() -> dict | None:
+    """The inbox page's Kafka client settings, topic prefix and group; None without Kafka."""
+    from bridge.dlq import REPLAY_GROUP
+    from bridge.kafka import client_settings
+    from bridge.topics import consumer_group, topic_prefix
+
+    try:
+        settings = client_settings()
+    except SystemExit:  # no KAFKA_BOOTSTRAP_SERVERS nor KAFKA_URL: the page says so
+        return None
+    return {"settings": settings, "prefix": topic_prefix(), "group": consumer_group(REPLAY_GROUP)}

@@ -7,9 +7,10 @@ with a key derived from the failed run, and the rest is ``reads.py``.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from flask import (
@@ -306,3 +307,95 @@ def redrive(run_id: str):
     log.info("console: re-drive of run %s as %s by token %s (%s)", run.id, new_id,
              principal.token_id, "created" if admission.created else "replayed")
     return redirect(url_for("console.run", run_id=new_id), 303)
+
+
+# -- the inbox's dead letters ------------------------------------------------------------------
+
+# Dead letters a page reads at most (a web request must end within gunicorn's
+# timeout); a bigger DLQ is replayed with `flask topics replay-dlq`.
+MAX_LETTERS = 1000
+KAFKA_ERRORS_NOTE = "Kafka did not answer; try again (or use `flask --app app topics replay-dlq`)"
+
+
+def _kafka() -> dict:
+    kafka = current_app.config["POIMEN_CONSOLE_KAFKA"]
+    if kafka is None:
+        raise ConsoleError(503, "kafka_not_configured",
+                           "this web process has no KAFKA_BOOTSTRAP_SERVERS (or KAFKA_URL)")
+    return kafka
+
+
+@bp.get("/inbox")
+@signed_in
+def inbox():
+    from confluent_kafka import KafkaException
+
+    from bridge.dlq import read_dead_letters, replay_request
+    from bridge.topics import dead_letter_topic
+
+    kafka = _kafka()
+    reason = request.args.get("reason", "").strip() or None
+    topic = dead_letter_topic(kafka["prefix"], g.principal.tenant_name)
+    letters, by_reason, read = [], {}, 0
+    try:
+        for letter in read_dead_letters(kafka["settings"], topic, kafka["group"], timeout=10):
+            read += 1
+            by_reason[letter.reason or "-"] = by_reason.get(letter.reason or "-", 0) + 1
+            if reason is None or letter.reason == reason:
+                letters.append(_letter_row(letter, replay_request(letter)))
+            if read >= MAX_LETTERS:
+                break
+    except (KafkaException, TimeoutError, RuntimeError) as err:
+        raise ConsoleError(503, "kafka_unavailable", KAFKA_ERRORS_NOTE,
+                           {"reason": type(err).__name__}) from err
+    return render_template("console/inbox.html", topic=topic, letters=letters,
+                           by_reason=dict(sorted(by_reason.items())), reason=reason,
+                           capped=read >= MAX_LETTERS, max_letters=MAX_LETTERS)
+
+
+def _letter_row(letter, replayable: tuple[bytes | None, str]) -> dict[str, Any]:
+    """What the page shows of a dead letter: where, why, which run it asks for; never its input."""
+    value, why = replayable
+    body: dict[str, Any] = {}
+    try:
+        body = json.loads(value or letter.value or b"{}")
+    except ValueError:
+        pass
+    body = body if isinstance(body, dict) else {}
+    origin = letter.origin
+    return {
+        "partition": letter.partition, "offset": letter.offset,
+        "at": datetime.fromtimestamp(letter.timestamp_ms / 1000, UTC)
+        if letter.timestamp_ms > 0 else None,
+        "reason": letter.reason or "-", "detail": letter.dlq.get("detail", ""),
+        "origin": f"{origin[0]}[{origin[1]}]@{origin[2]}" if origin else "-",
+        "workflow_ref": str(body.get("workflow_ref", "-"))[:200],
+        "dispatch_key": str(body.get("dispatch_key", "-"))[:255],
+        "replayable": value is not None, "why_not": why,
+    }
+
+
+@bp.post("/inbox/replay")
+@signed_in
+def replay_inbox():
+    from confluent_kafka import KafkaException
+
+    from bridge.dlq import replay_dead_letters
+
+    principal = g.principal
+    if not principal.allows(ADMIT):
+        raise ConsoleError(403, "forbidden", "this token may not create runs")
+    kafka = _kafka()
+    reason = request.form.get("reason", "").strip() or None
+    try:
+        # The operator's replay (flask topics replay-dlq): safe to repeat, a message
+        # keeps its dispatch key (a keyless one gets the key of its origin).
+        report = replay_dead_letters(kafka["settings"], kafka["prefix"], principal.tenant_name,
+                                     group=kafka["group"], reason=reason, timeout=10)
+    except (KafkaException, TimeoutError, RuntimeError) as err:
+        raise ConsoleError(503, "kafka_unavailable", KAFKA_ERRORS_NOTE,
+                           {"reason": type(err).__name__}) from err
+    flash(report.summary(dry_run=False) + ".", "ok")
+    log.info("console: DLQ replay of tenant %s (reason %s) by token %s: %d replayed",
+             principal.tenant_name, reason or "any", principal.token_id, report.replayed)
+    return redirect(url_for("console.inbox", **({"reason": reason} if reason else {})), 303)

@@ -312,7 +312,7 @@ def test_without_a_session_every_page_redirects_to_sign_in_and_back(console, api
     creds = make_tenant()
     run_id = _admit(api, creds, "echo", {})
     for path in ("/console/", "/console/runs", f"/console/runs/{run_id}",
-                 "/console/runs?status=failed"):
+                 "/console/runs?status=failed", "/console/inbox"):
         response = requests.get(console.url + path, allow_redirects=True, timeout=30)
         assert response.url.startswith(f"{console.url}/console/sign-in"), path
         assert 'id="token"' in response.text
@@ -400,7 +400,7 @@ def test_the_pages_load_nothing_from_outside_the_app(console, api, run_until, ma
 
     console.sign_in(creds.token)
     pages = ["/console/runs", f"/console/runs/{failed}", "/console/runs?status=failed",
-             f"/console/runs/{uuid.uuid4()}", "/console/no-such-page"]
+             f"/console/runs/{uuid.uuid4()}", "/console/no-such-page", "/console/inbox"]
     for path in pages:
         console.open(path)
         # The stylesheet was served and applied: the header has its colour.
