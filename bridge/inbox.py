@@ -188,6 +188,9 @@ class InboxMetrics:
                                 "Messages the API admitted as new runs (201).", registry=r)
         self.replayed = Counter("poimen_inbox_replayed_total",
                                 "Messages admission recognised as a replay (200).", registry=r)
+        # The name every process family's docs use for dead letters (docs/metrics.md).
+        self.dlq = Counter("poimen_dlq_total", "Messages written to a dead-letter topic, by reason.",
+                           ["reason"], registry=r)
         self.dead_lettered = Counter("poimen_inbox_dead_lettered_total",
                                      "Messages written to the dead-letter topic, by reason.",
                                      ["reason"], registry=r)
@@ -758,6 +761,7 @@ class Inbox:
             m.replayed.inc()
         elif kind is OutcomeKind.DEAD_LETTERED:
             m.dead_lettered.labels(outcome.reason).inc()
+            m.dlq.labels(outcome.reason).inc()
             log.warning("dead-lettered %s (message fault): reason=%s status=%s %s", _where(msg),
                         outcome.reason, outcome.status or "-", outcome.detail)
         else:

@@ -16,7 +16,7 @@ import uuid
 import requests
 
 from tests.ops.platform import start_platform
-from tests.processes import wait_until
+from tests.processes import metric, wait_until
 
 
 def records(text: str, name: str) -> list[dict]:
@@ -68,6 +68,7 @@ def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
         inbox = platform.procs["inbox"]
         wait_until(lambda: "dead-lettered" in inbox.log(), timeout=60,
                    what="the unknown workflow's message to be dead-lettered")
+        assert metric(platform.metrics_url("inbox"), "poimen_dlq_total", reason="http_422") == 1
         # The outbox shipped every event; beat sent its repair task at least twice.
         wait_until(lambda: pg.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL")
                    .fetchone()[0] == 0, timeout=60, what="the outbox to publish every event")
