@@ -7,7 +7,8 @@ no process has registered yet (the API's 422), two trip a bug in the relay
 (``POIMEN_INBOX_TEST_RAISE_ON``: dead-lettered as ``internal_error`` after three
 tries), one of those without a ``dispatch_key``. The fix is deployed (a web
 process that registers the workflow, a relay without the bug), the DLQ is
-replayed: one run each. Replayed again: no new run.
+replayed: one run each. Replayed again: no new run. Heroku's ``KAFKA_PREFIX`` is
+set throughout, so the prefixed topic and group names are exercised too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
+from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic, topic_prefix
 from tests.processes import ROOT, metric, start_inbox, start_web, wait_until
 
 pytestmark = pytest.mark.slow
@@ -49,11 +50,13 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
     service, tenant = make_tenant(service=True), make_tenant()
     tag = uuid.uuid4().hex[:8]
     late_flow = f"late-{tag}"
-    prefix = f"dlq{tag}"
     bootstrap = test_env["KAFKA_BOOTSTRAP_SERVERS"]
-    env = {**test_env, "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"inbox-dlq-{tag}",
-           "POIMEN_API_TOKEN": service.token, "POIMEN_INBOX_BACKOFF_INITIAL": "0.2",
-           "POIMEN_INBOX_BACKOFF_MAX": "1", "POIMEN_INBOX_METADATA_REFRESH_MS": "1000"}
+    env = {**test_env, "KAFKA_PREFIX": f"hk{tag}.", "POIMEN_TOPIC_PREFIX": "dlq",
+           "POIMEN_INBOX_GROUP": "inbox-dlq", "POIMEN_API_TOKEN": service.token,
+           "POIMEN_INBOX_BACKOFF_INITIAL": "0.2", "POIMEN_INBOX_BACKOFF_MAX": "1",
+           "POIMEN_INBOX_METADATA_REFRESH_MS": "1000"}
+    prefix = topic_prefix(env)
+    assert prefix == f"hk{tag}.dlq"
     declare_topics(bootstrap, prefix, [tenant.name], 1)
     started = []
     try:
@@ -77,6 +80,9 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
         assert tenant_runs(pg, tenant.name) == []
         relay.stop()
         web.stop()
+        # The relay consumed as the prefixed group, and committed past the dead letters.
+        from tests.bridge.test_inbox_relay import committed
+        assert committed(bootstrap, f"hk{tag}.inbox-dlq", dispatch_topic(prefix, tenant.name)) == [3]
 
         # A dry run lists the three and publishes nothing.
         listing = replay(env, tenant.name, "--dry-run")
