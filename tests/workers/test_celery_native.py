@@ -158,6 +158,15 @@ def flower_state(flower, run_id) -> str | None:
     return info and info.get("state")
 
 
+READY_STATES = {"SUCCESS", "FAILURE", "REVOKED"}
+
+
+def flower_verdict(flower, run_id, what: str, timeout: float = 120) -> dict:
+    """Wait until Flower shows ``run_id``'s task in a ready state; return its info."""
+    return wait_until(lambda: (flower_state(flower, run_id) in READY_STATES) and flower(run_id),
+                      timeout=timeout, what=what)
+
+
 # -- 1. Flower and `celery events` tell the run's outcome ------------------------------------
 
 def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path, processes,
@@ -170,8 +179,8 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
     processes.append(worker)
 
     failed = admit("fail", {"message": "secret input text"})
-    info = wait_until(lambda: flower_state(flower, failed) == "FAILURE" and flower(failed),
-                      timeout=120, what="Flower to show the failed run as FAILURE")
+    info = flower_verdict(flower, failed, "Flower to show the failed run's task ready")
+    assert info["state"] == "FAILURE", info
     assert run_row(pg, failed)[0] == "failed"
     assert info["name"] == "runs.execute[fail@1]"
     assert "RunFailed" in info["exception"] and "secret input text" not in info["exception"]
@@ -181,8 +190,7 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
     assert "secret input text" not in worker.log()
 
     succeeded = admit("echo", {"n": 1})
-    wait_until(lambda: flower_state(flower, succeeded) == "SUCCESS", timeout=60,
-               what="Flower to show the succeeded run as SUCCESS")
+    assert flower_verdict(flower, succeeded, "the succeeded run's task")["state"] == "SUCCESS"
 
     # A duplicate delivery of the finished run does no work: no SUCCESS for it.
     # One worker process takes messages in order, so once a later run has
@@ -199,8 +207,7 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
 
     # A workflow exception with attempts left: RETRY, then the retry's SUCCESS.
     flaky = admit("flaky", {"failures": 1})
-    wait_until(lambda: flower_state(flower, flaky) == "SUCCESS", timeout=60,
-               what="the flaky run to end SUCCESS in Flower")
+    assert flower_verdict(flower, flaky, "the flaky run's task")["state"] == "SUCCESS"
     assert run_row(pg, flaky)[:3] == ("succeeded", 2, 1)
     assert task_events.of(flaky).count("task-retried") == 1
     assert task_events.of(flaky).count("task-succeeded") == 1
@@ -211,8 +218,7 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
                what="the long run to start")
     assert client.post(f"/v1/runs/{cancelled}/cancel", headers=tenant.headers).status_code \
         in (200, 202)
-    wait_until(lambda: flower_state(flower, cancelled) == "REVOKED", timeout=60,
-               what="Flower to show the cancelled run as REVOKED")
+    assert flower_verdict(flower, cancelled, "the cancelled run's task")["state"] == "REVOKED"
     assert run_row(pg, cancelled)[0] == "cancelled"
     assert "task-succeeded" not in task_events.of(cancelled)
 
