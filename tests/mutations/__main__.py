@@ -4,7 +4,8 @@ Needs the test services' environment (``make mutations`` provides it). For each
 mutant: copy the tree (tracked and untracked, not ignored files) to a scratch
 directory, apply the edit there, run its tests, and record whether they failed
 (killed) or passed (survived). Prints mutant -> verdict -> killing test ->
-seconds; exits 1 if any mutant survived or is stale, 0 otherwise.
+seconds; exits 1 if any mutant survived, is stale, or is invalid (its tests
+failed only because the mutant does not run: bad SQL, bad Python), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def apply(mutant: Mutant, dest: Path) -> str | None:
     return None
 
 
+# A kill by one of these is the mutant failing to run (bad SQL, bad Python), not the
+# witness catching a broken rule: the gate reports such a mutant INVALID and fails.
+CRASH = re.compile(r"\b(SyntaxError|IndentationError|NameError|ImportError|"
+                   r"ModuleNotFoundError|ProgrammingError|AmbiguousParameter|"
+                   r"UndefinedColumn|UndefinedFunction|UndefinedTable|"
+                   r"DatatypeMismatch|IndeterminateDatatype)\b")
+
+
 def run_one(mutant: Mutant, files: list[str], timeout: float) -> tuple[str, str, float]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"poimen-mutant-{mutant.name}-") as tmp:
@@ -62,18 +71,25 @@ def run_one(mutant: Mutant, files: list[str], timeout: float) -> tuple[str, str,
         stale = apply(mutant, dest)
         if stale:
             return "STALE", stale, time.monotonic() - started
-        env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1",
+               "COLUMNS": "1000"}  # summary lines uncut: the gate reads why a test failed
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider",
                  "-o", "addopts=", *mutant.tests],
                 cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return "KILLED", "timeout (the tests hung on the mutant)", time.monotonic() - started
     elapsed = time.monotonic() - started
     if proc.returncode == 1:
-        failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M) or ["(a test failed)"]
-        return "KILLED", failed[0], elapsed
+        failed = re.findall(r"^FAILED (.+?)(?: - (.*))?$", proc.stdout, re.M)
+        if not failed:
+            return "KILLED", "(a test failed)", elapsed
+        test, why = failed[0]
+        if CRASH.search(why or ""):
+            # A mutant that does not even run proves nothing about the witness.
+            return "INVALID", f"{test} crashed on the mutant: {why[:160]}", elapsed
+        return "KILLED", test, elapsed
     if proc.returncode == 0:
         return "SURVIVED", "every selected test passed", elapsed
     # 2-5: interrupted, internal error, usage error, no tests: the gate is broken.
