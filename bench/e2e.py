@@ -1,0 +1,454 @@
+"""Benchmark: Kafka message -> run ``succeeded``, against plain Celery and a naive bridge.
+
+    python bench/e2e.py [--messages 5000] [--partitions 4] [--no-record]
+
+Three cases in one invocation, on the same services, each with a worker of
+``--concurrency 2`` (prefork) on a queue of its own:
+
+* **Poimen** — the platform as the Procfile runs it: gunicorn (2 workers x 4
+  threads, ``gunicorn.conf.py``), ``celery -A workers worker``, ``python -m
+  bridge.inbox`` and ``python -m bridge.outbox``. ``--messages`` dispatch
+  messages for the built-in ``noop`` workflow, each with its own
+  ``dispatch_key``, are produced over ``--partitions`` partitions as fast as the
+  producer goes *while everything runs*; the clock goes from the first produce
+  to the moment ``SELECT count(*) ... WHERE status = 'succeeded'`` (polled every
+  50 ms) reaches ``--messages``. A message's latency is the run's
+  ``finished_at`` minus the moment it was produced (both clocks are this
+  machine's). Then a **paced** phase offers messages at half the measured rate
+  for ``--paced-seconds``: its p50/p99 are the latency "at that load" (the
+  burst's latency is mostly time spent queued behind the burst).
+* **plain Celery** — ``bench/plain_celery_app.py`` (the same Celery settings,
+  one ``INCR`` as the task body): ``apply_async`` from one thread, clock from the
+  first send until the counter reaches the count.
+* **naive bridge** — what teams write first: one consumer (a process of its
+  own, ``--naive-bridge``) that, for each message, calls ``apply_async`` of the
+  same no-op task with the message's request and commits the offset
+  synchronously. No admission, no dedup: a redelivered message is a second
+  execution. Clock from the first produce until the counter reaches the count.
+
+Printed: rates, Poimen's p50/p99 message-to-succeeded latency (burst and
+paced), ratios (targets: Poimen >= 0.6x plain Celery, >= 1.2x the naive bridge,
+p99 <= 2 s at the paced load, zero duplicates), and duplicates: for Poimen,
+runs beyond one per message plus executions beyond one per run (``run.started``
+events); for the others, executions beyond the count. Load average is printed
+before and after. The result is appended to bench/RESULTS.md under "End to
+end" unless ``--no-record`` (or ``BENCH_NO_RECORD=1``): smoke runs with tiny
+counts must not be recorded, and a benchmark is run alone on the machine.
+
+The benchmark owns what it creates (a ``poimen_bench_<id>`` database, topics
+under a private prefix, queues, a counter key, child processes) and removes the
+database, queues and keys on the way out, error or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import redis as redis_lib  # noqa: E402
+
+from bench._common import (  # noqa: E402
+    append_result,
+    bench_database,
+    libpq_url,
+    log_directory,
+    stop_on_sigterm,
+)
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+SECTION = "## End to end: Kafka message to succeeded (bench/e2e.py)"
+POLL_S = 0.05
+CONCURRENCY = 2
+
+
+@dataclass
+class Case:
+    name: str
+    count: int
+    seconds: float
+    duplicates: int
+    load_before: str
+    load_after: str
+    latencies: list[float] | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds
+
+
+def load_average() -> str:
+    """The one-minute load average, as RESULTS.md's "before X, after Y" lines give it."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+
+
+def wait_for(count, target: int, timeout: float, what: str) -> float:
+    """Poll ``count()`` until it reaches ``target``; return that moment (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while (seen := count()) < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: only {seen}/{target} after {timeout:.0f} s")
+        time.sleep(POLL_S)
+    return time.monotonic()
+
+
+# -- Kafka ------------------------------------------------------------------------------------
+
+def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, phase: str,
+            rate: float = 0.0) -> float:
+    """Produce dispatch messages ``first..first+n-1`` (paced at ``rate``/s if set); return
+    the monotonic time of the first produce."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "acks": "all"})
+    started = time.monotonic()
+    for k in range(n):
+        if rate:
+            delay = started + k / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        i = first + k
+        value = json.dumps({"workflow_ref": "noop", "dispatch_key": f"e2e-{i}",
+                            "input": {"i": i, "phase": phase, "t": time.time()}}).encode()
+        while True:
+            try:
+                producer.produce(topic, value, key=f"e2e-{i}".encode(), partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    if producer.flush(120):
+        raise RuntimeError("the broker did not acknowledge every dispatch message")
+    return started
+
+
+def naive_bridge() -> int:
+    """``--naive-bridge``: consume -> apply_async -> commit, one message at a time."""
+    from confluent_kafka import Consumer
+
+    from bench import plain_celery_app
+
+    stop_on_sigterm()
+    consumer = Consumer({"bootstrap.servers": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
+                         "group.id": os.environ["BENCH_NAIVE_GROUP"],
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    consumer.subscribe([os.environ["BENCH_NAIVE_TOPIC"]])
+    task = plain_celery_app.app.tasks[plain_celery_app.TASK_NAME]
+    try:
+        while True:
+            msg = consumer.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            task.apply_async(kwargs={"request": json.loads(msg.value())})
+            consumer.commit(msg, asynchronous=False)
+    finally:
+        consumer.close()
+
+
+# -- the cases ----------------------------------------------------------------------------------
+
+def credentials(env: dict[str, str]) -> str:
+    """Create the tenant ``e2e``; return an admit-only service token for the inbox."""
+    code = (
+        "from app import create_app\n"
+        "from app.tenants import create_tenant, create_token\n"
+        "with create_app().app_context():\n"
+        "    create_tenant('e2e'); print(create_token(None, True, label='bench/e2e.py', "
+        "scope='admit'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[-1]
+
+
+def poimen_counts(db: str) -> tuple[int, int, int]:
+    """(succeeded runs, runs, run.started events)."""
+    with psycopg.connect(db) as conn:
+        return conn.execute(
+            "SELECT (SELECT count(*) FROM runs WHERE status = 'succeeded'), "
+            "(SELECT count(*) FROM runs), "
+            "(SELECT count(*) FROM outbox WHERE event_type = 'run.started')").fetchone()
+
+
+def latencies(db: str, phase: str) -> list[float]:
+    with psycopg.connect(db) as conn:
+        return [row[0] for row in conn.execute(
+            "SELECT extract(epoch FROM finished_at) - (input->>'t')::float8 FROM runs "
+            "WHERE status = 'succeeded' AND input->>'phase' = %s", (phase,))]
+
+
+def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: int,
+                paced_seconds: float, timeout: float) -> tuple[Case, Case | None]:
+    from bridge.topics import declare_topics, dispatch_topic
+    from tests.processes import Process, free_port, start_inbox, start_web, start_worker
+
+    token = credentials(env)
+    procs: list = []
+    try:
+        web, api = start_web(env, logs, workers=2, threads=4)
+        procs.append(web)
+        worker = start_worker(env, logs, "e2e-worker", concurrency=CONCURRENCY)
+        procs.append(worker)
+        prefix = env["POIMEN_TOPIC_PREFIX"]
+        declare_topics(env["KAFKA_BOOTSTRAP_SERVERS"], prefix, ["e2e"], partitions)
+        relay_env = {**env, "POIMEN_API_URL": api, "POIMEN_API_TOKEN": token}
+        inbox, _ = start_inbox(relay_env, logs, name="e2e-inbox")
+        procs.append(inbox)
+        procs.append(Process("e2e-outbox", [sys.executable, "-m", "bridge.outbox"],
+                             {**relay_env, "METRICS_PORT": str(free_port())}, logs).start())
+        deadline = time.monotonic() + 90
+        while " ready." not in worker.log():
+            if not worker.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not start:\n{worker.log()[-3000:]}")
+            time.sleep(0.1)
+        topic = dispatch_topic(prefix, "e2e")
+        bootstrap = env["KAFKA_BOOTSTRAP_SERVERS"]
+        # Warm-up: imports, first connections, the consumer group's assignment.
+        warm = max(10, min(100, n // 10))
+        produce(bootstrap, topic, 10_000_000, warm, partitions, "warmup")
+        wait_for(lambda: poimen_counts(db)[0], warm, timeout, "poimen warm-up")
+
+        load_before = load_average()
+        sent: list[float] = []
+        producer = threading.Thread(
+            target=lambda: sent.append(produce(bootstrap, topic, 0, n, partitions, "burst")))
+        started = time.monotonic()
+        producer.start()
+        done = wait_for(lambda: poimen_counts(db)[0] - warm, n, timeout, "poimen")
+        producer.join()
+        succeeded, runs, starts = poimen_counts(db)
+        burst = Case("poimen", n, done - started,
+                     duplicates=(runs - n - warm) + (starts - runs),
+                     load_before=load_before, load_after=load_average(),
+                     latencies=latencies(db, "burst"))
+
+        paced = None
+        if paced_seconds > 0:
+            rate = burst.rate / 2
+            m = max(10, int(rate * paced_seconds))
+            load_before = load_average()
+            t0 = time.monotonic()
+            produce(bootstrap, topic, n, m, partitions, "paced", rate=rate)
+            done = wait_for(lambda: poimen_counts(db)[0] - warm - n, m, timeout, "poimen paced")
+            _, runs, starts = poimen_counts(db)
+            paced = Case("poimen paced", m, done - t0,
+                         duplicates=(runs - n - m - warm) + (starts - runs),
+                         load_before=load_before, load_after=load_average(),
+                         latencies=latencies(db, "paced"))
+        return burst, paced
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def plain_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
+               timeout: float) -> Case:
+    from bench import plain_celery_app
+    from tests.processes import BIN, Process
+
+    counter = env["BENCH_COUNTER_KEY"]
+    sender_app = plain_celery_app.create(env)
+    task = sender_app.tasks[plain_celery_app.TASK_NAME]
+    worker = _plain_worker(env, logs, "e2e-plain", BIN, Process)
+    try:
+        _warm_plain(worker, redis, counter, lambda k: [task.apply_async() for _ in range(k)],
+                    timeout)
+        load_before = load_average()
+        started = time.monotonic()
+        sender = threading.Thread(target=lambda: [task.apply_async() for _ in range(n)])
+        sender.start()
+        done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "plain celery")
+        sender.join()
+        time.sleep(1.0)  # late duplicates would land now
+        return Case("plain celery", n, done - started, int(redis.get(counter) or 0) - n,
+                    load_before, load_average())
+    finally:
+        worker.stop()
+        sender_app.close()
+
+
+def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
+               partitions: int, timeout: float) -> Case:
+    from bridge.topics import declare_topics, dispatch_topic
+    from tests.processes import BIN, Process
+
+    counter = env["BENCH_COUNTER_KEY"]
+    prefix = env["POIMEN_TOPIC_PREFIX"] + "naive"
+    declare_topics(env["KAFKA_BOOTSTRAP_SERVERS"], prefix, ["e2e"], partitions)
+    topic = dispatch_topic(prefix, "e2e")
+    bridge_env = {**env, "BENCH_NAIVE_TOPIC": topic,
+                  "BENCH_NAIVE_GROUP": f"bench-naive-{uuid.uuid4().hex[:8]}"}
+    worker = _plain_worker(env, logs, "e2e-naive-worker", BIN, Process)
+    bridge = Process("e2e-naive-bridge", [sys.executable, str(Path(__file__)), "--naive-bridge"],
+                     bridge_env, logs).start()
+    bootstrap = env["KAFKA_BOOTSTRAP_SERVERS"]
+    try:
+        _warm_plain(worker, redis, counter,
+                    lambda k: produce(bootstrap, topic, 10_000_000, k, partitions, "warmup"),
+                    timeout)
+        load_before = load_average()
+        started = time.monotonic()
+        producer = threading.Thread(target=produce,
+                                    args=(bootstrap, topic, 0, n, partitions, "burst"))
+        producer.start()
+        done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "naive bridge")
+        producer.join()
+        time.sleep(1.0)
+        return Case("naive bridge", n, done - started, int(redis.get(counter) or 0) - n,
+                    load_before, load_average())
+    finally:
+        bridge.stop()
+        worker.stop()
+
+
+def _plain_worker(env, logs, name, bin_dir, process_cls):
+    return process_cls(
+        name,
+        [str(bin_dir / "celery"), "-A", "bench.plain_celery_app", "worker", "--loglevel", "INFO",
+         "--concurrency", str(CONCURRENCY), "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h",
+         "--without-mingle", "--without-gossip"],
+        env, logs,
+    ).start()
+
+
+def _warm_plain(worker, redis: redis_lib.Redis, counter: str, send, timeout: float) -> None:
+    deadline = time.monotonic() + 90
+    while " ready." not in worker.log():
+        if not worker.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{worker.name} did not start:\n{worker.log()[-3000:]}")
+        time.sleep(0.1)
+    redis.delete(counter)
+    send(50)
+    wait_for(lambda: int(redis.get(counter) or 0), 50, timeout, f"{worker.name} warm-up")
+    time.sleep(0.5)
+    redis.delete(counter)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[str]:
+    def ms(values: list[float] | None, p: float) -> str:
+        return f"{percentile(values or [], p) * 1000:.0f} ms"
+
+    lines = [
+        f"- Poimen (Kafka -> inbox -> POST /v1/runs -> worker -> succeeded; web 2x4, worker "
+        f"x{CONCURRENCY}, outbox running): {burst.count} messages in {burst.seconds:.1f} s = "
+        f"**{burst.rate:.0f} runs/s**; burst latency p50 {ms(burst.latencies, 50)}, "
+        f"p99 {ms(burst.latencies, 99)}; load average before {burst.load_before}, "
+        f"after {burst.load_after}",
+    ]
+    if paced is not None:
+        lines.append(
+            f"- Poimen paced at half that rate ({paced.count / paced.seconds:.0f}/s offered, "
+            f"{paced.count} messages): latency p50 {ms(paced.latencies, 50)}, "
+            f"**p99 {ms(paced.latencies, 99)}** (target <= 2000 ms); load average before "
+            f"{paced.load_before}, after {paced.load_after}")
+    lines += [
+        f"- plain Celery apply_async of the same no-op, worker x{CONCURRENCY}: {plain.count} "
+        f"tasks in {plain.seconds:.1f} s = **{plain.rate:.0f} tasks/s**; load average before "
+        f"{plain.load_before}, after {plain.load_after}",
+        f"- naive bridge (consume -> apply_async -> synchronous commit, no dedup), worker "
+        f"x{CONCURRENCY}: {naive.count} messages in {naive.seconds:.1f} s = "
+        f"**{naive.rate:.0f} tasks/s**; load average before {naive.load_before}, "
+        f"after {naive.load_after}",
+        f"- ratios: Poimen / plain Celery **{burst.rate / plain.rate:.2f}** (target >= 0.6); "
+        f"Poimen / naive bridge **{burst.rate / naive.rate:.2f}** (target >= 1.2)",
+        f"- duplicates: Poimen {burst.duplicates + (paced.duplicates if paced else 0)} "
+        f"(target 0), plain Celery {plain.duplicates}, naive bridge {naive.duplicates}",
+    ]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=5000)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--paced-seconds", type=float, default=20.0,
+                        help="length of the paced latency phase (0: skip it)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per case, seconds")
+    parser.add_argument("--no-record", action="store_true",
+                        default=os.environ.get("BENCH_NO_RECORD") == "1",
+                        help="do not append to bench/RESULTS.md (also BENCH_NO_RECORD=1)")
+    parser.add_argument("--naive-bridge", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.naive_bridge:
+        return naive_bridge()
+
+    stop_on_sigterm()
+    env = dict(os.environ)
+    missing = [v for v in ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
+               if not env.get(v)]
+    if missing:
+        sys.exit(f"{', '.join(missing)} unset: run `make bench`, or export `poimen-dev env`")
+    tag = uuid.uuid4().hex[:8]
+    queue = f"poimen-bench-e2e-{tag}"
+    env.update({
+        "PYTHONPATH": str(ROOT),
+        "POIMEN_QUEUE": queue,
+        "BENCH_PLAIN_QUEUE": f"{queue}-plain",
+        "BENCH_COUNTER_KEY": f"{queue}-done",
+        "POIMEN_TOPIC_PREFIX": f"benche2e{tag}",
+        "POIMEN_INBOX_GROUP": f"bench-e2e-{tag}",
+        "POIMEN_REPAIR_MIN_AGE": "3600",  # beat is not running; repair stays out of it
+        "WORKER_CONCURRENCY": str(CONCURRENCY),
+    })
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    redis = redis_lib.Redis.from_url(env["REDIS_URL"])
+    n = args.messages
+    print(f"{n} messages, {args.partitions} partitions; load average {load_average()}",
+          flush=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: redis.delete(queue, f"{queue}-plain", env["BENCH_COUNTER_KEY"]))
+        logs = stack.enter_context(log_directory("poimen-bench-e2e-"))
+        db = libpq_url(stack.enter_context(bench_database(env["DATABASE_URL"], env)))
+        env["DATABASE_URL"] = db
+        burst, paced = poimen_case(env, logs, db, n, args.partitions, args.paced_seconds,
+                                   args.timeout)
+        print(f"poimen: {n} runs in {burst.seconds:.1f} s = {burst.rate:.0f} runs/s; "
+              f"p50 {percentile(burst.latencies, 50) * 1000:.0f} ms, "
+              f"p99 {percentile(burst.latencies, 99) * 1000:.0f} ms", flush=True)
+        plain = plain_case(env, logs, redis, n, args.timeout)
+        print(f"plain celery: {plain.rate:.0f} tasks/s", flush=True)
+        redis.delete(env["BENCH_COUNTER_KEY"])
+        naive = naive_case(env, logs, redis, n, args.partitions, args.timeout)
+        print(f"naive bridge: {naive.rate:.0f} tasks/s", flush=True)
+    lines = summary(burst, paced, plain, naive)
+    print("\n".join(lines))
+    if not args.no_record:
+        append_result(RESULTS, SECTION, [
+            f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            "",
+            f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
+            f"Python {platform.python_version()}; embedded Postgres/Redis/noida-db broker; "
+            f"`python bench/e2e.py --messages {n} --partitions {args.partitions}`",
+            *lines,
+        ])
+    else:
+        print("(not recorded: --no-record)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
