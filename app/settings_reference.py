@@ -93,11 +93,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Heroku multi-tenant plans: put in front of every topic name "
             "(`acme.` + `poimen.<tenant>.dispatch`) and consumer group (`acme.poimen-inbox`)."),
     # -- processes
-    _proc("PORT", "8000 (web), 5555 (flower)", (WEB, FLOWER, WORKER, INBOX, OUTBOX),
-          "HTTP port of `web` and `flower`; the metrics port of `worker`, `inbox` and `outbox` "
+    _proc("PORT", "8000 (web), 5555 (flower)", (WEB, FLOWER, WORKER, BEAT, INBOX, OUTBOX),
+          "HTTP port of `web` and `flower`; the metrics port of `worker`, `beat`, `inbox` and "
+          "`outbox` "
           "when `METRICS_PORT` is unset (Heroku sets `PORT` on every dyno)."),
-    _proc("METRICS_PORT", "worker: off, inbox: 9101, outbox: 9102", (WORKER, INBOX, OUTBOX),
-          "Prometheus (`/metrics`, `/healthz`) port of the process; `0` turns it off."),
+    _proc("METRICS_PORT", "worker and beat: off, inbox: 9101, outbox: 9102",
+          (WORKER, BEAT, INBOX, OUTBOX),
+          "Prometheus (`/metrics`, `/healthz`) port of the process; `0` turns it off. `beat` "
+          "alone exports the global gauges (docs/metrics.md)."),
     _proc("WEB_CONCURRENCY", "2", WEB, "gunicorn worker processes (Procfile)."),
     _proc("WEB_THREADS", "4", WEB, "threads per gunicorn worker (Procfile)."),
     _proc("WORKER_CONCURRENCY", "2", WORKER,
@@ -198,8 +201,9 @@ SETTINGS: tuple[Setting, ...] = (
     _obs("LOG_LEVEL", "INFO", ALL, "Log level of every process (a name or a number)."),
     _obs("POIMEN_METRICS_TOKEN", "", WEB,
          "Bearer token `web`'s `/metrics` requires; unset, `web` does not serve `/metrics` (404)."),
-    _obs("POIMEN_METRICS_CACHE_SECONDS", "5", WEB,
-         "How long `web` reuses its database gauges between scrapes."),
+    _obs("POIMEN_METRICS_CACHE_SECONDS", "5", BEAT,
+         "How long `beat` reuses the global gauges (runs by status, live boots, outbox lag, "
+         "queue depth) between scrapes."),
     _obs("PROMETHEUS_MULTIPROC_DIR", "a private temporary directory", (WEB, WORKER),
          "prometheus_client's multiprocess directory for gunicorn's workers; when set it is "
          "emptied at start. The worker always uses a private one."),
