@@ -505,13 +505,16 @@ class Inbox:
             "session.timeout.ms": cfg.session_timeout_ms,
             "topic.metadata.refresh.interval.ms": cfg.metadata_refresh_ms,
             "on_commit": self._on_commit,
+            # librdkafka's own lines (broker down, ...) through our logging: LOG_FORMAT.
+            "logger": logging.getLogger("rdkafka"),
         })
         # A dead-letter write that cannot be acknowledged within message.timeout.ms
         # fails and is retried like an API outage; the default (5 min) would hold a
         # worker through a whole broker restart.
         self._producer = Producer({"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
-                                   "client.id": "poimen-inbox-dlq", "acks": "all"})
-        self._admin = AdminClient(kafka)
+                                   "client.id": "poimen-inbox-dlq", "acks": "all",
+                                   "logger": logging.getLogger("rdkafka")})
+        self._admin = AdminClient({**kafka, "logger": logging.getLogger("rdkafka")})
         self._dlq_ack_timeout = int(kafka.get("message.timeout.ms", 30000)) / 1000 + 10
         self._dlq_max_bytes = int(kafka.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES))
         log.info("inbox %s: group %s, topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
@@ -936,9 +939,13 @@ class Inbox:
         operator tool (kafka-consumer-groups) would show.
         """
         observer = Consumer({**self.config.kafka, "group.id": self.config.group,
-                             "client.id": "poimen-inbox-lag", "enable.auto.commit": False})
+                             "client.id": "poimen-inbox-lag", "enable.auto.commit": False,
+                             "logger": logging.getLogger("rdkafka")})
         try:
             while not self._closed.wait(self.config.lag_interval):
+                # The clients nothing else polls: their librdkafka log lines are served here.
+                observer.poll(0)
+                self._admin.poll(0)
                 self._measure_lag(observer)
         finally:
             observer.close()

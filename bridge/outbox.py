@@ -484,8 +484,11 @@ class OutboxRelay:
                 "enable.idempotence": True,
                 "acks": "all",
                 "error_cb": self._on_error,
+                # librdkafka's own lines through our logging (LOG_FORMAT); served by poll().
+                "logger": logging.getLogger("rdkafka"),
             })
-            self._admin = AdminClient(dict(self.config.kafka))
+            self._admin = AdminClient({**self.config.kafka,
+                                       "logger": logging.getLogger("rdkafka")})
         return self._producer
 
     def _on_error(self, err: KafkaError) -> None:
@@ -651,6 +654,9 @@ class OutboxRelay:
                 if conn is not None:
                     conn.close()
                 conn = None
+            admin = self._admin
+            if admin is not None:
+                admin.poll(0)  # serves its librdkafka log lines (nothing else polls it)
             if self._stop.wait(self.config.lag_interval):
                 break
         if conn is not None:

@@ -104,3 +104,32 @@ def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
     assert logs["outbox"]
     for name, parsed in logs.items():
         assert {"time", "level", "logger", "message"} <= set(parsed[0]), name
+
+
+def test_librdkafka_lines_are_json_too_when_the_broker_is_down(test_env, tmp_path):
+    import sys
+
+    from tests.processes import Process, free_port, start_inbox
+
+    # Nothing listens there: librdkafka logs connection failures on its own threads.
+    env = {**test_env, "LOG_FORMAT": "json", "POIMEN_API_URL": "http://127.0.0.1:9",
+           "POIMEN_API_TOKEN": "unused", "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+           "POIMEN_INBOX_GROUP": f"ops-down-{uuid.uuid4().hex[:8]}",
+           "POIMEN_INBOX_LAG_INTERVAL": "0.5", "POIMEN_OUTBOX_LAG_INTERVAL": "0.5"}
+    relay, _ = start_inbox(env, tmp_path, name="inbox-broker-down")
+    outbox = Process("outbox-broker-down", [sys.executable, "-m", "bridge.outbox"],
+                     {**env, "METRICS_PORT": str(free_port())}, tmp_path).start()
+    try:
+        for proc in (relay, outbox):
+            wait_until(lambda p=proc: '"logger": "rdkafka"' in p.log(), timeout=60,
+                       what=f"librdkafka to log the refused connection in {proc.name}")
+        # Let the clients only the lag threads serve (admin, lag observer) log too.
+        wait_until(lambda: relay.log().count("rdkafka#producer") >= 1, timeout=30,
+                   what="the inbox's admin client to log")
+    finally:
+        relay.stop()
+        outbox.stop()
+    for proc in (relay, outbox):
+        parsed = records(proc.log(), proc.name)
+        assert any(r["logger"] == "rdkafka" and "Connection refused" in r["message"]
+                   for r in parsed), proc.name
