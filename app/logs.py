@@ -77,7 +77,7 @@ def _quiet_banner(sender=None, instance=None, **_: Any) -> None:
     # plain text: in JSON mode its facts are logged instead (one record).
     if instance is not None and logconfig.json_enabled():
         instance.quiet = True
-        log.info("celery worker %s starting: concurrency %s, queues from %s", sender,
+        log.info("celery worker %s starting: concurrency %s, queue %s", sender,
                  getattr(instance, "concurrency", "?"), instance.app.conf.task_default_queue)
 
 
