@@ -90,6 +90,11 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         # worker dies. Claims in Postgres make the duplicates harmless.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # A lost broker connection (a broker restart; RabbitMQ's consumer_timeout closing
+        # the channel under a long run) must not kill the runs in flight: the redelivered
+        # message finds the run claimed by a live boot and is acknowledged as a duplicate.
+        # Celery 6 plans to make cancelling them the default; pin today's behaviour.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "worker_prefetch_multiplier": int(env.get("CELERY_PREFETCH_MULTIPLIER", "1")),
         "broker_connection_retry_on_startup": True,
         # Flower shows received/started/succeeded only if workers send events.

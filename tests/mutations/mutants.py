@@ -350,4 +350,14 @@ MUTANTS: list[Mutant] = [
          "test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed",),
         ci=False,
     ),
+    Mutant(
+        "connection_loss_cancels_runs",
+        "a worker that loses its broker connection (RabbitMQ's consumer_timeout) keeps its runs",
+        "celeryconfig.py",
+        '        "worker_cancel_long_running_tasks_on_connection_loss": False,\n',
+        '        "worker_cancel_long_running_tasks_on_connection_loss": True,\n',
+        ("tests/rabbitmq/test_rabbitmq_broker.py::"
+         "test_a_run_outlives_its_worker_losing_the_broker_connection",),
+        ci=False,  # needs RabbitMQ and rabbitmqctl on the machine
+    ),
 ]

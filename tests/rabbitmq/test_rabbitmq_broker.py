@@ -17,7 +17,15 @@ from kombu import Connection
 
 from bridge.client import Runs
 from celeryconfig import celery_settings
-from tests.processes import Process, start_beat, start_web, start_worker, wait_until
+from tests.processes import (
+    Process,
+    free_port,
+    metric,
+    start_beat,
+    start_web,
+    start_worker,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -120,6 +128,28 @@ def test_kill_9_of_a_worker_mid_run_resumes_the_run_exactly_once(amqp_env, tenan
 # -- queue depth on both brokers ---------------------------------------------------------------
 
 
+def test_beats_queue_depth_gauge_answers_on_rabbitmq(amqp_env, amqp_url, queue_name, tenant,
+                                                    tmp_path, processes):
+    """The scraped gauge itself (beat exports the global gauges): two runs admitted over
+    amqp with no worker are two messages waiting, and the scrape logs no failure."""
+    env = {**amqp_env, "POIMEN_REPAIR_INTERVAL": "3600", "POIMEN_METRICS_CACHE_SECONDS": "0"}
+    if amqp_queue_depth(amqp_url, queue_name):  # copies earlier tests' workers left behind
+        with Connection(amqp_url) as conn:
+            conn.default_channel.queue_purge(queue_name)
+    url = start_api(env, tmp_path, processes)
+    port = free_port()
+    beat = start_beat({**env, "METRICS_PORT": str(port)}, tmp_path, "amqp-beat")
+    processes.append(beat)
+    with Runs(url, tenant.token) as runs:
+        for i in range(2):
+            runs.admit("echo", {"i": i})
+    wait_until(lambda: metric(f"http://127.0.0.1:{port}/metrics", "poimen_queue_depth",
+                              queue=queue_name) == 2, timeout=60,
+               what="beat's poimen_queue_depth to count two messages on RabbitMQ")
+    assert "queue depth not measured" not in beat.log()
+
+
+
 @pytest.mark.parametrize("broker", ["redis", "amqp"])
 def test_queue_depth_answers_on_both_brokers(broker, base_env, request):
     """What the queue-depth gauge reads (``workers.metrics.queue_depths``), on each broker:
@@ -174,6 +204,48 @@ def test_the_workers_consumer_asks_for_the_configured_consumer_timeout(amqp_env,
                        what="the worker's consumer on RabbitMQ")
     assert len(lines) == 1
     assert "x-consumer-timeout" in lines[0] and "7200000" in lines[0], lines[0]
+
+
+def close_vhost_connections(amqp_url: str) -> int:
+    """Close every client connection to this session's vhost, server-side."""
+    vhost = unquote(urlsplit(amqp_url).path[1:]) or "/"
+    out = subprocess.run(["rabbitmqctl", "-q", "list_connections", "pid", "vhost"],
+                         capture_output=True, text=True, timeout=60).stdout
+    pids = [line.split("\t")[0] for line in out.splitlines()
+            if line.split("\t")[1:2] == [vhost]]
+    for pid in pids:
+        subprocess.run(["rabbitmqctl", "-q", "close_connection", pid, "poimen test"],
+                       capture_output=True, timeout=60)
+    return len(pids)
+
+
+@pytest.mark.skipif(not shutil.which("rabbitmqctl"), reason="needs rabbitmqctl on this machine")
+def test_a_run_outlives_its_worker_losing_the_broker_connection(amqp_env, amqp_url, tenant,
+                                                                side_effects, pg, tmp_path,
+                                                                processes):
+    """What a consumer timeout does to a long run, done on purpose: the broker closes the
+    worker's connection while the run's message is unacked. The run keeps going and
+    finishes once; the message RabbitMQ re-delivers is a duplicate to the claim."""
+    if urlsplit(amqp_url).path in ("", "/", "//"):
+        pytest.skip("needs a vhost of its own (closing shared connections would hurt others)")
+    # A short shutdown grace: were the worker to SIGTERM the run's pool process on the
+    # connection loss (Celery's worker_cancel_long_running_tasks_on_connection_loss), the
+    # run would be abandoned 2 s later and resumed from the top, and this test would fail.
+    env = {**amqp_env, "POIMEN_SHUTDOWN_GRACE": "2"}
+    url = start_api(env, tmp_path, processes)
+    worker = start_worker(env, tmp_path, "amqp-cut")
+    processes.append(worker)
+    with Runs(url, tenant.token) as runs:
+        run = runs.admit("blind", {"seconds": 8})
+    run_id = uuid.UUID(run.id)
+    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
+    assert close_vhost_connections(amqp_url) >= 1
+    wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=90,
+               what="the run to finish after the connection loss")
+    assert side_effects(run_id, "start") == 1 and side_effects(run_id, "finish") == 1
+    assert run_row(pg, run_id)[1:] == (1, 0)  # attempt 1, never taken over
+    assert events_of(pg, run_id) == ["run.admitted", "run.started", "run.succeeded"]
+    assert worker.alive()
 
 
 def test_broker_settings_apply_only_to_their_broker():
