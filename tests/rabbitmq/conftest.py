@@ -21,6 +21,12 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import pytest
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+_skipped: list[str] = []  # why, once: repeated in the terminal summary, where CI shows it
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _skipped:
+        terminalreporter.write_sep("!", _skipped[0], red=True, bold=True)
 
 
 def _answers(url: str) -> bool:
@@ -49,6 +55,7 @@ def amqp_url(database_url) -> str:
         reason = (f"RabbitMQ tests SKIPPED: no broker answers at {urlsplit(url).hostname}:"
                   f"{urlsplit(url).port or 5672} (set POIMEN_TEST_AMQP_URL)")
         print(f"\n*** {reason} ***", file=sys.stderr)
+        _skipped.append(reason)
         pytest.skip(reason)
     parts = urlsplit(url)
     local = parts.hostname in ("127.0.0.1", "localhost", "::1")
