@@ -113,18 +113,35 @@ def current_context() -> dict[str, str]:
 # -- tracebacks without messages -------------------------------------------------------------
 
 
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+
+
 def quiet_traceback(err: BaseException | None, limit: int = 10) -> str:
-    """``err`` and its causes as frames and exception types, without their messages."""
-    parts = []
+    """``err`` and its causes as frames and exception types, without their messages.
+
+    Laid out like Python's own traceback: the first cause first, ``err`` last.
+    """
+    parts: list[str] = []
     while err is not None and len(parts) < limit:
         code = getattr(getattr(err, "orig", None), "sqlstate", None) or getattr(
             err, "sqlstate", None)
-        parts.append("Traceback (most recent call last):\n"
-                     + "".join(traceback.format_tb(err.__traceback__))
-                     + f"{type(err).__module__}.{type(err).__qualname__}"
-                     + (f" (SQLSTATE {code})" if code else ""))
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    return "\n\nDuring handling, another exception:\n".join(parts)
+        text = ("Traceback (most recent call last):\n"
+                + "".join(traceback.format_tb(err.__traceback__))
+                + f"{type(err).__module__}.{type(err).__qualname__}"
+                + (f" (SQLSTATE {code})" if code else ""))
+        if err.__cause__ is not None:
+            link, err = _CAUSE, err.__cause__
+        elif err.__context__ is not None and not err.__suppress_context__:
+            link, err = _CONTEXT, err.__context__
+        else:
+            link, err = "", None
+        parts.append(text)
+        if link:
+            parts.append(link)
+    if parts and parts[-1] in (_CAUSE, _CONTEXT):
+        parts.pop()  # the chain was cut at ``limit``
+    return "\n\n".join(reversed(parts))
 
 
 def _exception(exc_info: Any) -> BaseException | None:

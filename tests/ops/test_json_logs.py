@@ -133,3 +133,57 @@ def test_librdkafka_lines_are_json_too_when_the_broker_is_down(test_env, tmp_pat
         parsed = records(proc.log(), proc.name)
         assert any(r["logger"] == "rdkafka" and "Connection refused" in r["message"]
                    for r in parsed), proc.name
+
+
+def test_a_request_adds_its_tenant_run_and_dispatch_key_to_records(app, monkeypatch):
+    import logging
+    from types import SimpleNamespace
+
+    from flask import g
+
+    import logconfig
+    from app import logs
+
+    monkeypatch.setenv("LOG_FORMAT", "json")
+    run_id = str(uuid.uuid4())
+    with app.test_request_context(f"/v1/runs/{run_id}"):
+        g.principal = SimpleNamespace(tenant_name="acme")
+        logs.note(dispatch_key="order-42")
+        record = logging.LogRecord("app.api", logging.ERROR, __file__, 1, "boom", None, None)
+        entry = json.loads(logconfig.JsonFormatter().format(record))
+    assert (entry["tenant"], entry["run_id"], entry["dispatch_key"]) == ("acme", run_id,
+                                                                         "order-42")
+    # Outside the request, none of it sticks.
+    entry = json.loads(logconfig.JsonFormatter().format(record))
+    assert not {"tenant", "run_id", "dispatch_key"} & set(entry)
+
+
+def test_tracebacks_keep_frames_and_types_but_never_messages():
+    import logging
+
+    import logconfig
+
+    def fail(secret: str) -> None:
+        try:
+            raise KeyError(secret)
+        except KeyError as err:
+            raise ValueError(f"bad input {secret}") from err
+
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    try:
+        fail(secret)
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None,
+                                   __import__("sys").exc_info())
+    for formatter in (logconfig.JsonFormatter(), logconfig.TextFormatter()):
+        text = formatter.format(record)
+        assert secret not in text
+        if isinstance(formatter, logconfig.JsonFormatter):
+            text = json.loads(text)["traceback"]
+        # Python's order: the cause first, the exception raised from it last.
+        assert text.index("builtins.KeyError") < text.index("direct cause") \
+            < text.index("builtins.ValueError")
+        assert "in fail" in text  # the frames are kept
+    line = logconfig.JsonFormatter().format(record)
+    assert "\n" not in line  # one line, the traceback inside the object
+    assert json.loads(line)["exc_type"] == "builtins.ValueError"
