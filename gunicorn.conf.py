@@ -64,7 +64,9 @@ class PoimenLogger(Logger):
     def setup(self, cfg) -> None:
         super().setup(cfg)
         if os.environ.get("LOG_LEVEL"):
+            # The access log's records are INFO: LOG_LEVEL=WARNING silences them too.
             self.error_log.setLevel(_logs.level())
+            self.access_log.setLevel(_logs.level())
         for log in (self.error_log, self.access_log):
             for handler in log.handlers:
                 _logs.style(handler)

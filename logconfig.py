@@ -270,6 +270,13 @@ def configure(*, force: bool = True, capture_stdout: bool = False,
     setattr(handler, _HANDLER_MARK, True)
     root.addHandler(handler)
     root.setLevel(level(default=default_level))
+    # A logger that does not propagate and has no handler of its own (billiard's
+    # "multiprocessing": "Process ... exited with ...") ends in logging's last
+    # resort, a bare "%(message)s" on stderr: give it this format too.
+    last_resort = logging.StreamHandler(sys.__stderr__)
+    last_resort.setLevel(logging.WARNING)
+    last_resort.setFormatter(formatter())
+    logging.lastResort = last_resort
     logging.captureWarnings(True)
     if json_enabled():
         _install_hooks()

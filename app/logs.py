@@ -101,6 +101,8 @@ def _say_as_json(msg: str, f: Any = None) -> None:
     # Celery's signal handlers ("worker: Warm shutdown (MainProcess)") write with a
     # raw os.write, around logging and sys.stdout; in JSON mode they write a record.
     # Also a raw write: a signal handler must not re-enter a buffered stream.
+    if not logging.getLogger("celery.worker").isEnabledFor(logging.INFO):
+        return
     record = logging.LogRecord("celery.worker", logging.INFO, __file__, 0, "%s", (msg,), None)
     try:
         os.write(2, (logconfig.JsonFormatter().format(record) + "\n").encode())

@@ -53,8 +53,8 @@ class Platform:
                 assert proc.alive(), f"{name} exited:\n{proc.log()[-3000:]}"
                 if name == "web":
                     return requests.get(f"{self.api}/readyz", timeout=2).ok
-                if name == "worker":
-                    return "ready" in proc.log()
+                if name == "worker" and self.env.get("LOG_LEVEL", "INFO") in ("INFO", "DEBUG"):
+                    return "ready" in proc.log()  # consuming, not only started
                 return requests.get(f"http://127.0.0.1:{self.ports[name]}/healthz",
                                     timeout=2).ok
             return check

@@ -106,6 +106,29 @@ def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
         assert {"time", "level", "logger", "message"} <= set(parsed[0]), name
 
 
+def test_log_level_is_honoured_by_every_process(test_env, make_tenant, tmp_path):
+    platform = start_platform(test_env, make_tenant, tmp_path, LOG_FORMAT="json",
+                              LOG_LEVEL="WARNING")
+    try:
+        created = requests.post(f"{platform.api}/v1/runs", headers=platform.creds.headers,
+                                timeout=10, json={"workflow_ref": "fail", "input": {}})
+        assert created.status_code == 201
+        run_id = created.json()["id"]
+        wait_until(lambda: requests.get(f"{platform.api}/v1/runs/{run_id}", timeout=10,
+                                        headers=platform.creds.headers).json()["status"]
+                   == "failed", timeout=90, what="the run to fail")
+        wait_until(lambda: run_id in platform.procs["worker"].log(), timeout=30,
+                   what="the worker to log the failure (an ERROR)")
+    finally:
+        platform.stop()
+    for name, proc in platform.procs.items():
+        levels = {r["level"] for r in records(proc.log(), name)} if proc.log() else set()
+        assert levels <= {"WARNING", "ERROR", "CRITICAL"}, (name, levels)
+    # The level filters, it does not silence: the failure is there.
+    assert any(r.get("run_id") == run_id and r["level"] == "ERROR"
+               for r in records(platform.procs["worker"].log(), "worker"))
+
+
 def test_librdkafka_lines_are_json_too_when_the_broker_is_down(test_env, tmp_path):
     import sys
 
