@@ -53,7 +53,7 @@ MUTANTS: list[Mutant] = [
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
         "            :origin_detail, :parent_run_id, :definition_hash\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
-        "                          AND dispatch_key = :dispatch_key)\n",
+        "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
         ("tests/app/test_idempotent_admission.py::"
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
     ),
