@@ -390,6 +390,10 @@ def test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed(admit, env, pg,
 
     # Later runs go through the same worker (its killed pool process was replaced);
     # by then beat has had many ticks to resume the over-time run, had it been left running.
+    # The soft limit reaches the workflow as SoftTimeLimitExceeded, which it may catch.
+    soft = admit("soft-time", {"seconds": 60})
+    status, *_, result, error, _ = wait_status(pg, soft, {"succeeded", "failed"}, timeout=60)
+    assert (status, result) == ("succeeded", {"stopped_by": "soft_time_limit"}), error
     after = admit("effect", {"seconds": 0})
     wait_status(pg, after, {"succeeded"}, timeout=60)
     events = run_events(pg, run_id)

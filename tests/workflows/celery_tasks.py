@@ -60,3 +60,15 @@ def over_time(ctx, input):
     time.sleep(float(input.get("seconds", 60)))
     record_effect(ctx.run_id, "finish")
     return {"slept": True}
+
+
+@workflow("soft-time", version="1", soft_time_limit=2, time_limit=60)
+def soft_time(ctx, input):
+    """Sleep until the soft time limit interrupts it, and stop cleanly."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    try:
+        time.sleep(float(input.get("seconds", 60)))
+    except SoftTimeLimitExceeded:
+        return {"stopped_by": "soft_time_limit"}
+    return {"stopped_by": None}
