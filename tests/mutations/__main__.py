@@ -6,6 +6,8 @@ directory, apply the edit there, run its tests, and record whether they failed
 (killed) or passed (survived). Prints mutant -> verdict -> killing test ->
 seconds; exits 1 if any mutant survived, is stale, or is invalid (its tests
 failed only because the mutant does not run: bad SQL, bad Python), 0 otherwise.
+A mutant whose every test skipped (a service this machine lacks, e.g. RabbitMQ)
+gets no verdict: SKIPPED, reported on stderr, not counted as killed.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def run_one(mutant: Mutant, files: list[str], timeout: float) -> tuple[str, str,
             return "INVALID", f"{test} crashed on the mutant: {why[:160]}", elapsed
         return "KILLED", test, elapsed
     if proc.returncode == 0:
+        summary = proc.stdout.strip().splitlines()[-1:] or [""]
+        if "skipped" in summary[0] and "passed" not in summary[0]:
+            # Its tests need a service this machine lacks (RabbitMQ): no verdict either way.
+            return "SKIPPED", f"every selected test skipped: {summary[0]}", elapsed
         return "SURVIVED", "every selected test passed", elapsed
     # 2-5: interrupted, internal error, usage error, no tests: the gate is broken.
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
@@ -117,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append((mutant, verdict, detail, seconds))
         print(f"[{i}/{len(chosen)}] {mutant.name:<40} {verdict:<8} {seconds:6.1f}s  {detail}",
               flush=True)
-    bad = [r for r in results if r[1] != "KILLED"]
-    print(f"\n{len(results) - len(bad)} of {len(results)} mutants killed "
+    skipped = [r for r in results if r[1] == "SKIPPED"]
+    bad = [r for r in results if r[1] not in ("KILLED", "SKIPPED")]
+    print(f"\n{len(results) - len(bad) - len(skipped)} of {len(results)} mutants killed "
           f"in {sum(r[3] for r in results):.0f}s", flush=True)
+    for mutant, _, detail, _ in skipped:
+        print(f"  SKIPPED (no verdict, its service is missing): {mutant.name}: {detail}",
+              file=sys.stderr, flush=True)
     for mutant, verdict, detail, _ in bad:
         print(f"  {verdict}: {mutant.name} ({mutant.rule}): {detail}")
     return 1 if bad else 0
