@@ -124,7 +124,7 @@ class RunRequest(Request):
         if self.time_start:
             # Cancel first: once the pool process is dead its boot is too, and a
             # takeover must find cancel_requested and end the run, not resume it.
-            _cancel(self.task.app.flask_app, self.id)
+            _cancel(self.task.app.flask_app, self.id, "terminated through Celery")
             if signum == signals_module.SIGTERM:
                 # A pool process protects its run from SIGTERM for the shutdown
                 # grace (a deploy, workers/shutdown.py) and would then die with
@@ -157,7 +157,7 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
                          name=f"poimen-revoke-{run_id}", daemon=True).start()
 
 
-def _cancel(flask_app, run_id: str) -> str | None:
+def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
     from app.runs import cancel_run
@@ -183,7 +183,7 @@ def _cancel(flask_app, run_id: str) -> str | None:
         finally:
             db.session.remove()
     status = "cancelled" if ended else (row.status if row is not None else None)
-    log.info("run %s: revoked through Celery; %s", run_id,
+    log.info("run %s: %s; %s", run_id, why,
              "cancel requested" if status == "running" else status or "already finished")
     return status
 
