@@ -5,6 +5,8 @@ from flask import current_app
 
 from alembic import context
 
+import logconfig
+
 # this is the Alembic Config object, which provides
 # access to the values within the .ini file in use.
 config = context.config
@@ -12,6 +14,9 @@ config = context.config
 # Interpret the config file for Python logging.
 # This line sets up loggers basically.
 fileConfig(config.config_file_name)
+# The release phase logs like every other process (LOG_FORMAT, LOG_LEVEL): the
+# ini file's levels stay, its handler gives way to logconfig.py's.
+logconfig.configure()
 logger = logging.getLogger('alembic.env')
 
 

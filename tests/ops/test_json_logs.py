@@ -210,3 +210,12 @@ def test_tracebacks_keep_frames_and_types_but_never_messages():
     line = logconfig.JsonFormatter().format(record)
     assert "\n" not in line  # one line, the traceback inside the object
     assert json.loads(line)["exc_type"] == "builtins.ValueError"
+
+
+def test_the_release_phase_logs_json_too(test_env, tmp_path):
+    from tests.processes import start_procfile_process
+
+    release = start_procfile_process("release", {**test_env, "LOG_FORMAT": "json"}, tmp_path)
+    assert release.proc.wait(120) == 0, release.log()[-3000:]
+    parsed = records(release.log(), "release")
+    assert any(r["logger"].startswith("alembic") for r in parsed)
