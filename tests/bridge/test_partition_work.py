@@ -169,3 +169,36 @@ def test_the_byte_budget_pauses_a_partition_and_half_of_it_resumes_it():
     work.paused = True
     assert not work.should_resume(1000, under_budget=False)
     assert work.should_resume(1000, under_budget=True)
+
+
+def test_the_counters_the_relay_schedules_by_are_exact_through_failures():
+    """``waiting`` decides whether a drain task is submitted, ``attempts`` is the
+    backoff's exponent (consecutive failures), ``failed`` resets it: each exact."""
+    work = work_with(0, 1, 2)
+    assert (work.waiting, work.in_flight, work.failed, work.attempts) == (3, 0, 0, 0)
+    a = work.take(now=0, window=2)
+    b = work.take(now=0, window=2)
+    assert a.state is SlotState.RUNNING and b.state is SlotState.RUNNING
+    assert (work.waiting, work.in_flight) == (1, 2)
+
+    work.settle(a, RETRY, now=0, retry_delay=1.0)
+    work.settle(b, RETRY, now=0, retry_delay=1.0)
+    assert (work.waiting, work.in_flight, work.failed, work.attempts) == (3, 0, 2, 2)
+    retried = work.take(now=1.0, window=1)
+    assert retried is a and retried.state is SlotState.RUNNING
+    assert (work.waiting, work.in_flight, work.failed) == (2, 1, 1)
+    work.settle(retried, RETRY, now=1.0, retry_delay=1.0)
+    assert work.attempts == 3  # a third consecutive failure: the backoff grows
+
+    for _ in range(3):
+        slot = work.take(now=10.0, window=1)
+        work.settle(slot, DONE, now=10.0)
+    assert (work.waiting, work.in_flight, work.failed, work.attempts) == (0, 0, 0, 0)
+    assert work.commit_offset == 3 and not work.failing
+
+
+def test_a_failure_settled_without_a_delay_can_be_retried_at_once():
+    work = work_with(0)
+    slot = work.take(now=5.0, window=1)
+    work.settle(slot, RETRY, now=5.0)
+    assert work.take(now=5.0, window=1) is slot
