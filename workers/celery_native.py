@@ -38,6 +38,7 @@ from typing import Any
 from celery import signals
 from celery.exceptions import Ignore, Retry
 from celery.platforms import signals as platform_signals
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy import text
 
@@ -136,9 +137,10 @@ class RunRequest(Request):
         return super().terminate(pool, signum)
 
     def on_timeout(self, soft, timeout):
-        if not soft and self.worker_pid:
+        if not soft and self.worker_pid and not worker_state.should_terminate:
             # Before Celery kills the pool process: a dead boot's run would be taken
-            # over and resumed; a failed one never is.
+            # over and resumed; a failed one never is. (Not in a cold shutdown,
+            # which Celery also handles here: its runs are left to repair.)
             _record_time_limit(self.task.app.flask_app, self.id, self.worker_pid, timeout)
         return super().on_timeout(soft, timeout)
 

@@ -344,7 +344,7 @@ MUTANTS: list[Mutant] = [
         "time_limit_leaves_run_to_takeover",
         "a run past its hard time limit is recorded failed before its process is killed",
         "workers/celery_native.py",
-        "        if not soft and self.worker_pid:\n",
+        "        if not soft and self.worker_pid and not worker_state.should_terminate:\n",
         "        if False:\n",
         ("tests/workers/test_celery_native.py::"
          "test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed",),
