@@ -310,6 +310,24 @@ def test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed(admit, env
     assert side_effects(run_id, "start") == 1 and side_effects(run_id, "finish") == 0
 
 
+def test_purge_deletes_messages_not_runs_and_beat_sends_them_again(admit, env, pg, tmp_path,
+                                                                   processes, queue_name,
+                                                                   redis_client, sent):
+    run_id = admit("echo", {"purged": True})
+    sent()
+    assert redis_client.llen(queue_name) >= 1
+
+    out = celery_cli(env, "purge", "-f", "-Q", queue_name)
+    assert redis_client.llen(queue_name) == 0, out.stdout
+    assert run_row(pg, run_id)[0] == "queued"  # the run lives in Postgres
+
+    processes.append(start_worker(env, tmp_path, "purgew", concurrency=1))
+    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
+                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    status, attempt, *_ = wait_status(pg, run_id, {"succeeded", "failed"}, timeout=90)
+    assert (status, attempt) == ("succeeded", 1)
+
+
 # -- 3. existing @shared_task code as a workflow ---------------------------------------------
 
 def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp_path,
