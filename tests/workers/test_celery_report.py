@@ -89,3 +89,11 @@ def test_a_takeover_of_a_cancelled_run_is_ignored_after_announcing_revoked(admit
         deliver(run_id)
     assert pg.execute("SELECT status FROM runs WHERE id = %s", [run_id]).fetchone()[0] \
         == "cancelled"
+
+
+def test_a_join_waiting_for_its_children_is_retry_not_success(admit, deliver, pg):
+    run_id = admit("doc-review", {"participants": ["ana"]})
+    with pytest.raises(Retry):
+        deliver(run_id)
+    assert pg.execute("SELECT status FROM runs WHERE id = %s", [run_id]).fetchone()[0] \
+        == "waiting"
