@@ -67,9 +67,9 @@ QUEUE_WAIT_SECONDS = Histogram(
 )
 RUN_DURATION_SECONDS = Histogram(
     "poimen_run_duration_seconds",
-    "One execution of a run: from a worker's claim to its recorded outcome (finished, "
-    "retrying, waiting for children), by workflow.",
-    ["workflow"], buckets=RUN_BUCKETS,
+    "One execution of a run: from a worker's claim to its recorded outcome, by workflow "
+    "and how it ended (succeeded, failed, cancelled, retrying, waiting, released, lost).",
+    ["workflow", "outcome"], buckets=RUN_BUCKETS,
 )
 CLAIMS = Counter(
     "poimen_claims_total",

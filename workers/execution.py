@@ -157,9 +157,10 @@ def execute_run(run_id: str) -> Claim:
         end_current_boot()
         raise
     finally:
-        RUN_DURATION_SECONDS.labels(claim.run.workflow_name).observe(
-            time.monotonic() - started)
         boots.let_go([run_uuid])
+    RUN_DURATION_SECONDS.labels(claim.run.workflow_name,
+                                getattr(ended, "status", "unknown")).observe(
+        time.monotonic() - started)
     return dataclasses.replace(claim, ended=ended)
 
 

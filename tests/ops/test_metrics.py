@@ -110,7 +110,8 @@ def test_counters_sum_over_processes_histograms_move_and_global_gauges_come_from
             ("poimen_claims_total", (("outcome", "claimed"),))) == created,
             timeout=120, what=f"{created} claims")
         wait_until(lambda: metrics(worker).get(
-            ("poimen_run_duration_seconds_count", (("workflow", "echo"),))) == created,
+            ("poimen_run_duration_seconds_count",
+             (("outcome", "succeeded"), ("workflow", "echo")))) == created,
             timeout=60, what="every run's duration observed")
         samples = metrics(worker)
         assert samples[("poimen_run_queue_wait_seconds_count", (("workflow", "echo"),))] == created
