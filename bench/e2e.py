@@ -66,6 +66,8 @@ import redis as redis_lib  # noqa: E402
 from bench._common import (  # noqa: E402
     append_result,
     bench_database,
+    child_pids,
+    cpu_seconds,
     libpq_url,
     log_directory,
     stop_on_sigterm,
@@ -86,6 +88,7 @@ class Case:
     load_before: str
     load_after: str
     latencies: list[float] | None = None
+    cpu_ms: dict[str, float] | None = None  # CPU per message, by process (Poimen's burst)
 
     @property
     def rate(self) -> float:
@@ -95,6 +98,21 @@ class Case:
 def load_average() -> str:
     """The one-minute load average, as RESULTS.md's "before X, after Y" lines give it."""
     return f"{os.getloadavg()[0]:.2f}"
+
+
+def settle(limit: float = 1.5, cap: float = 300.0) -> None:
+    """Wait until the one-minute load average is under ``limit`` (the previous phase's
+    load must not be charged to the next one), for at most ``cap`` seconds."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < cap:
+        time.sleep(5)
+    print(f"  load average {load_average()} after {time.monotonic() - started:.0f}s of quiet",
+          flush=True)
+
+
+def process_cpu(procs) -> dict[str, float]:
+    """CPU seconds used so far by each started process and its live children."""
+    return {p.name: cpu_seconds([p.proc.pid, *child_pids(p.proc.pid)]) for p in procs}
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -230,7 +248,9 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         produce(bootstrap, topic, 10_000_000, warm, partitions, "warmup")
         wait_for(lambda: poimen_counts(db)[0], warm, timeout, "poimen warm-up")
 
+        settle()
         load_before = load_average()
+        cpu_before = process_cpu(procs)
         sent: list[float] = []
         producer = threading.Thread(
             target=lambda: sent.append(produce(bootstrap, topic, 0, n, partitions, "burst")))
@@ -239,15 +259,19 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         done = wait_for(lambda: poimen_counts(db)[0] - warm, n, timeout, "poimen")
         producer.join()
         succeeded, runs, starts = poimen_counts(db)
+        cpu_after = process_cpu(procs)
         burst = Case("poimen", n, done - started,
                      duplicates=(runs - n - warm) + (starts - runs),
                      load_before=load_before, load_after=load_average(),
-                     latencies=latencies(db, "burst"))
+                     latencies=latencies(db, "burst"),
+                     cpu_ms={name: (cpu_after[name] - cpu_before[name]) * 1000 / n
+                             for name in cpu_after})
 
         paced = None
         if paced_seconds > 0:
             rate = burst.rate / 2
             m = max(10, int(rate * paced_seconds))
+            settle()
             load_before = load_average()
             t0 = time.monotonic()
             produce(bootstrap, topic, n, m, partitions, "paced", rate=rate)
@@ -275,6 +299,7 @@ def plain_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
     try:
         _warm_plain(worker, redis, counter, lambda k: [task.apply_async() for _ in range(k)],
                     timeout)
+        settle()
         load_before = load_average()
         started = time.monotonic()
         sender = threading.Thread(target=lambda: [task.apply_async() for _ in range(n)])
@@ -308,6 +333,7 @@ def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
         _warm_plain(worker, redis, counter,
                     lambda k: produce(bootstrap, topic, 10_000_000, k, partitions, "warmup"),
                     timeout)
+        settle()
         load_before = load_average()
         started = time.monotonic()
         producer = threading.Thread(target=produce,
@@ -359,6 +385,11 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
         f"p99 {ms(burst.latencies, 99)}; load average before {burst.load_before}, "
         f"after {burst.load_after}",
     ]
+    if burst.cpu_ms:
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in burst.cpu_ms.items())
+        lines.append(f"- Poimen CPU per message in the burst, ms by process (with its "
+                     f"workers): {parts}; total {sum(burst.cpu_ms.values()):.1f} "
+                     f"(Postgres and the broker not counted)")
     if paced is not None:
         lines.append(
             f"- Poimen paced at half that rate ({paced.count / paced.seconds:.0f}/s offered, "
