@@ -166,3 +166,26 @@ def test_a_workflows_own_max_takeovers_decides_when_a_lost_run_fails(session, ad
     assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
     row = row_of(pg, run_id)
     assert row["status"] == "failed" and row["error"]["code"] == "worker_lost"
+
+
+def test_claims_that_do_nothing_still_name_run_boot_and_holder(session, admit, boot_factory,
+                                                                dead_boot, pg):
+    """DUPLICATE, NOT_DUE and an ended takeover: what the worker logs and reports."""
+    holder, other = boot_factory(), boot_factory()
+    run_id = admit()
+    claim(session, run_id, holder.boot_id)
+    assert claim(session, run_id, holder.boot_id) == Claim(
+        ClaimOutcome.DUPLICATE, run_id, holder.boot_id, holder=holder.boot_id)
+    assert claim(session, run_id, other.boot_id) == Claim(
+        ClaimOutcome.DUPLICATE, run_id, other.boot_id, holder=holder.boot_id)
+
+    assert schedule_retry(session, run_id, holder.boot_id, delay=30, error={"code": "x"})
+    session.commit()
+    assert claim(session, run_id, other.boot_id) == Claim(ClaimOutcome.NOT_DUE, run_id,
+                                                          other.boot_id)
+
+    cancelled, dead = admit(), dead_boot()
+    pg.execute("UPDATE runs SET status = 'running', claimed_by = %s, attempt = 1, "
+               "cancel_requested = true WHERE id = %s", [dead, cancelled])
+    assert claim(session, cancelled, other.boot_id) == Claim(
+        ClaimOutcome.FINISHED, cancelled, other.boot_id, holder=dead)
