@@ -147,6 +147,15 @@ def clean_tables(request):
 
 
 @pytest.fixture
+def processes():
+    """Processes a test starts (``tests.processes.Process``); stopped when it ends."""
+    started: list = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
 def redis_client(base_env):
     client = redis_lib.Redis.from_url(base_env["REDIS_URL"])
     yield client

@@ -3,19 +3,9 @@ a cancelled run whose worker is killed. Real Celery workers, real Postgres and R
 
 from __future__ import annotations
 
-import pytest
-
-from tests.processes import Process, start_beat, start_worker, wait_until
+from tests.processes import start_beat, start_worker, wait_until
 
 FAST_PROBE = {"POIMEN_BOOT_PROBE_INTERVAL": "0.3"}
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def run_row(pg, run_id):

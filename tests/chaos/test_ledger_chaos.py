@@ -19,8 +19,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 import tests.workflows.ledger  # noqa: F401 - the worker env loads the same modules
 from tests.processes import Process, start_beat, start_worker, wait_until
 
@@ -28,14 +26,6 @@ CHAOS_RUNS = int(os.environ.get("POIMEN_LEDGER_CHAOS_RUNS", "200"))
 KILL_EVERY = (0.3, 1.5)  # seconds between kills, uniformly
 KILLING_FOR = 60.0  # seconds of kills at most; then the system settles
 SETTLE_TIMEOUT = 90.0
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def pool_pids(worker: Process) -> list[int]:

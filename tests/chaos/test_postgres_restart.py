@@ -10,20 +10,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from tests.processes import Process, start_beat, start_worker, wait_until
+from tests.processes import start_beat, start_worker, wait_until
 
 RUNS = 16
 RUN_SECONDS = 3
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def _admit(chaos_app, tenant_id: int, n: int):

@@ -56,14 +56,6 @@ def side_effects(pg):
     return rows
 
 
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def _run(pg, run_id):
     return pg.execute("SELECT status, attempt FROM runs WHERE id = %s", [run_id]).fetchone()
 

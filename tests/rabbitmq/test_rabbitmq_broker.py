@@ -18,7 +18,6 @@ from kombu import Connection
 from bridge.client import Runs
 from celeryconfig import celery_settings
 from tests.processes import (
-    Process,
     free_port,
     metric,
     start_beat,
@@ -26,14 +25,6 @@ from tests.processes import (
     start_worker,
     wait_until,
 )
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def run_row(pg, run_id):

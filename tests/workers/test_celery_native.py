@@ -45,14 +45,6 @@ def env(test_env, celery_tasks, side_effects):
     return {**test_env, "POIMEN_WORKFLOW_MODULES": MODULES}
 
 
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def run_row(pg, run_id):
     return pg.execute(
         "SELECT status, attempt, failures, result, error, cancel_requested FROM runs "

@@ -10,7 +10,7 @@ import os
 import pytest
 import requests
 
-from tests.processes import Process, start_beat, start_worker, wait_until
+from tests.processes import start_beat, start_worker, wait_until
 
 
 def run_row(pg, run_id):
@@ -37,14 +37,6 @@ def wait_status(pg, run_id, statuses, timeout=60):
 @pytest.fixture
 def log_dir(tmp_path):
     return tmp_path
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 RACE_ROUNDS = 30

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from tests.processes import Process, start_worker, wait_until
-
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
+from tests.processes import start_worker, wait_until
 
 
 def test_a_run_pinned_to_a_version_one_worker_lacks_runs_on_the_other_at_attempt_1(

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
-from tests.processes import Process, start_beat, start_worker, wait_until
+from tests.processes import start_beat, start_worker, wait_until
 from workers.ledger import fanout_key, idempotency_key
 
 PARTICIPANTS = ["ana", "bo", "cy"]
@@ -639,14 +639,6 @@ def test_fanout_key_derivation_is_a_pure_function_of_its_inputs():
 
 
 # -- real workers --------------------------------------------------------------------------------
-
-@pytest.fixture
-def processes():
-    started: list[Process] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
 
 @pytest.fixture
 def worker_env(test_env, queue_name):
