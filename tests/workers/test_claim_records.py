@@ -189,3 +189,18 @@ def test_claims_that_do_nothing_still_name_run_boot_and_holder(session, admit, b
                "cancel_requested = true WHERE id = %s", [dead, cancelled])
     assert claim(session, cancelled, other.boot_id) == Claim(
         ClaimOutcome.FINISHED, cancelled, other.boot_id, holder=dead)
+
+
+def test_a_result_with_values_json_lacks_is_stored_as_their_text(session, admit, boot_factory,
+                                                                 pg):
+    """``_json`` writes what JSON has no type for (a datetime, a UUID) as its ``str``."""
+    import datetime
+
+    run_id, boot = admit(), boot_factory()
+    claim(session, run_id, boot.boot_id)
+    at = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
+    assert finish_run(session, run_id, boot.boot_id, status="succeeded",
+                      result={"at": at, "id": run_id})
+    session.commit()
+    stored = pg.execute("SELECT result FROM runs WHERE id = %s", [run_id]).fetchone()[0]
+    assert stored == {"at": str(at), "id": str(run_id)}
