@@ -35,6 +35,16 @@ def boot_factory(dsn):
 
 
 @pytest.fixture
+def fresh_boot():
+    """execute_run in this process registers a boot; end it so each test starts clean."""
+    from workers.boots import end_current_boot
+
+    end_current_boot()
+    yield
+    end_current_boot()
+
+
+@pytest.fixture
 def dead_boot(dsn):
     """A boot registered by a separate process that was then killed with SIGKILL."""
 

@@ -15,16 +15,6 @@ from tests.workers.test_claims import hold_as
 
 
 @pytest.fixture
-def fresh_boot():
-    """execute_run in this process registers a boot; end it so the next test starts clean."""
-    from workers.boots import end_current_boot
-
-    end_current_boot()
-    yield
-    end_current_boot()
-
-
-@pytest.fixture
 def deliver(app, fresh_boot):
     """Deliver a run once, in this process; return what the task would return, or raise."""
     from workers import tasks

@@ -156,16 +156,6 @@ def test_a_retry_that_is_not_due_is_not_claimed(session, admit, boot_factory, pg
     assert status_of(pg, run_id)[0] == "queued"
 
 
-@pytest.fixture
-def fresh_boot():
-    """execute_run in this process registers a boot; end it so the next test starts clean."""
-    from workers.boots import end_current_boot
-
-    end_current_boot()
-    yield
-    end_current_boot()
-
-
 def test_a_result_postgres_refuses_fails_the_run_instead_of_stranding_it(app, admit, pg,
                                                                           fresh_boot):
     from workers.execution import execute_run

@@ -58,16 +58,6 @@ def queue_name(app) -> str:
     return app.extensions["celery"].conf.task_default_queue
 
 @pytest.fixture
-def fresh_boot():
-    """execute_run in this process registers a boot; end it so each test starts clean."""
-    from workers.boots import end_current_boot
-
-    end_current_boot()
-    yield
-    end_current_boot()
-
-
-@pytest.fixture
 def run_here(app, fresh_boot):
     """Execute a run in this process, as the worker's task does; return the claim outcome."""
     from workers.execution import execute_run
