@@ -27,7 +27,7 @@ from .admission import (
 )
 from .auth import ADMIT, require_token
 from .errors import ApiError
-from .extensions import db
+from .extensions import autocommit_next, db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
 
@@ -167,6 +167,12 @@ def create_run():
     fields = validate_run_request(_json_body())
     logs.note(dispatch_key=fields.get("dispatch_key"))
     principal = g.principal
+    # Admission is one statement (run and event together), so it needs no
+    # transaction around it: in autocommit it is one round trip, not BEGIN,
+    # statement, COMMIT. A replay's read is another statement, which sees the
+    # winner ON CONFLICT waited for. The run is still handed to the sender only
+    # by the session's commit (after_commit), after the row is committed.
+    autocommit_next(db.session)
     try:
         admission = admit_run(
             db.session,

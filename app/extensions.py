@@ -1,7 +1,14 @@
 """Extension singletons, bound to an app with ``init_app`` in the factory."""
 
+from __future__ import annotations
+
+import select
+import time
+
 from flask_migrate import Migrate
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import event, exc
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase
 
 
@@ -12,3 +19,66 @@ class Base(DeclarativeBase):
 # Rows stay loaded after commit: responses are built from them without a re-select.
 db = SQLAlchemy(model_class=Base, session_options={"expire_on_commit": False})
 migrate = Migrate()
+
+_IDLE_SINCE = "poimen_idle_since"
+
+
+def autocommit_next(session) -> bool:
+    """Run ``session``'s next transaction in autocommit; False if that cannot be chosen.
+
+    For work that is a single statement (or statements each whole on its own):
+    one round trip instead of BEGIN, statement, COMMIT. It cannot be chosen when
+    the session has a transaction open already (a token lookup that missed the
+    cache), or is bound to a connection rather than the engine (a test's outer
+    transaction); the work then runs in that transaction, as correct and slower.
+    """
+    current = session() if callable(session) else session  # a scoped_session, or a Session
+    if current.in_transaction() or not isinstance(current.get_bind(), Engine):
+        return False
+    current.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+    return True
+
+
+def ping_idle_connections(engine: Engine, idle_seconds: float) -> None:
+    """Ping a pooled connection at checkout only when it may be dead.
+
+    SQLAlchemy's ``pool_pre_ping`` pings at every checkout: one round trip per
+    transaction, a fifth of an admission's. Here a connection is pinged when
+
+    * the server has said something since it was checked in: its socket is
+      readable. An idle connection in the pool receives nothing, unless its
+      backend was terminated (a restart, a failover, ``pg_terminate_backend``
+      send an error and close), so this costs a ``poll()``, no round trip;
+    * or it sat idle ``idle_seconds`` or more: a connection dropped without a
+      word (a NAT timeout, a vanished host) shows nothing on its socket.
+
+    A dead one is replaced before the request uses it, and with it every older
+    connection of the pool (``InvalidatePoolError``, what ``pool_pre_ping`` raises).
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_connection, record) -> None:
+        if record is not None:
+            record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection, record, proxy) -> None:
+        since = record.info.get(_IDLE_SINCE)
+        if since is None:
+            return  # new
+        if time.monotonic() - since < idle_seconds and not _server_spoke(dbapi_connection):
+            return  # in use a moment ago, and nothing arrived since
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as err:
+            raise exc.InvalidatePoolError("pooled connection failed its ping") from err
+
+
+def _server_spoke(dbapi_connection) -> bool:
+    """Whether anything (an error, end of file) is waiting on an idle connection's socket."""
+    try:
+        poller = select.poll()
+        poller.register(dbapi_connection.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except Exception:  # noqa: BLE001 - a closed connection has no socket: it needs the ping
+        return True

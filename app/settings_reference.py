@@ -121,8 +121,11 @@ SETTINGS: tuple[Setting, ...] = (
           "How long a looked-up token is trusted (a revocation takes up to this long)."),
     # -- database pool
     _db("POIMEN_DB_PRE_PING", "1", APP,
-        "`1`: ping each pooled connection at checkout, so a database restart fails no request; "
-        "`0` turns it off."),
+        "`1`: ping a pooled connection at checkout when it sat idle, so a database restart "
+        "fails no request on a quiet pool; `0` turns it off."),
+    _db("POIMEN_DB_PING_IDLE_SECONDS", "1", APP,
+        "A pooled connection idle this long is pinged at checkout; one used more recently "
+        "is trusted (no round trip per transaction under load)."),
     _db("POIMEN_DB_POOL_SIZE", "5", APP, "SQLAlchemy pool size per process."),
     _db("POIMEN_DB_MAX_OVERFLOW", "10", APP, "SQLAlchemy connections beyond the pool size."),
     _db("POIMEN_DB_POOL_RECYCLE", "300", APP, "Seconds after which a pooled connection is replaced."),

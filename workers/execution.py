@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from app.config import libpq_url
 from app.enqueue import send_run
-from app.extensions import db
+from app.extensions import autocommit_next, db
 from app.logs import note_tenant
 from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
 from app.models import TERMINAL_STATUSES, RunStatus
@@ -182,6 +182,11 @@ def _claim(run_id: uuid.UUID) -> Claim:
     for _ in range(2):
         boot = current_boot(boot_dsn)
         try:
+            # Every path of a claim writes at most one statement (the claim, a
+            # takeover, a cancelled run's end), each whole on its own, so the
+            # claim runs in autocommit: one round trip instead of BEGIN,
+            # statement, COMMIT. Its commit is still inside this try.
+            autocommit_next(session)
             claim = claim_run(session, run_id, boot.boot_id)
             session.commit()
         except Exception:
