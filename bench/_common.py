@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,3 +266,13 @@ def machine_summary(database_url: str) -> dict[str, str]:
         "postgres": pg,
         "load": load_average(),
     }
+
+
+def settle(limit: float = 1.5, cap: float = 300.0) -> None:
+    """Wait until the one-minute load average is under ``limit`` (the previous phase's
+    load must not be charged to the next one), for at most ``cap`` seconds."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < cap:
+        time.sleep(5)
+    print(f"  load average {os.getloadavg()[0]:.2f} after "
+          f"{time.monotonic() - started:.0f}s of quiet", flush=True)

@@ -70,6 +70,7 @@ from bench._common import (  # noqa: E402
     cpu_seconds,
     libpq_url,
     log_directory,
+    settle,
     stop_on_sigterm,
 )
 
@@ -98,16 +99,6 @@ class Case:
 def load_average() -> str:
     """The one-minute load average, as RESULTS.md's "before X, after Y" lines give it."""
     return f"{os.getloadavg()[0]:.2f}"
-
-
-def settle(limit: float = 1.5, cap: float = 300.0) -> None:
-    """Wait until the one-minute load average is under ``limit`` (the previous phase's
-    load must not be charged to the next one), for at most ``cap`` seconds."""
-    started = time.monotonic()
-    while os.getloadavg()[0] > limit and time.monotonic() - started < cap:
-        time.sleep(5)
-    print(f"  load average {load_average()} after {time.monotonic() - started:.0f}s of quiet",
-          flush=True)
 
 
 def process_cpu(procs) -> dict[str, float]:

@@ -72,6 +72,7 @@ from bench._common import (  # noqa: E402
     log_directory,
     machine_summary,
     require_env,
+    settle,
     stop_on_sigterm,
 )
 from tests.processes import BIN, Process, start_web, start_worker, wait_until  # noqa: E402
@@ -249,6 +250,7 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
                   f"(e.g. py-spy record --pid <pool pid>); starting in 10 s", flush=True)
             time.sleep(10)
 
+        settle()  # the previous case's load must not be charged to this one
         load_before = load_average()
         pgroups = {"worker": worker.pid, "web": web_pgrp}
         cpu0 = cpu_snapshot(pgroups)
@@ -286,6 +288,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         admit_concurrently(web_url, token, 20, 1)
         wait_for_count(lambda: succeeded(db_url), 20, timeout, "latency warm-up")
         reset_runs(db_url)
+        settle()  # the previous case's load must not be charged to this one
         load_before = load_average()
         host, port = web_url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -347,6 +350,7 @@ def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, count
             wait_for_count(count, warmup, timeout, "plain warm-up")
         redis.delete(counter_key)
 
+        settle()  # the previous case's load must not be charged to this one
         load_before = load_average()
         pgroups = {"worker": worker.pid}
         cpu0 = cpu_snapshot(pgroups)
