@@ -508,7 +508,7 @@ def main() -> int:
     if args.record:
         append_result(args.record, "## Execution (bench/execution.py)", [
             f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-            f"- machine: {machine}",
+            "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
             f"- `python bench/execution.py --runs {args.runs}` (plain tasks {plain_tasks}), "
             f"clients {args.clients}", "", text])
         print(f"appended to {args.record}")

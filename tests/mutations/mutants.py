@@ -58,6 +58,23 @@ MUTANTS: list[Mutant] = [
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
     ),
     Mutant(
+        "admission_in_a_transaction",
+        "an admission is one round trip: its one statement runs in autocommit (issue 10)",
+        "app/api.py",
+        "    autocommit_next(db.session)\n",
+        "",
+        ("tests/app/test_hot_path.py::test_an_admission_is_one_statement_in_autocommit",),
+    ),
+    Mutant(
+        "ping_blind_to_a_cut_socket",
+        "a pooled connection the server cut is replaced before use, without a ping per checkout",
+        "app/extensions.py",
+        " and not _server_spoke(dbapi_connection)",
+        "",
+        ("tests/app/test_hot_path.py::"
+         "test_a_connection_cut_server_side_a_moment_ago_is_replaced_before_the_request_uses_it",),
+    ),
+    Mutant(
         "replay_input_compared_loosely",
         "a replay is the same request as stored (jsonb equality, decided by Postgres)",
         "app/admission.py",
@@ -166,6 +183,14 @@ MUTANTS: list[Mutant] = [
         "        if boot.probe():\n            continue\n",
         "        if not boot.conn.closed and not boot.conn.broken:\n            continue\n",
         (f"{CLAIM_TESTS}::test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims",),
+    ),
+    Mutant(
+        "claim_in_a_transaction",
+        "a claim is one round trip: its one statement runs in autocommit (issue 10)",
+        "workers/execution.py",
+        "            autocommit_next(session)\n",
+        "",
+        (f"{CLAIM_TESTS}::test_a_claim_is_one_statement_in_autocommit",),
     ),
     Mutant(
         "unrecordable_outcome_keeps_the_boot",
