@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 import redis as redis_lib
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
 from app.config import libpq_url
@@ -187,6 +188,23 @@ class TenantCreds:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
+
+
+@pytest.fixture
+def statements(app):
+    """Every statement the app's engine executes: (SQL, whether its connection was in autocommit)."""
+    from app.extensions import db
+
+    seen: list[tuple[str, bool]] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        seen.append((statement, bool(conn.connection.driver_connection.autocommit)))
+
+    with app.app_context():
+        engine = db.engine
+    event.listen(engine, "before_cursor_execute", record)
+    yield seen
+    event.remove(engine, "before_cursor_execute", record)
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ import json
 import time
 import uuid
 
-import pytest
-from sqlalchemy import event, text
+from sqlalchemy import text
 
 from tests.conftest import connect
 
@@ -27,23 +26,6 @@ def _post(client, creds, **body):
     body = {"workflow_ref": "echo", "input": {"n": 1}, **body}
     return client.post("/v1/runs", data=json.dumps(body), content_type="application/json",
                        headers=creds.headers)
-
-
-@pytest.fixture
-def statements(app):
-    """Every statement the app's engine executes: (SQL, whether its connection was in autocommit)."""
-    from app.extensions import db
-
-    seen: list[tuple[str, bool]] = []
-
-    def record(conn, cursor, statement, parameters, context, executemany):
-        seen.append((statement, bool(conn.connection.driver_connection.autocommit)))
-
-    with app.app_context():
-        engine = db.engine
-    event.listen(engine, "before_cursor_execute", record)
-    yield seen
-    event.remove(engine, "before_cursor_execute", record)
 
 
 def test_an_admission_is_one_statement_in_autocommit(app, client, tenant, statements,

@@ -180,28 +180,16 @@ def test_execute_in_process_runs_the_workflow_once(app, admit, pg, fresh_boot):
                       [run_id]).fetchone() == ("succeeded", {"x": 1})
 
 
-def test_a_claim_is_one_statement_in_autocommit(app, admit, pg, fresh_boot):
+def test_a_claim_is_one_statement_in_autocommit(app, admit, pg, fresh_boot, statements):
     """Issue 10: the claim (and its event) is one round trip: no BEGIN and COMMIT around it."""
-    from sqlalchemy import event
-
-    from app.extensions import db
     from workers.execution import execute_run
 
     run_id = admit("echo", {"x": 1})
-    seen: list[tuple[str, bool]] = []
-
-    def record(conn, cursor, statement, parameters, context, executemany):
-        seen.append((statement, bool(conn.connection.driver_connection.autocommit)))
-
+    statements.clear()
     with app.app_context():
-        engine = db.engine
-        event.listen(engine, "before_cursor_execute", record)
-        try:
-            assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
-        finally:
-            event.remove(engine, "before_cursor_execute", record)
-    claims = [autocommit for sql, autocommit in seen if "SET status = 'running'" in sql]
-    assert claims == [True], seen
+        assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
+    claims = [autocommit for sql, autocommit in statements if "SET status = 'running'" in sql]
+    assert claims == [True], statements
     assert pg.execute("SELECT status FROM runs WHERE id = %s", [run_id]).fetchone() == (
         "succeeded",)
 
