@@ -58,10 +58,11 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
         "SQLALCHEMY_ENGINE_OPTIONS": {
-            # Pooled connections are pinged at checkout only after sitting idle
-            # (POIMEN_DB_PING_IDLE_SECONDS, extensions.ping_idle_connections):
-            # that replaces connections a database restart or failover cut before
-            # a request uses one (docs/reliability.md, row 9) without a round trip
+            # Pooled connections are pinged at checkout only when the server wrote
+            # to their socket since (it cut them) or they sat idle for
+            # POIMEN_DB_PING_IDLE_SECONDS (extensions.ping_idle_connections): that
+            # replaces connections a database restart or failover cut before a
+            # request uses one (docs/reliability.md, row 9) without a round trip
             # per transaction under load. POIMEN_DB_PRE_PING=0 turns pinging off.
             "pool_pre_ping": False,
             "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),

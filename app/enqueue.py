@@ -7,8 +7,9 @@ hand it on ``after_commit`` and forget it on ``after_rollback``.
 
 The broker is off the request path: ``after_commit`` puts the run on this
 process's *sender*, a thread that publishes what has queued up through one
-producer connection, in order, as one pipelined write on Redis. A request never waits on Redis, and a hung or
-black-holed broker cannot pin request threads or the database pool. A send
+producer connection, in order, as one pipelined write on Redis. A request
+never waits on Redis, and a hung or black-holed broker cannot pin request
+threads or the database pool. A send
 that fails, or a process that dies between commit and send, strands nothing:
 the sender retries while its backlog lasts, ``beat`` re-sends queued runs whose
 last send is old, and a replay of the run's key re-sends it too (workers'

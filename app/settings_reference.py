@@ -121,8 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
           "How long a looked-up token is trusted (a revocation takes up to this long)."),
     # -- database pool
     _db("POIMEN_DB_PRE_PING", "1", APP,
-        "`1`: ping a pooled connection at checkout when it sat idle, so a database restart "
-        "fails no request on a quiet pool; `0` turns it off."),
+        "`1`: ping a pooled connection at checkout when the server wrote to its socket "
+        "since (a restart cut it) or it sat idle, so a database restart fails no request "
+        "on a quiet pool; `0` turns it off."),
     _db("POIMEN_DB_PING_IDLE_SECONDS", "1", APP,
         "A pooled connection idle this long is pinged at checkout; one used more recently "
         "is trusted (no round trip per transaction under load)."),
