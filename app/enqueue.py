@@ -133,6 +133,7 @@ class Sender:
                     # all or nothing as far as we know: after an error the whole batch
                     # is sent again, and a message that did go is a duplicate the
                     # claim absorbs.
+                    # max_size counts Redis commands: a publish may add a PEXPIRE to its LPUSH.
                     with producer.batch(max_size=len(batch) * 2):
                         for run_id, ref in batch:
                             _publish(self.celery_app, run_id, ref, None, producer)

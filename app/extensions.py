@@ -24,7 +24,9 @@ _IDLE_SINCE = "poimen_idle_since"
 
 
 def autocommit_next(session) -> bool:
-    """Run ``session``'s next transaction in autocommit; False if that cannot be chosen.
+    """Run the next transaction of ``session`` (a ``scoped_session``) in autocommit.
+
+    Returns False when that cannot be chosen.
 
     For work that is a single statement (or statements each whole on its own):
     one round trip instead of BEGIN, statement, COMMIT. It cannot be chosen when
@@ -32,7 +34,7 @@ def autocommit_next(session) -> bool:
     cache), or is bound to a connection rather than the engine (a test's outer
     transaction); the work then runs in that transaction, as correct and slower.
     """
-    current = session() if callable(session) else session  # a scoped_session, or a Session
+    current = session()  # db.session is a scoped_session: this request's (or task's) Session
     if current.in_transaction() or not isinstance(current.get_bind(), Engine):
         return False
     current.connection(execution_options={"isolation_level": "AUTOCOMMIT"})

@@ -276,3 +276,11 @@ def settle(limit: float = 1.5, cap: float = 300.0) -> None:
         time.sleep(5)
     print(f"  load average {os.getloadavg()[0]:.2f} after "
           f"{time.monotonic() - started:.0f}s of quiet", flush=True)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (nearest rank) of ``values``; NaN when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]

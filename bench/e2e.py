@@ -70,6 +70,7 @@ from bench._common import (  # noqa: E402
     cpu_seconds,
     libpq_url,
     log_directory,
+    percentile,
     settle,
     stop_on_sigterm,
 )
@@ -104,13 +105,6 @@ def load_average() -> str:
 def process_cpu(procs) -> dict[str, float]:
     """CPU seconds used so far by each started process and its live children."""
     return {p.name: cpu_seconds([p.proc.pid, *child_pids(p.proc.pid)]) for p in procs}
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
 
 
 def wait_for(count, target: int, timeout: float, what: str) -> float:

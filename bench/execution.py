@@ -71,6 +71,7 @@ from bench._common import (  # noqa: E402
     load_average,
     log_directory,
     machine_summary,
+    percentile,
     require_env,
     settle,
     stop_on_sigterm,
@@ -163,14 +164,18 @@ class CaseResult:
 
 # -- Poimen -------------------------------------------------------------------
 
-def _admit(url: str, token: str, count: int, errors: list[str]) -> None:
-    """POST ``count`` noop runs over one keep-alive connection."""
+def _admit(url: str, token: str, count: int, errors: list[str],
+           rate: float | None = None) -> None:
+    """POST ``count`` noop runs over one keep-alive connection, ``rate`` per second if given."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"workflow_ref": "noop", "input": {}})
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    start = time.monotonic()
     try:
-        for _ in range(count):
+        for i in range(count):
+            if rate and (pause := start + i / rate - time.monotonic()) > 0:
+                time.sleep(pause)
             conn.request("POST", "/v1/runs", body=body, headers=headers)
             resp = conn.getresponse()
             resp.read()
@@ -290,29 +295,17 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         reset_runs(db_url)
         settle()  # the previous case's load must not be charged to this one
         load_before = load_average()
-        host, port = web_url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        body = json.dumps({"workflow_ref": "noop", "input": {}})
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        start = time.monotonic()
-        for i in range(runs):
-            pause = start + i / rate - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-            conn.request("POST", "/v1/runs", body=body, headers=headers)
-            resp = conn.getresponse()
-            resp.read()
-            if resp.status != 201:
-                raise RuntimeError(f"latency case: POST answered {resp.status}")
-        conn.close()
+        errors: list[str] = []
+        _admit(web_url, token, runs, errors, rate=rate)
+        if errors:
+            raise RuntimeError(f"latency case: {len(errors)} admissions failed, e.g. {errors[:3]}")
         wait_for_count(lambda: succeeded(db_url), runs, timeout, "latency case")
         with psycopg.connect(db_url) as db:
-            waits = sorted(row[0] for row in db.execute(
-                "SELECT extract(epoch FROM started_at - created_at) * 1000 FROM runs"))
-        pick = lambda q: float(waits[min(len(waits) - 1, int(q * len(waits)))])  # noqa: E731
-        return {"runs": len(waits), "rate": rate, "p50": pick(0.50), "p90": pick(0.90),
-                "p99": pick(0.99), "max": float(waits[-1]), "load_before": load_before,
-                "load_after": load_average()}
+            waits = [float(row[0]) for row in db.execute(
+                "SELECT extract(epoch FROM started_at - created_at) * 1000 FROM runs")]
+        return {"runs": len(waits), "rate": rate, "p50": percentile(waits, 50),
+                "p90": percentile(waits, 90), "p99": percentile(waits, 99), "max": max(waits),
+                "load_before": load_before, "load_after": load_average()}
     finally:
         worker.stop()
 

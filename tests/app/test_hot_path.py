@@ -101,10 +101,12 @@ def test_a_connection_cut_server_side_a_moment_ago_is_replaced_before_the_reques
     assert pids
     # Cut them server-side, as a restart does, and use them again at once: well
     # within POIMEN_DB_PING_IDLE_SECONDS, so only what the server said on each
-    # socket when it cut it can tell they are dead.
+    # socket when it cut it can tell they are dead. Like a restart (pg_ctl stop
+    # waits for its backends), wait until each backend has exited: without the
+    # timeout pg_terminate_backend returns once it has signalled.
     with connect(database_url, autocommit=True) as pg:
         for pid in pids:
-            pg.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            assert pg.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)).fetchone()[0]
     for _ in range(3):
         response = _post(client, tenant)
         assert response.status_code == 201, response.data
