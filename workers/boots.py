@@ -8,14 +8,22 @@ about clocks: no heartbeat age, no timeout guess. What "live" means in SQL is
 defined once, in ``app/liveness.py``.
 
 The lock can also vanish while the process lives: Postgres restarted, a
-failover, ``pg_terminate_backend``, ``idle_session_timeout``, a dropped TCP
-flow. psycopg only notices that when the connection is next used, and nothing
-else uses a lock connection, so a *watchdog* thread asks Postgres every
+failover, ``pg_terminate_backend``, a dropped TCP flow. psycopg only notices
+that when the connection is next used, and nothing else uses a lock
+connection, so a *watchdog* thread asks Postgres every
 ``POIMEN_BOOT_PROBE_INTERVAL`` seconds (2) whether this backend still holds
-the lock. When it does not, the boot is *lost*: ``current_boot()`` starts a new
-one, every claim statement refuses the old one (liveness is part of the
-claim), and ``on_lost`` (set by ``workers/execution.py``) decides what happens
-to runs this process is executing under it.
+the lock. When it does not, or no answer comes within the probe's deadline,
+the boot is *lost*: ``current_boot()`` starts a new one, every claim statement
+refuses the old one (liveness is part of the claim), and ``on_lost`` (set by
+``workers/execution.py``) decides what happens to runs this process is
+executing under it.
+
+The lock is a lease bounded on both sides (``lease.py``): the server ends a
+lock session that sent nothing for T_s (``idle_session_timeout``, renewed by
+every probe), and this process is SIGKILLed by a kernel timer (the *fence*)
+when a run it executes is covered by no boot whose lock was confirmed within
+T_c. T_c + kill < T_s + takeover delay, so a cut-off process has stopped
+before anyone may start its run again.
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ from dataclasses import dataclass, field
 import psycopg
 
 from app.liveness import LOCK_NAMESPACE
+from lease import KillFence, LeaseSettings, bound_lock_session, lock_connect_kwargs, probe_lock
 
 log = logging.getLogger(__name__)
 
-# Does *this* backend hold the boot's lock? Asked on the lock connection itself.
-_PROBE = (
+# Does *this* backend hold the boot's lock? Asked on the lock connection itself, as
+# text for the deadline probe (our own integers, no parameters).
+_PROBE_TEXT = (
     "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
-    "AND classid = CAST(%(ns)s AS oid) AND objid = CAST(%(key)s AS oid) AND objsubid = 2 "
+    "AND classid = CAST(%(ns)d AS oid) AND objid = CAST(%(key)d AS oid) AND objsubid = 2 "
     "AND granted AND pid = pg_backend_pid())"
 )
 # Advisory locks are per database: another database's boot may hold the same key.
@@ -57,8 +67,13 @@ class PooledLockConnection(RuntimeError):
     """The lock connection goes through a transaction pooler: liveness would mean nothing."""
 
 
+def lease_settings() -> LeaseSettings:
+    """The lease's numbers, read from the environment when a boot registers."""
+    return LeaseSettings.from_env()
+
+
 def probe_interval() -> float:
-    return float(os.environ.get("POIMEN_BOOT_PROBE_INTERVAL", "2"))
+    return lease_settings().probe_interval
 
 
 @dataclass
@@ -71,22 +86,27 @@ class Boot:
     backend_pid: int
     conn: psycopg.Connection = field(repr=False)
     lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    settings: LeaseSettings = field(default_factory=LeaseSettings, repr=False)
+    # time.monotonic() at the start of the last probe that found the lock held:
+    # the server's idle timer started no sooner, so the lease runs from here.
+    confirmed_at: float = field(default_factory=time.monotonic)
+    server_bound: str = ""
 
     @classmethod
-    def register(cls, dsn: str) -> Boot:
+    def register(cls, dsn: str, settings: LeaseSettings | None = None) -> Boot:
         """Register a new boot and take its lock on a connection of its own.
 
         Fails loudly (never blocks) when the lock key is held elsewhere, and
         refuses a connection that does not keep its session (a transaction
-        pooler such as PgBouncer in transaction mode).
+        pooler such as PgBouncer in transaction mode). The session gets the
+        server's bound T_s before it takes the lock.
         """
-        conn = psycopg.connect(
-            dsn, autocommit=True, application_name="poimen-boot", connect_timeout=10,
-            # A silently dropped TCP flow must end the session on both sides
-            # within seconds, not hours (unix sockets ignore these).
-            keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
-        )
+        settings = settings or lease_settings()
+        started = time.monotonic()
+        conn = psycopg.connect(dsn, application_name="poimen-boot",
+                               **lock_connect_kwargs(settings))
         try:
+            server_bound = bound_lock_session(conn, settings)
             boot_id = uuid.uuid4()
             # The lock first, then the row: a boot row exists only while its lock
             # is held, so repair's pruning of dead boots can never take a boot
@@ -102,24 +122,37 @@ class Boot:
         except BaseException:
             conn.close()
             raise
-        log.info("boot %s registered (pid %s, lock key %s, backend %s)", boot_id, os.getpid(),
-                 lock_key, backend_pid)
+        log.info("boot %s registered (pid %s, lock key %s, backend %s; lease: %s, client "
+                 "bound %gs)", boot_id, os.getpid(), lock_key, backend_pid, server_bound,
+                 settings.client_seconds)
         return cls(boot_id=boot_id, lock_key=lock_key, pid=os.getpid(),
-                   backend_pid=backend_pid, conn=conn)
+                   backend_pid=backend_pid, conn=conn, settings=settings,
+                   confirmed_at=started, server_bound=server_bound)
 
     def probe(self) -> bool:
-        """Ask Postgres whether this boot's backend still holds its lock."""
-        try:
-            return bool(self.conn.execute(
-                _PROBE, {"ns": LOCK_NAMESPACE, "key": self.lock_key}).fetchone()[0])
-        except psycopg.Error:
-            return False
+        """Ask Postgres, within the probe's deadline, whether this boot still holds its lock.
+
+        True renews the lease (``confirmed_at``); False means lost *or* not
+        confirmed in time: a silent path looks exactly like a lost lock from here.
+        """
+        started = time.monotonic()
+        held = probe_lock(self.conn, _PROBE_TEXT % {"ns": LOCK_NAMESPACE, "key": self.lock_key},
+                          self.settings.probe_timeout)
+        if held:
+            self.confirmed_at = started
+        return bool(held)
+
+    def fresh(self, now: float | None = None) -> bool:
+        """Whether the lock was confirmed recently enough to start a run under it."""
+        now = time.monotonic() if now is None else now
+        return now < self.confirmed_at + self.settings.client_seconds \
+            - self.settings.probe_timeout
 
     @property
     def usable(self) -> bool:
         """Whether this process can still act as this boot."""
         return (self.pid == os.getpid() and not self.lost.is_set() and not self.conn.closed
-                and not self.conn.broken)
+                and not self.conn.broken and self.fresh())
 
     def mark_lost(self) -> None:
         self.lost.set()
@@ -200,11 +233,20 @@ def check_lock_database(dsn: str) -> None:
 
 _current: Boot | None = None
 _current_lock = threading.Lock()
+# Boots of this process that lost their lock outside the watchdog (found stale
+# by current_boot): the watchdog hands them to on_lost like the ones it finds.
+_lost_elsewhere: list[Boot] = []
 
 # Runs this process is executing, and every boot of this process that held each
 # one (a run adopted by a new boot keeps its old holder too: both are ours).
 _holding: dict[uuid.UUID, set[uuid.UUID]] = {}
+# The boot whose lease covers each run this process executes: the claimer, then
+# the boot that adopted it. The fence kills the process when one of them has
+# not been confirmed within T_c.
+_cover: dict[uuid.UUID, Boot] = {}
+_known: dict[uuid.UUID, Boot] = {}
 _holding_lock = threading.Lock()
+_fence: KillFence | None = None
 
 # Called from the watchdog thread with a boot that lost its lock.
 on_lost: Callable[[Boot], None] | None = None
@@ -215,15 +257,23 @@ def current_boot(dsn: Callable[[], str]) -> Boot:
 
     A boot whose lock is gone is dead to everyone else (its claims may be taken
     over), so this process must not keep acting as it: it starts a new boot,
-    and claims under the old one are refused by Postgres.
+    and claims under the old one are refused by Postgres. A boot whose lock
+    was not confirmed lately (a silent path: the watchdog's probes go
+    unanswered) is treated the same: nothing new starts under it.
     """
     global _current
     with _current_lock:
         if _current is None or not _current.usable:
             if _current is not None and _current.pid == os.getpid():
-                log.warning("boot %s lost its lock; starting a new boot", _current.boot_id)
-                _current.close()
+                log.warning("boot %s lost its lock (or could not confirm it within %gs); "
+                            "starting a new boot", _current.boot_id,
+                            _current.settings.client_seconds)
+                if not _current.lost.is_set():
+                    _lost_elsewhere.append(_current)
+                _current.mark_lost()
             _current = Boot.register(dsn())  # the DSN is worked out only when needed
+            with _holding_lock:
+                _known[_current.boot_id] = _current
             _start_watchdog()
         return _current
 
@@ -238,9 +288,22 @@ def end_current_boot() -> None:
 
 
 def hold(run_id: uuid.UUID, boot_id: uuid.UUID) -> None:
-    """Record that this process executes ``run_id`` under ``boot_id``."""
+    """Record that this process executes ``run_id`` under ``boot_id``; arm the fence."""
     with _holding_lock:
         _holding.setdefault(run_id, set()).add(boot_id)
+        boot = _known.get(boot_id)
+        if boot is not None:
+            _cover[run_id] = boot
+        _refresh_fence()
+
+
+def cover(run_id: uuid.UUID, boot: Boot) -> None:
+    """Let ``boot``'s lease cover ``run_id`` from now on (it adopted the run)."""
+    with _holding_lock:
+        if run_id in _holding:
+            _holding[run_id].add(boot.boot_id)
+            _cover[run_id] = boot
+            _refresh_fence()
 
 
 def holders(run_id: uuid.UUID) -> list[uuid.UUID]:
@@ -271,6 +334,49 @@ def let_go(run_ids: Iterable[uuid.UUID]) -> None:
     with _holding_lock:
         for run_id in run_ids:
             _holding.pop(run_id, None)
+            _cover.pop(run_id, None)
+        covering = {boot.boot_id for boot in _cover.values()}
+        for boot_id in [b for b, boot in _known.items() if boot is not _current
+                        and b not in covering]:
+            del _known[boot_id]
+        _refresh_fence()
+
+
+def fence_deadline() -> float | None:
+    """When the fence kills this process (``time.monotonic()``), or None when disarmed."""
+    with _holding_lock:
+        return _fence_deadline()
+
+
+def _fence_deadline() -> float | None:
+    if not _cover:
+        return None
+    return min(boot.confirmed_at + boot.settings.client_seconds for boot in _cover.values())
+
+
+def _refresh_fence() -> None:
+    """Arm the fence at the earliest lease end among the runs held (call with _holding_lock).
+
+    The kernel delivers the kill (``lease.KillFence``): a body that cannot be
+    interrupted politely, or holds the GIL in C, stops all the same.
+    """
+    global _fence
+    deadline = _fence_deadline()
+    if deadline is None:
+        if _fence is not None:
+            _fence.disarm()
+        return
+    if _fence is None:
+        _fence = KillFence()
+    _fence.arm(deadline)
+
+
+def probe_age() -> float | None:
+    """Seconds since this process's boot last confirmed its lock (None: no boot)."""
+    boot = _current
+    if boot is None or boot.pid != os.getpid():
+        return None
+    return max(0.0, time.monotonic() - boot.confirmed_at)
 
 
 def _forget_boot_in_child() -> None:
@@ -284,10 +390,16 @@ def _forget_boot_in_child() -> None:
     so the child points the descriptor at /dev/null instead and forgets the
     boot.
     """
-    global _current, _watchdog_pid
+    global _current, _watchdog_pid, _fence
     boot = _current
     _current = None
     _watchdog_pid = None
+    # POSIX timers are not inherited by fork; neither are the runs we execute.
+    _fence = None
+    _holding.clear()
+    _cover.clear()
+    _known.clear()
+    _lost_elsewhere.clear()
     if boot is None or boot.conn.closed:
         return
     try:
@@ -320,16 +432,25 @@ def _watch() -> None:
     interval = probe_interval()
     while True:
         time.sleep(interval)
+        while _lost_elsewhere:
+            _handle_lost(_lost_elsewhere.pop())
         boot = _current
         if boot is None or boot.pid != os.getpid() or boot.lost.is_set():
             continue
         if boot.probe():
+            with _holding_lock:
+                _refresh_fence()  # the lease of every run it covers moves on
             continue
-        log.error("boot %s no longer holds its liveness lock (Postgres restarted, or its "
-                  "connection was cut); it is dead and claims nothing more", boot.boot_id)
+        log.error("boot %s could not confirm its liveness lock within %.1fs (Postgres "
+                  "restarted, its connection was cut, or the path to it went silent); it is "
+                  "dead and claims nothing more", boot.boot_id, boot.settings.probe_timeout)
         boot.mark_lost()
-        if on_lost is not None:
-            try:
-                on_lost(boot)
-            except Exception:  # noqa: BLE001 - the watchdog must keep watching
-                log.exception("handling the loss of boot %s failed", boot.boot_id)
+        _handle_lost(boot)
+
+
+def _handle_lost(boot: Boot) -> None:
+    if on_lost is not None:
+        try:
+            on_lost(boot)
+        except Exception:  # noqa: BLE001 - the watchdog must keep watching
+            log.exception("handling the loss of boot %s failed", boot.boot_id)

@@ -496,6 +496,10 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
                 time.sleep(0.5)
         db.session.remove()
     for run_id, outcome in outcomes.items():
+        if outcome in (Adoption.ADOPTED, Adoption.OURS):
+            # Committed: the new boot's lease covers the run, and the fence moves
+            # with it. Until now it ran on the lost boot's last confirmation.
+            boots.cover(run_id, new)
         if outcome == Adoption.ADOPTED:
             log.warning("run %s: adopted by new boot %s after boot %s lost its lock", run_id,
                         new.boot_id, lost.boot_id)
