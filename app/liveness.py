@@ -11,6 +11,7 @@ metrics all use this one definition.
 from __future__ import annotations
 
 import uuid
+from typing import NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -19,9 +20,9 @@ from sqlalchemy.orm import Session
 LOCK_NAMESPACE = 0x504F494D
 
 # The one definition of a live boot: its row joined to its granted advisory
-# lock in this database, as a SQL fragment that yields live boot ids.
-LIVE_BOOTS_SQL = f"""
-    SELECT b.boot_id
+# lock in this database. The FROM clause alone (``b`` the boot, ``l`` its lock,
+# ``l.pid`` the backend holding it) serves queries that need more than the id.
+_LIVE_BOOT_LOCKS = f"""
       FROM worker_boots b
       JOIN pg_locks l
         ON l.locktype = 'advisory'
@@ -31,9 +32,28 @@ LIVE_BOOTS_SQL = f"""
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
+# The same, as a SQL fragment that yields live boot ids.
+LIVE_BOOTS_SQL = f"""
+    SELECT b.boot_id{_LIVE_BOOT_LOCKS}"""
 
 _BOOT_ALIVE = text(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot_id)")
 _LIVE_COUNT = text(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL}) AS live")
+
+# How long ago each live boot's lock session last finished a query, by the
+# server's clock. The session runs nothing but the watchdog's probes (in
+# autocommit), so its pg_stat_activity.state_change is when the last probe
+# ended (or, while one runs, when it began): observed, never written by the
+# worker. clock_timestamp(), not now(): the transaction may have started before
+# the probe did, which would make the age negative. A role that may not see
+# another role's sessions (neither the same role nor pg_read_all_stats) reads
+# state_change as NULL: the age is then unknown, and the boot is still listed.
+_PROBE_AGES_SQL = f"""
+    SELECT b.boot_id, b.hostname, b.pid,
+           CAST(extract(epoch FROM clock_timestamp() - a.state_change) AS float8) AS age{_LIVE_BOOT_LOCKS}
+      LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+"""
+_PROBE_AGES = text(_PROBE_AGES_SQL + " ORDER BY b.boot_id")
+_PROBE_AGE = text(_PROBE_AGES_SQL + " WHERE b.boot_id = :boot_id")
 
 
 def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
@@ -44,6 +64,30 @@ def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
 def live_boot_count(session_or_conn) -> int:
     """Return how many boots hold their lock now."""
     return int(session_or_conn.execute(_LIVE_COUNT).scalar_one())
+
+
+class ProbeAge(NamedTuple):
+    """A live boot and the age of its last probe as Postgres saw it (None: not visible)."""
+
+    boot_id: uuid.UUID
+    hostname: str
+    pid: int
+    age_seconds: float | None
+
+
+def boot_probe_ages(session_or_conn, boot_id: uuid.UUID | None = None) -> list[ProbeAge]:
+    """Return every live boot (or only ``boot_id``, if live) with its last probe's age.
+
+    Observability only: a growing age is a worker that cannot reach Postgres,
+    but only the lock decides liveness. Postgres reads pg_stat_activity once
+    per transaction: call this before anything else in the transaction reads
+    it, or the ages run from that earlier view.
+    """
+    if boot_id is None:
+        rows = session_or_conn.execute(_PROBE_AGES)
+    else:
+        rows = session_or_conn.execute(_PROBE_AGE, {"boot_id": boot_id})
+    return [ProbeAge(*row) for row in rows]
 
 
 # A dead boot that no run points at any more is history: without pruning, the

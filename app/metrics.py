@@ -7,11 +7,11 @@ Every metric and the process that exports it: ``docs/metrics.md``.
   (``gunicorn.conf.py`` prepares ``PROMETHEUS_MULTIPROC_DIR``), so
   ``/metrics`` sums every gunicorn worker; the Celery worker does the same for
   its pool processes (``workers/metrics.py``).
-* Global gauges (runs by status, live worker boots, outbox lag, queue depth)
-  are facts of the database and the broker, not of a process. Exported by
-  every web and worker instance they were counted once per instance; now only
-  ``beat`` exports them (there is exactly one beat), read at scrape time at
-  most once per ``POIMEN_METRICS_CACHE_SECONDS``.
+* Global gauges (runs by status, live worker boots and their probes' age,
+  outbox lag, queue depth) are facts of the database and the broker, not of a
+  process. Exported by every web and worker instance they were counted once
+  per instance; now only ``beat`` exports them (there is exactly one beat),
+  read at scrape time at most once per ``POIMEN_METRICS_CACHE_SECONDS``.
 
 ``/metrics`` shares the public web port with the API and shows every tenant's
 counts, so it answers only ``Authorization: Bearer $POIMEN_METRICS_TOKEN``
@@ -132,13 +132,22 @@ class GlobalGauges:
     def read(self) -> list[Metric]:
         from .events import outbox_lag
         from .extensions import db
-        from .liveness import live_boot_count
+        from .liveness import boot_probe_ages, live_boot_count
         from .runs import status_counts
 
         runs = GaugeMetricFamily("poimen_runs", "Runs by status (all tenants).",
                                  labels=["status"])
         boots = GaugeMetricFamily("poimen_live_boots",
                                   "Worker boots (pool processes) holding their liveness lock.")
+        # Labelled by boot id, and only live boots: at most one series per pool
+        # process at any time (hostname and pid are in worker_boots).
+        probe_age = GaugeMetricFamily(
+            "poimen_boot_probe_age_seconds",
+            "Seconds since a live boot's lock session last finished a probe "
+            "(pg_stat_activity.state_change, the server's view).", labels=["boot"])
+        probe_age_max = GaugeMetricFamily(
+            "poimen_boot_probe_age_max_seconds",
+            "The largest poimen_boot_probe_age_seconds (0 with no live boot).")
         pending = GaugeMetricFamily("poimen_outbox_unpublished",
                                     "Outbox events not yet published (all tenants).")
         oldest = GaugeMetricFamily("poimen_outbox_unpublished_age_seconds",
@@ -150,6 +159,12 @@ class GlobalGauges:
                 for status, count in status_counts(db.session).items():
                     runs.add_metric([status], count)
                 boots.add_metric([], live_boot_count(db.session))
+                slowest = 0.0
+                for probe in boot_probe_ages(db.session):
+                    if probe.age_seconds is not None:  # None: the role cannot see it
+                        probe_age.add_metric([str(probe.boot_id)], probe.age_seconds)
+                        slowest = max(slowest, probe.age_seconds)
+                probe_age_max.add_metric([], slowest)
                 unpublished, age = outbox_lag(db.session)
                 pending.add_metric([], unpublished)
                 oldest.add_metric([], age)
@@ -158,7 +173,7 @@ class GlobalGauges:
         if self.queue_depths is not None:
             for queue, count in self.queue_depths().items():
                 depth.add_metric([queue], count)
-        return [runs, boots, pending, oldest, depth]
+        return [runs, boots, probe_age, probe_age_max, pending, oldest, depth]
 
 
 @bp.record_once

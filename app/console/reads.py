@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..liveness import boot_alive
+from ..liveness import boot_probe_ages
 from ..models import OutboxEvent, Run, RunStatus, WorkerBoot
 
 # A run's events shown on its page; a run with more shows the first ones and says so.
@@ -45,21 +45,30 @@ def run_events(session: Session, tenant_id: int, run_id: uuid.UUID,
 
 @dataclass(frozen=True)
 class Holder:
-    """The worker boot a run is claimed by, and whether it is alive now."""
+    """The worker boot a run is claimed by, and whether it is alive now.
+
+    ``probe_age`` is the seconds since a live holder's last probe ended, as
+    Postgres saw it (None for a dead holder, or when this role cannot see it).
+    """
 
     boot_id: uuid.UUID
     alive: bool
     hostname: str | None = None
     pid: int | None = None
     started_at: datetime | None = None
+    probe_age: float | None = None
 
 
 def run_holder(session: Session, run: Run) -> Holder | None:
     """Return the boot holding ``run`` (None if unclaimed), live or dead by its lock."""
     if run.claimed_by is None:
         return None
+    # Listed only while its lock is held: the liveness check and the age in one read,
+    # before anything else in this transaction reads pg_stat_activity.
+    probes = boot_probe_ages(session, run.claimed_by)
+    alive = bool(probes)
+    probe_age = probes[0].age_seconds if probes else None
     boot = session.get(WorkerBoot, run.claimed_by)
-    alive = boot_alive(session, run.claimed_by)
     if boot is None:
-        return Holder(run.claimed_by, alive)
-    return Holder(boot.boot_id, alive, boot.hostname, boot.pid, boot.started_at)
+        return Holder(run.claimed_by, alive, probe_age=probe_age)
+    return Holder(boot.boot_id, alive, boot.hostname, boot.pid, boot.started_at, probe_age)

@@ -15,7 +15,8 @@ import requests
 from tests.ops.platform import METRICS_TOKEN, Platform, platform_env
 from tests.processes import metrics, wait_until
 
-GLOBAL_GAUGES = ("poimen_runs", "poimen_live_boots", "poimen_outbox_unpublished",
+GLOBAL_GAUGES = ("poimen_runs", "poimen_live_boots", "poimen_boot_probe_age_seconds",
+                 "poimen_boot_probe_age_max_seconds", "poimen_outbox_unpublished",
                  "poimen_outbox_unpublished_age_seconds", "poimen_queue_depth")
 AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 
@@ -137,6 +138,11 @@ def test_counters_sum_over_processes_histograms_move_and_global_gauges_come_from
             timeout=60, what="beat's runs gauge")
         beat_samples = metrics(beat)
         assert beat_samples[("poimen_live_boots", ())] == 2  # two pool processes
+        # Each probes every 2 s; a live boot past T_c (10 s) unprobed would be fenced.
+        probe_ages = [v for (name, _), v in beat_samples.items()
+                      if name == "poimen_boot_probe_age_seconds"]
+        assert len(probe_ages) == 2 and max(probe_ages) < 10
+        assert beat_samples[("poimen_boot_probe_age_max_seconds", ())] == max(probe_ages)
         assert (("poimen_queue_depth", (("queue", queue_name),))) in beat_samples
         assert set(GLOBAL_GAUGES) <= families(beat)
         others = {"web": families(f"{platform.api}/metrics", AUTH),
