@@ -193,13 +193,15 @@ def probe_lock(conn: psycopg.Connection, sql: str, timeout: float) -> bool | Non
 
     Return its value, or None when no answer came within ``timeout`` seconds or
     the connection failed: the lock is then *not confirmed*, which is all a
-    client may conclude about a path that went silent. A query through
+    client may conclude about a path that went silent, and the connection is
+    closed (its query is still in flight). A query through
     psycopg's own ``execute`` would wait for TCP to give up (about 15 minutes
     into a black hole, forever behind a hung proxy).
     """
     deadline = time.monotonic() + timeout
     if not conn.lock.acquire(timeout=timeout):
         return None  # someone else is using the lock connection and hangs
+    answered = False
     try:
         pgconn = conn.pgconn
         if pgconn.status != pq.ConnStatus.OK:
@@ -220,11 +222,19 @@ def probe_lock(conn: psycopg.Connection, sql: str, timeout: float) -> bool | Non
         while (result := pgconn.get_result()) is not None:
             if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples == 1:
                 value = result.get_value(0, 0) == b"t"
+        answered = True
         return value
     except (psycopg.Error, OSError):
         return None
     finally:
         conn.lock.release()
+        if not answered:
+            # A query is still in flight on a path that went silent: the session's
+            # state is unknown, so the connection is of no further use.
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001, S110 - closing a dead connection may raise
+                pass
 
 
 def _wait(fileno: int, deadline: float, write: bool = False) -> bool:

@@ -74,6 +74,16 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             # committed, which only READ COMMITTED sees; never inherit a database
             # default of repeatable read.
             "isolation_level": "READ COMMITTED",
+            # A path that goes silent (no RST, no FIN) must fail a pooled statement
+            # within seconds, not when TCP gives up (~15 min): then a worker's
+            # record-retry budget (POIMEN_RECORD_RETRY_SECONDS) starts and ends.
+            # libpq ignores these on unix sockets.
+            "connect_args": {
+                "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                "keepalives_count": 3,
+                "tcp_user_timeout": int(float(env.get("POIMEN_DB_TCP_USER_TIMEOUT", "10"))
+                                        * 1000),
+            },
         },
         "POIMEN_DB_PING_IDLE_SECONDS": (float(env.get("POIMEN_DB_PING_IDLE_SECONDS", "1"))
                                         if env.get("POIMEN_DB_PRE_PING", "1") == "1" else None),
@@ -84,7 +94,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         ],
         "POIMEN_TOPIC_PREFIX": env.get("POIMEN_TOPIC_PREFIX", "poimen"),
         "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
-        "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "30")),
+        "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "10")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
         # A dead boot's run is re-sent at once but delivered this many seconds later:
         # time for a process that lost its lock to a Postgres restart, and is still

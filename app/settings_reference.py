@@ -148,14 +148,30 @@ SETTINGS: tuple[Setting, ...] = (
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", "0", (*CELERY, CLI),
             "`1`: Celery's `task-sent` events (a second Redis publish per admission)."),
-    _celery("POIMEN_REPAIR_INTERVAL", "30", BEAT, "Seconds between beat's repair ticks."),
+    _celery("POIMEN_REPAIR_INTERVAL", "10", BEAT,
+            "Seconds between beat's repair ticks (a dead worker's run is re-sent on the first "
+            "tick after its lock is gone)."),
     _celery("POIMEN_REPAIR_MIN_AGE", "10", (BEAT, CLI),
             "Seconds after its last send before a queued run may be re-sent."),
     _celery("POIMEN_TAKEOVER_DELAY", "6", (BEAT, CLI),
             "Seconds after which a re-sent run of a dead worker is delivered, so a worker cut off "
-            "by a Postgres restart can adopt its run first."),
-    _celery("POIMEN_BOOT_PROBE_INTERVAL", "2", WORKER,
-            "Seconds between a worker's checks that Postgres still holds its liveness lock."),
+            "by a Postgres restart can adopt its run first. One side of the lease ordering "
+            "(docs/execution.md)."),
+    _celery("POIMEN_BOOT_PROBE_INTERVAL", "2", (WORKER, BEAT, OUTBOX),
+            "Seconds between a worker's (and the active outbox relay's) checks that Postgres "
+            "still holds its liveness lock; each check renews the lease."),
+    _celery("POIMEN_LEASE_CLIENT_SECONDS", "10", (WORKER, BEAT, OUTBOX),
+            "T_c: a worker process whose runs' lock was not confirmed by a probe started within "
+            "this many seconds is killed (SIGKILL from a kernel timer); the outbox relay stops "
+            "publishing. Must satisfy T_c + 1 + 2 <= T_s + `POIMEN_TAKEOVER_DELAY` (checked at "
+            "start)."),
+    _celery("POIMEN_LEASE_SERVER_SECONDS", "20", (WORKER, BEAT, OUTBOX),
+            "T_s: Postgres ends a lock session that sent nothing for this many seconds "
+            "(`idle_session_timeout` set on the session, PostgreSQL 14+), releasing its lock."),
+    _celery("POIMEN_DB_TCP_USER_TIMEOUT", "10", (*APP,),
+            "Seconds unacknowledged data may wait on a pooled TCP connection before it fails "
+            "(libpq `tcp_user_timeout`): a statement into a silent path errors instead of "
+            "hanging."),
     _celery("POIMEN_RECORD_RETRY_SECONDS", "60", WORKER,
             "How long a worker retries recording a run's outcome while the database is away."),
     # -- kafka

@@ -51,6 +51,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from lease import LeaseSettings, bound_lock_session, lock_connect_kwargs, probe_lock
+
 from .kafka import client_settings, describe
 from .process import configure_logging, serve
 from .topics import DEFAULT_PARTITIONS, ensure_topics, events_topic, topic_prefix
@@ -186,6 +188,7 @@ class OutboxConfig:
     backoff_max: float = 10.0
     metrics_port: int = 9102
     progress_interval: float = 30.0
+    lease: LeaseSettings = field(default_factory=LeaseSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxConfig:
@@ -215,6 +218,7 @@ class OutboxConfig:
             backoff_max=float(env.get("POIMEN_OUTBOX_BACKOFF_MAX", "10")),
             metrics_port=int(env.get("METRICS_PORT") or env.get("PORT") or "9102"),
             progress_interval=float(env.get("POIMEN_OUTBOX_PROGRESS_INTERVAL", "30")),
+            lease=LeaseSettings.from_env(env),
         )
 
 
@@ -253,44 +257,79 @@ class OutboxMetrics:
 
 
 class RelayLock:
-    """The advisory lock that makes one relay active, on a dedicated direct connection."""
+    """The advisory lock that makes one relay active, on a dedicated direct connection.
 
-    def __init__(self, dsn: str, name: str):
+    A lease like a worker boot's (``lease.py``): the session gets the server's
+    bound T_s (``idle_session_timeout``), a thread renews it with a probe every
+    ``POIMEN_BOOT_PROBE_INTERVAL`` (each with a deadline), and the relay treats
+    the lock as gone once no probe started within T_c confirmed it, so a relay
+    cut off from Postgres stops publishing before the standby can take over.
+    """
+
+    def __init__(self, dsn: str, name: str, settings: LeaseSettings | None = None):
         self.dsn = dsn
         self.name = name
+        self.settings = settings or LeaseSettings()
         self.conn: psycopg.Connection | None = None
         self.backend_pid: int | None = None
+        self.confirmed_at = 0.0  # time.monotonic() at the start of the last confirming probe
+        self.server_bound = ""
         self._mutex = threading.Lock()
+        self._renewing: threading.Event | None = None
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free; connect first if needed. Raise on a database error."""
         with self._mutex:
+            started = time.monotonic()
             if self.conn is None or self.conn.closed:
-                self.conn = psycopg.connect(
-                    self.dsn, autocommit=True, application_name=self.name,
-                    # A half-open connection must fail instead of hanging a probe
-                    # forever (TCP only; ignored on unix sockets).
-                    keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
-                    tcp_user_timeout=10000, connect_timeout=10,
-                )
+                self.conn = psycopg.connect(self.dsn, application_name=self.name,
+                                            **lock_connect_kwargs(self.settings))
+                self.server_bound = bound_lock_session(self.conn, self.settings)
                 self.backend_pid = self.conn.info.backend_pid
             got = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
                                     [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY]).fetchone()[0]
+            if got:
+                self.confirmed_at = started
+                self._start_renewing()
             return bool(got)
 
     def held(self) -> bool:
-        """Ask Postgres whether this connection's backend still holds the lock."""
+        """Ask Postgres, within the probe's deadline, whether this connection holds the lock."""
         with self._mutex:
             if self.conn is None or self.conn.closed:
                 return False
-            try:
-                return bool(self.conn.execute(LOCK_HELD_SQL).fetchone()[0])
-            except psycopg.Error as err:
-                log.warning("outbox lock connection failed: %s", err)
-                return False
+            started = time.monotonic()
+            held = probe_lock(self.conn, LOCK_HELD_SQL, self.settings.probe_timeout)
+            if held:
+                self.confirmed_at = started
+                return True
+            log.warning("outbox lock %s", "not held" if held is False else
+                        f"not confirmed within {self.settings.probe_timeout:g}s")
+            return False
+
+    def confirmed(self) -> bool:
+        """Whether a probe started within T_c found the lock held (no round trip)."""
+        return self.conn is not None and \
+            time.monotonic() < self.confirmed_at + self.settings.client_seconds
+
+    def _start_renewing(self) -> None:
+        if self._renewing is not None:
+            return
+        stop = self._renewing = threading.Event()
+        threading.Thread(target=self._renew, args=(stop,), name="outbox-lease",
+                         daemon=True).start()
+
+    def _renew(self, stop: threading.Event) -> None:
+        # Every probe is a statement, so every probe renews idle_session_timeout.
+        while not stop.wait(self.settings.probe_interval):
+            if not self.held():
+                return  # the relay sees the lease lapse (confirmed() turns false) and steps down
 
     def release(self) -> None:
         """Close the connection, which releases the lock if it is still held."""
+        if self._renewing is not None:
+            self._renewing.set()
+            self._renewing = None
         with self._mutex:
             if self.conn is not None:
                 try:
@@ -299,6 +338,13 @@ class RelayLock:
                     pass
             self.conn = None
             self.backend_pid = None
+            self.confirmed_at = 0.0
+
+
+# A statement into a silent path fails within seconds instead of hanging until TCP
+# gives up (~15 min); libpq ignores these on unix sockets.
+_WORK_SOCKET = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
+                "keepalives_interval": 2, "keepalives_count": 3, "tcp_user_timeout": 10000}
 
 
 class LockLost(Exception):
@@ -327,7 +373,8 @@ class OutboxRelay:
     def __init__(self, config: OutboxConfig, metrics: OutboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or OutboxMetrics()
-        self.lock = RelayLock(config.lock_database_url, f"{LOCK_APPLICATION}/{os.getpid()}")
+        self.lock = RelayLock(config.lock_database_url, f"{LOCK_APPLICATION}/{os.getpid()}",
+                              config.lease)
         self._stop = threading.Event()
         self._stop_at: float | None = None
         self._conn: psycopg.Connection | None = None
@@ -451,7 +498,7 @@ class OutboxRelay:
             # No prepared statements: DATABASE_URL may be a transaction-mode pooler.
             self._conn = psycopg.connect(self.config.database_url, autocommit=True,
                                          application_name=f"poimen-outbox/{os.getpid()}",
-                                         prepare_threshold=None, connect_timeout=10)
+                                         prepare_threshold=None, **_WORK_SOCKET)
         return self._conn
 
     def _close_work_connection(self) -> None:
@@ -463,6 +510,14 @@ class OutboxRelay:
         self._conn = None
 
     def _confirm_lock(self, always: bool = False) -> None:
+        """Raise ``LockLost`` unless the lease is confirmed (``always``: by a probe now).
+
+        Between probes the lease thread's last confirmation counts, for at most
+        T_c: a relay whose probes go unanswered stops publishing before the
+        server lets the standby in (T_s).
+        """
+        if not self.lock.confirmed():
+            raise LockLost(f"not confirmed within {self.config.lease.client_seconds:g}s")
         now = time.monotonic()
         if always or now - self._last_probe >= self.config.lock_check_interval:
             if not self.lock.held():
@@ -638,7 +693,7 @@ class OutboxRelay:
                 if conn is None or conn.closed:
                     conn = psycopg.connect(self.config.database_url, autocommit=True,
                                            application_name=f"poimen-outbox-lag/{os.getpid()}",
-                                           prepare_threshold=None, connect_timeout=10)
+                                           prepare_threshold=None, **_WORK_SOCKET)
                 rows = conn.execute(PENDING_SQL).fetchall()
                 seen = set()
                 for tenant, count, age in rows:
@@ -667,6 +722,10 @@ def main() -> int:
     """Run the outbox relay until SIGTERM or SIGINT."""
     configure_logging()
     config = OutboxConfig.from_env()
+    problems = config.lease.problems()
+    if problems:
+        log.critical("refusing to start: %s", "; ".join(problems))
+        raise SystemExit(f"poimen outbox refuses to start: {'; '.join(problems)}")
     relay = OutboxRelay(config)
     serve(relay, relay.metrics.registry, config.metrics_port)
     return 0

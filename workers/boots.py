@@ -212,6 +212,13 @@ def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
             )
 
 
+def check_lease_settings() -> LeaseSettings:
+    """Refuse lease settings that break the ordering (``lease.LeaseOrderingError``)."""
+    settings = lease_settings()
+    settings.check()
+    return settings
+
+
 def check_lock_database(dsn: str) -> None:
     """Check, before a worker starts, that ``dsn`` can hold liveness locks.
 

@@ -8,6 +8,7 @@ from celery import current_app as current_celery_app
 from celery import shared_task
 from celery.exceptions import Retry
 from celery.signals import (
+    beat_init,
     task_postrun,
     task_prerun,
     worker_init,
@@ -21,11 +22,13 @@ from app.extensions import db
 from app.liveness import prune_dead_boots
 from app.runs import redrive_stranded_runs
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
+from lease import LeaseOrderingError
 
 from . import celery_native, shutdown
 from .boots import (
     LockKeyTaken,
     PooledLockConnection,
+    check_lease_settings,
     check_lock_database,
     current_boot,
     end_current_boot,
@@ -69,14 +72,26 @@ def repair() -> int:
 
 @worker_init.connect
 def _check_lock_database(sender=None, **_):
-    # Liveness locks behind a transaction pooler mean nothing: refuse to start
+    # Liveness locks behind a transaction pooler mean nothing, and a lease whose
+    # bounds are out of order lets two workers run one body: refuse to start
     # rather than let dead workers look alive (or live ones dead).
     with sender.app.flask_app.app_context():
         try:
+            check_lease_settings()
             check_lock_database(boot_dsn())
-        except (PooledLockConnection, LockKeyTaken) as err:
+        except (PooledLockConnection, LockKeyTaken, LeaseOrderingError) as err:
             log.critical("refusing to start: %s", err)
             raise SystemExit(f"poimen worker refuses to start: {err}") from None
+
+
+@beat_init.connect
+def _check_lease_at_beat(sender=None, **_):
+    # Beat owns POIMEN_TAKEOVER_DELAY, one side of the ordering.
+    try:
+        check_lease_settings()
+    except LeaseOrderingError as err:
+        log.critical("refusing to start: %s", err)
+        raise SystemExit(f"poimen beat refuses to start: {err}") from None
 
 
 @worker_init.connect
