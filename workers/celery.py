@@ -7,8 +7,10 @@ the worker, beat and Flower import it.
 from app import create_app
 from app.logs import init_celery
 
+from .gate import DatabaseGate
 from .metrics import connect_beat
 
 init_celery()  # LOG_FORMAT / LOG_LEVEL for the worker, beat and Flower, before anything logs
 app = create_app().extensions["celery"]
 connect_beat(app)  # beat, and only beat, exports the global gauges (workers/metrics.py)
+app.steps["consumer"].add(DatabaseGate)  # no runs taken while Postgres does not answer

@@ -115,3 +115,20 @@ def forker(ctx, input):
     time.sleep(float(input.get("seconds", 0)))
     record_effect(ctx.run_id, "finish")
     return {"attempt": ctx.attempt, "grandchild": grandchild}
+
+
+@workflow("tick", version="1")
+def tick(ctx, input):
+    """Append ``<unix time> <pid> <attempt>`` to the file ``path`` every ``every`` seconds for
+    ``seconds``: a side effect outside the database, so a process cut off from Postgres still
+    shows that it runs, and two executions at once show as interleaved pids."""
+    import os
+    import time
+
+    end = time.monotonic() + float(input.get("seconds", 10))
+    with open(input["path"], "a") as out:
+        while time.monotonic() < end:
+            out.write(f"{time.time():.3f} {os.getpid()} {ctx.attempt}\n")
+            out.flush()
+            time.sleep(float(input.get("every", 0.25)))
+    return {"attempt": ctx.attempt}

@@ -1,0 +1,100 @@
+"""A worker that cannot reach Postgres takes no runs: it stops consuming until it can.
+
+Without this, a worker cut off from the database (a silent partition, a hung
+proxy) still pulls run messages from the broker, which it can reach: each
+delivery fails to register a boot, and Redis hands a waiting worker messages
+in the order its consumers blocked, so an idle cut-off worker can be served
+every re-send while a healthy one waits (seen in tests/chaos/test_partition.py
+before this step existed: four re-sends in a row went to the cut-off worker).
+
+The worker's main process checks the path it would use for liveness locks
+every ``POIMEN_BOOT_PROBE_INTERVAL`` seconds, with the lease's probe deadline
+(``lease.probe_lock``), on a thread of its own; the consumer's timer (the
+event loop's thread, where Celery allows it) cancels the task queues when the
+check fails and adds them back when it succeeds. Messages already reserved
+stay with the worker (Celery gives them back at shutdown); the pool processes'
+own boots and the kernel fence (``workers/boots.py``) still decide who may
+execute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+from celery import bootsteps
+
+from lease import LeaseSettings, lock_connect_kwargs, probe_lock
+
+log = logging.getLogger(__name__)
+
+
+class DatabaseGate(bootsteps.StartStopStep):
+    """Consume task queues only while this worker reaches Postgres."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent, **kwargs):
+        super().__init__(parent, **kwargs)
+        self.reachable = True
+        self.closed: list[str] = []
+        self._stop = threading.Event()
+        self._timer = None
+
+    def start(self, c) -> None:
+        from .execution import boot_dsn
+
+        with c.app.flask_app.app_context():
+            dsn = boot_dsn()
+        settings = LeaseSettings.from_env()
+        self._stop.clear()
+        threading.Thread(target=self._check, args=(dsn, settings), name="poimen-db-gate",
+                         daemon=True).start()
+        self._timer = c.timer.call_repeatedly(0.5, self._apply, (c,))
+
+    def stop(self, c) -> None:
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    shutdown = stop
+
+    def _check(self, dsn: str, settings: LeaseSettings) -> None:
+        conn: psycopg.Connection | None = None
+        while not self._stop.wait(settings.probe_interval):
+            started = time.monotonic()
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(dsn, application_name="poimen-worker-gate",
+                                           **lock_connect_kwargs(settings))
+                ok = probe_lock(conn, "SELECT true", settings.probe_timeout) is True
+            except psycopg.Error:
+                ok = False
+            if not ok and conn is not None:
+                conn.close()
+                conn = None
+            if ok != self.reachable:
+                if ok:
+                    log.warning("Postgres answers again: taking runs")
+                else:
+                    log.error("Postgres did not answer within %.1fs: taking no runs until it "
+                              "does", time.monotonic() - started)
+            self.reachable = ok
+        if conn is not None:
+            conn.close()
+
+    def _apply(self, c) -> None:
+        consumer = c.task_consumer
+        if consumer is None:
+            return
+        if not self.reachable and not self.closed:
+            self.closed = [queue.name for queue in consumer.queues]
+            for name in self.closed:
+                c.cancel_task_queue(name)
+        elif self.reachable and self.closed:
+            for name in self.closed:
+                c.add_task_queue(name)
+            self.closed = []
