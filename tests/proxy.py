@@ -44,12 +44,16 @@ class StallingProxy:
         return cls((host, port))
 
     def url(self, libpq_url: str) -> str:
-        """``libpq_url`` pointed at this proxy (same database, user and options)."""
-        from psycopg.conninfo import conninfo_to_dict, make_conninfo
+        """``libpq_url`` pointed at this proxy (same database and user), as a URL."""
+        from urllib.parse import quote
+
+        from psycopg.conninfo import conninfo_to_dict
 
         params = conninfo_to_dict(libpq_url)
-        params.update(host="127.0.0.1", port=str(self.port))
-        return make_conninfo(**params)
+        user = quote(params.get("user") or "postgres")
+        password = f":{quote(params['password'])}" if params.get("password") else ""
+        return (f"postgresql://{user}{password}@127.0.0.1:{self.port}/"
+                f"{quote(params.get('dbname') or 'postgres')}")
 
     def stall(self) -> None:
         """Stop forwarding in both directions; every socket stays open."""
