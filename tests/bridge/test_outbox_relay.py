@@ -528,6 +528,47 @@ def test_two_relays_one_publishes_and_the_standby_takes_over(world):
     assert set(reader.ce_ids()) == ids
 
 
+def test_a_frozen_active_relay_is_replaced_after_t_s_and_stands_by_when_it_wakes(world):
+    """SIGSTOP (a stuck VM): the frozen relay renews nothing, the server ends its lock session
+    after T_s, the standby publishes; woken, the old relay finds its lease stale and stands by
+    (docs/outbox.md). Short lease settings keep the test fast; the ordering still holds."""
+    lease = {"POIMEN_BOOT_PROBE_INTERVAL": "0.5", "POIMEN_LEASE_CLIENT_SECONDS": "3",
+             "POIMEN_LEASE_SERVER_SECONDS": "6", "POIMEN_TAKEOVER_DELAY": "0"}
+    world.add_tenant()
+    world.declare()
+    first = world.start_relay("outbox-first", **lease)
+    wait_until(lambda: first.active, timeout=10, what="the first relay active")
+    second = world.start_relay("outbox-second", **lease)
+    wait_until(lambda: "standby" in second.proc.log(), timeout=10, what="the second on standby")
+    with world.connect() as conn:
+        ids = set(insert_events(conn, world.tenant_id, 10))
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=20,
+               what="events published")
+
+    first.proc.signal_group(signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        with world.connect() as conn:
+            ids |= set(insert_events(conn, world.tenant_id, 5))
+        wait_until(lambda: world.table_ids(published=False) == set(), timeout=30,
+                   interval=0.1, what="the standby to publish")
+        took_over = time.monotonic() - frozen
+        assert second.active
+        # Not before the server's bound (T_s 6 s after the last probe, at most 0.5 s before
+        # the freeze), and soon after it.
+        assert 5 <= took_over < 12, took_over
+    finally:
+        first.proc.signal_group(signal.SIGCONT)
+    wait_until(lambda: not first.active, timeout=15, what="the woken relay to stand by")
+    with world.connect() as conn:
+        ids |= set(insert_events(conn, world.tenant_id, 5))
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=20,
+               what="events published after the wake")
+    assert first.published == 10 and not first.active
+    reader = world.reader()
+    reader.wait_for_ids(ids)
+
+
 def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
     world.add_tenant()
     world.declare()

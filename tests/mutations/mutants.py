@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
         "a boot that lost its lock is not used again",
         "workers/boots.py",
         "return (self.pid == os.getpid() and not self.lost.is_set() and not self.conn.closed\n"
-        "                and not self.conn.broken)",
+        "                and not self.conn.broken and self.fresh())",
         "return True",
         (f"{CLAIM_TESTS}::test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims",),
     ),
@@ -180,8 +180,8 @@ MUTANTS: list[Mutant] = [
         "watchdog_trusts_the_client",
         "the watchdog asks Postgres, not psycopg, whether the lock is held",
         "workers/boots.py",
-        "        if boot.probe():\n            continue\n",
-        "        if not boot.conn.closed and not boot.conn.broken:\n            continue\n",
+        "        if boot.probe():\n",
+        "        if not boot.conn.closed and not boot.conn.broken:\n",
         (f"{CLAIM_TESTS}::test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims",),
     ),
     Mutant(
@@ -217,6 +217,52 @@ MUTANTS: list[Mutant] = [
         "",
         ("tests/chaos/test_boot_loss.py::"
          "test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive",),
+    ),
+    # -- the lease (issue 22): both bounds and their order -------------------------------------
+    Mutant(
+        "lease_fence_disabled",
+        "a process whose runs' lease was not confirmed within T_c is killed, without Postgres",
+        "workers/boots.py",
+        "    _fence.arm(deadline)\n",
+        "    pass\n",
+        ("tests/test_lease.py::test_a_process_whose_lease_is_not_confirmed_within_t_c_is_killed",),
+    ),
+    Mutant(
+        "lease_probe_without_deadline",
+        "a liveness probe answers within its deadline; a silent path is 'not confirmed'",
+        "workers/boots.py",
+        "        held = probe_lock(self.conn, _PROBE_TEXT % {\"ns\": LOCK_NAMESPACE, "
+        "\"key\": self.lock_key},\n"
+        "                          self.settings.probe_timeout)\n",
+        "        held = self.conn.execute(_PROBE_TEXT % {\"ns\": LOCK_NAMESPACE, "
+        "\"key\": self.lock_key}).fetchone()[0]\n",
+        ("tests/test_lease.py::"
+         "test_a_boot_probe_through_a_hung_proxy_is_not_confirmed_within_its_deadline",),
+    ),
+    Mutant(
+        "lease_ordering_unchecked",
+        "settings with T_c + kill + margin > T_s + takeover delay are refused at start",
+        "lease.py",
+        "        if lhs > rhs:\n",
+        "        if False:\n",
+        ("tests/test_lease.py::test_a_process_refuses_to_start_with_settings_that_break_the_ordering",),
+    ),
+    Mutant(
+        "lease_server_bound_unset",
+        "the server ends a lock session that sent nothing for T_s, even behind a hung proxy",
+        "lease.py",
+        "        statements.append(f\"SET idle_session_timeout = "
+        "{int(settings.server_seconds * 1000)}\")\n",
+        "        pass\n",
+        ("tests/test_lease.py::test_the_server_ends_a_lock_session_behind_a_hung_proxy_after_t_s",),
+    ),
+    Mutant(
+        "worker_consumes_while_cut_off",
+        "a worker that cannot reach Postgres leaves run messages to workers that can",
+        "workers/gate.py",
+        "        if not self.reachable and not self.closed:\n",
+        "        if False:\n",
+        ("tests/workers/test_gate.py",),
     ),
     # -- the step-entry ledger ----------------------------------------------------------------
     Mutant(
