@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.chaos.test_partition import RUN_SECONDS, TAKEOVER_BOUND, run_state, ticks
+from tests.chaos.test_partition import LONG_RUN_SECONDS, TAKEOVER_BOUND, run_state, ticks
 from tests.processes import free_port, start_beat, start_worker, wait_until
 from tests.proxy import StallingProxy
 
@@ -38,7 +38,7 @@ def test_a_worker_behind_a_hung_proxy_stops_before_its_run_is_started_elsewhere(
                                        "METRICS_PORT": str(free_port())}, tmp_path, "victim"))
         with chaos_app.app_context():
             run_id = admit_run(db.session, tenant_id=chaos_tenant.id, workflow_ref="tick",
-                               input={"path": str(path), "seconds": RUN_SECONDS,
+                               input={"path": str(path), "seconds": LONG_RUN_SECONDS,
                                       "every": 0.25}).run.id
             db.session.commit()
         wait_until(lambda: len(ticks(path)) >= 8, timeout=60, what="the victim to run the body")
@@ -53,6 +53,7 @@ def test_a_worker_behind_a_hung_proxy_stops_before_its_run_is_started_elsewhere(
         wait_until(lambda: any(pid != victim_pid for _, pid in ticks(path)),
                    timeout=TAKEOVER_BOUND + 30, interval=0.25,
                    what="another worker to start the run")
+        time.sleep(5)  # a cut-off body still running would tick on beside the rescuer's
         rows = ticks(path)
         last_victim = max(t for t, pid in rows if pid == victim_pid)
         first_rescuer = min(t for t, pid in rows if pid != victim_pid)
@@ -63,7 +64,7 @@ def test_a_worker_behind_a_hung_proxy_stops_before_its_run_is_started_elsewhere(
 
         proxy.resume()
         wait_until(lambda: run_state(private_postgres, run_id)[0] == "succeeded",
-                   timeout=RUN_SECONDS + 90, interval=0.5, what="the run to succeed")
+                   timeout=LONG_RUN_SECONDS + 90, interval=0.5, what="the run to succeed")
         time.sleep(3)
         assert run_state(private_postgres, run_id)[1].count("run.succeeded") == 1
         assert max(t for t, pid in ticks(path) if pid == victim_pid) == last_victim

@@ -33,6 +33,9 @@ from tests.processes import BIN, ROOT, Process, free_port, start_beat, start_wor
 pytestmark = pytest.mark.slow
 
 RUN_SECONDS = 30
+# Long enough that, without the fence, the cut-off body would still run when the
+# rescuer starts (~35 s after the cut): an overlap the tests would see.
+LONG_RUN_SECONDS = 75
 TAKEOVER_BOUND = 60  # issue 22: started elsewhere within 60 s with default settings
 
 
@@ -159,12 +162,13 @@ def run_state(net_pg, run_id) -> tuple[str, list[str]]:
     return status, events
 
 
-def cut_off_victim_mid_run(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
+def cut_off_victim_mid_run(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path,
+                           seconds: float = RUN_SECONDS):
     """Start the run on the guest's worker, start a rescuer and beat here, black-hole the
     guest's Postgres flows; return (run id, tick file, victim pid, wall time of the cut)."""
     path = tmp_path / "ticks"
     processes.append(start_guest(net, "victim", worker_argv("victim"), net_env, tmp_path))
-    run_id = admit_tick(net_app, net_tenant, path, RUN_SECONDS)
+    run_id = admit_tick(net_app, net_tenant, path, seconds)
     wait_until(lambda: len(ticks(path)) >= 8, timeout=60, what="the victim to run the body")
     victim_pid = ticks(path)[0][1]
     processes.append(start_worker({**net_env, "METRICS_PORT": str(free_port())}, tmp_path,
@@ -183,6 +187,7 @@ def wait_for_rescue(path: Path, victim_pid: int, cut: float) -> tuple[float, flo
 
     wait_until(rescued, timeout=TAKEOVER_BOUND + 30, interval=0.25,
                what="another worker to start the cut-off run")
+    time.sleep(5)  # a cut-off body still running would tick on beside the rescuer's
     rows = ticks(path)
     last_victim = max(t for t, pid in rows if pid == victim_pid)
     first_rescuer = min(t for t, pid in rows if pid != victim_pid)
@@ -193,14 +198,14 @@ def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
     """Verify 1: no overlap; started elsewhere within 60 s; after the heal, one success."""
     run_id, path, victim_pid, cut = cut_off_victim_mid_run(
-        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path)
+        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, LONG_RUN_SECONDS)
     last_victim, first_rescuer = wait_for_rescue(path, victim_pid, cut)
     print(f"\nblack hole: victim's last tick {last_victim - cut:+.1f}s after the cut, "
           f"rescuer's first {first_rescuer - cut:+.1f}s; gap {first_rescuer - last_victim:.1f}s")
     assert last_victim < first_rescuer, "two processes ran the body at once"
     assert first_rescuer - cut < TAKEOVER_BOUND
     net.heal()
-    wait_until(lambda: run_state(net_pg, run_id)[0] == "succeeded", timeout=RUN_SECONDS + 90,
+    wait_until(lambda: run_state(net_pg, run_id)[0] == "succeeded", timeout=LONG_RUN_SECONDS + 90,
                interval=0.5, what="the run to succeed after the heal")
     time.sleep(3)  # anything late from the victim would show now
     status, events = run_state(net_pg, run_id)
