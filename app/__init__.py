@@ -72,7 +72,8 @@ def celery_init_app(app: Flask) -> Celery:
             with app.app_context():
                 return self.run(*args, **kwargs)
 
-    celery_app = Celery(app.name, task_cls=FlaskTask)
+    # control: a revoke of a run id is recorded as the API's cancel when it is issued.
+    celery_app = Celery(app.name, task_cls=FlaskTask, control="app.celery_control:RunControl")
     celery_app.config_from_object(celery_settings(app.config["CELERY_BROKER_URL"]))
     if app.config.get("CELERY_BROKER_USE_SSL"):  # rediss:// (app/config.py: redis_ssl_options)
         celery_app.conf.broker_use_ssl = app.config["CELERY_BROKER_USE_SSL"]

@@ -51,6 +51,14 @@ def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict | None:
     return options
 
 
+def prepare_threshold(env: Mapping[str, str]) -> int | None:
+    """psycopg's ``prepare_threshold``: ``POIMEN_DB_PREPARE_THRESHOLD`` (off by default)."""
+    raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "off").strip().lower()
+    if raw in ("", "off", "none", "0"):
+        return None
+    return int(raw)
+
+
 def load_config(env: Mapping[str, str] | None = None) -> dict:
     """Build the Flask config from ``env`` (default: ``os.environ``)."""
     env = os.environ if env is None else env
@@ -79,6 +87,13 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             # record-retry budget (POIMEN_RECORD_RETRY_SECONDS) starts and ends.
             # libpq ignores these on unix sockets.
             "connect_args": {
+                # No server-side prepared statements by default: behind a
+                # transaction-mode pooler (Heroku's connection pooling, PgBouncer)
+                # a statement psycopg prepared on one server connection is run on
+                # another ("prepared statement _pg3_N does not exist", another
+                # client's statement with other parameters). A direct connection
+                # may turn them on with POIMEN_DB_PREPARE_THRESHOLD=5.
+                "prepare_threshold": prepare_threshold(env),
                 "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                 "keepalives_count": 3,
                 "tcp_user_timeout": int(float(env.get("POIMEN_DB_TCP_USER_TIMEOUT", "10"))

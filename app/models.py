@@ -140,6 +140,8 @@ class WorkerBoot(db.Model):
     )
     hostname: Mapped[str] = mapped_column(String(255), nullable=False)
     pid: Mapped[int] = mapped_column(Integer, nullable=False)
+    # The worker main process whose pool process this boot is (migration 0009).
+    node: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     started_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )

@@ -275,6 +275,8 @@ _QUEUED_RUNS = text(
               AND r.last_sent_at <= now() - make_interval(secs => :min_age)
               AND (r.not_before IS NULL
                    OR r.not_before <= now() - make_interval(secs => :min_age))
+              AND (r.workflow_name, r.workflow_version) IN (
+                   SELECT unnest(CAST(:names AS text[])), unnest(CAST(:versions AS text[])))
             ORDER BY r.last_sent_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
@@ -282,22 +284,54 @@ _QUEUED_RUNS = text(
     """
 )
 
+# The workflows (name, version) that have queued runs due for a re-send: repair
+# budgets each Celery queue by its own depth, and a workflow's queue is its
+# definition's (``@workflow(queue=...)``), known to the registry, not the row.
+_QUEUED_WORKFLOWS = text(
+    f"""
+    SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
+     WHERE r.status = '{RunStatus.QUEUED}'
+       AND r.last_sent_at <= now() - make_interval(secs => :min_age)
+       AND (r.not_before IS NULL
+            OR r.not_before <= now() - make_interval(secs => :min_age))
+    """
+)
 
-def _queue_depth(celery_app) -> int | None:
-    """Messages waiting in the runs' Celery queue, or None if the broker cannot say."""
+
+def _queue_depth(celery_app, queue: str | None = None) -> int | None:
+    """Messages waiting in Celery queue ``queue`` (default: the runs' default queue), or
+    None if the broker cannot say."""
     from kombu.exceptions import ChannelError
 
+    queue = queue or celery_app.conf.task_default_queue
     try:
         with celery_app.connection_for_read() as conn:
             conn.ensure_connection(max_retries=1)
             try:
-                return conn.default_channel.queue_declare(
-                    queue=celery_app.conf.task_default_queue, passive=True).message_count
+                return conn.default_channel.queue_declare(queue=queue,
+                                                          passive=True).message_count
             except ChannelError:
                 return 0  # Redis drops an empty list: no queue is an empty queue
     except Exception:  # noqa: BLE001 - the broker is away; sending will say so too
-        log.warning("repair: could not read the queue's depth", exc_info=True)
+        log.warning("repair: could not read the depth of queue %s", queue, exc_info=True)
         return None
+
+
+def _queues_of(celery_app, refs) -> dict[str, tuple[list[str], list[str]]]:
+    """Group (workflow name, version) pairs by the Celery queue their runs are sent to."""
+    from workers import registry
+
+    default = celery_app.conf.task_default_queue
+    queues: dict[str, tuple[list[str], list[str]]] = {}
+    for name, version in refs:
+        try:
+            queue = registry.get(name, version).queue or default
+        except registry.UnknownWorkflow:
+            queue = default  # send_run sends what this process lacks to the default queue
+        names, versions = queues.setdefault(queue, ([], []))
+        names.append(name)
+        versions.append(version)
+    return queues
 
 
 def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
@@ -311,10 +345,11 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     * a run is marked sent (``last_sent_at``) and not re-sent within ``min_age``;
     * runs held by dead boots come first, in a statement of their own, and are
       re-sent on the first tick after their boot died, whatever the backlog;
-    * queued runs go a page (``limit``) at a time, oldest send first, and only
-      as many as the queue has room for below one page: a message still waiting
-      in the queue is not lost, and a copy would only wait behind it. Under a
-      backlog of a page or more, no queued run is re-sent until workers drain it.
+    * queued runs go a page (``limit``) at a time per Celery queue, oldest send
+      first, and only as many as *their* queue has room for below one page: a
+      message still waiting in the queue is not lost, and a copy would only wait
+      behind it. Under a backlog of a page or more on a queue, none of its
+      queued runs is re-sent until workers drain it; other queues go on.
 
     A dead boot's run is delivered ``takeover_delay`` seconds after it is sent:
     a worker cut off by a Postgres restart may still be executing it and adopts
@@ -327,11 +362,18 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     """
     params = {"min_age": min_age, "limit": limit}
     dead = session.execute(_DEAD_BOOT_RUNS, params).all()
-    room, depth = limit, None
-    if limit is not None:
-        depth = _queue_depth(celery_app)
-        room = max(0, limit - (depth or 0))
-    queued = session.execute(_QUEUED_RUNS, {**params, "limit": room}).all() if room != 0 else []
+    queued, depths = [], {}
+    # Each queue is budgeted by its own depth: a backlog on one (a queue no worker
+    # consumes, say) neither grows without bound nor stops re-sends on another.
+    for queue, (names, versions) in _queues_of(
+            celery_app, session.execute(_QUEUED_WORKFLOWS, params).all()).items():
+        room = limit
+        if limit is not None:
+            depths[queue] = _queue_depth(celery_app, queue)
+            room = max(0, limit - (depths[queue] or 0))
+        if room != 0:
+            queued += session.execute(_QUEUED_RUNS, {**params, "limit": room, "names": names,
+                                                     "versions": versions}).all()
     session.commit()
     sent = 0
     for row in dead:
@@ -342,8 +384,8 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
     if dead or queued:
-        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depth %s)",
-                 sent, len(queued), len(dead), depth)
-    elif room == 0:
-        log.info("repair: %s message(s) waiting in the queue; no queued run re-sent", depth)
+        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depths %s)",
+                 sent, len(queued), len(dead), depths)
+    elif depths:
+        log.info("repair: queues full (%s); no queued run re-sent", depths)
     return sent, len(dead) + len(queued)

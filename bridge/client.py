@@ -31,6 +31,7 @@ from urllib.parse import urlencode, urlsplit
 
 import urllib3
 from urllib3.exceptions import HTTPError as Urllib3Error
+from urllib3.exceptions import NewConnectionError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 log = logging.getLogger("poimen.client")
@@ -194,6 +195,10 @@ class Transport:
             response = self._pool.urlopen(
                 method, self._prefix + path, body=body, headers={**self._pool.headers, **extra},
                 retries=False, redirect=False, **kwargs)
+        except NewConnectionError as err:
+            # Refused, unreachable, DNS: urllib3 2 makes it a subclass of its
+            # timeout error (via ConnectTimeoutError), so it is caught first here.
+            raise TransportError(f"{method} {path}: {type(err).__name__}: {err}") from None
         except Urllib3Timeout as err:
             raise TransportTimeout(f"{method} {path}: {type(err).__name__}") from None
         except (Urllib3Error, OSError) as err:

@@ -59,6 +59,13 @@ _HOLDER = (
 )
 
 
+# This worker's identity: drawn once in the main process when this module is
+# imported, inherited by every pool process it forks, stored with each of their
+# boots. The main process names its own pool process's run by it
+# (celery_native's hard time limit): hostname and pid do not, across containers.
+NODE = uuid.uuid4()
+
+
 class LockKeyTaken(RuntimeError):
     """The boot's advisory lock key is held by a connection that is not ours."""
 
@@ -113,9 +120,9 @@ class Boot:
             # that is still being born.
             lock_key, params = _take_free_key(conn, boot_id)
             conn.execute(
-                "INSERT INTO worker_boots (boot_id, lock_key, hostname, pid) "
-                "VALUES (%s, %s, %s, %s)",
-                [boot_id, lock_key, socket.gethostname()[:255], os.getpid()],
+                "INSERT INTO worker_boots (boot_id, lock_key, hostname, pid, node) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                [boot_id, lock_key, socket.gethostname()[:255], os.getpid(), NODE],
             )
             backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             _check_session_kept(dsn, conn, backend_pid, params)

@@ -44,6 +44,7 @@ from sqlalchemy import text
 
 from app.task_names import EXECUTE_RUN
 
+from . import boots
 from .registry import REF_PATTERN, Action, InvalidDefinition, Step, Workflow, register
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         with flask_app.app_context():
             try:
                 row = db.session.execute(_TIME_LIMIT(), {
-                    "run": run_uuid, "pid": pid, "host": socket.gethostname()[:255],
+                    "run": run_uuid, "pid": pid, "node": boots.NODE,
                     "error": json.dumps(error)}).one_or_none()
                 send_woken(db.session, row)
                 db.session.commit()
@@ -296,15 +297,17 @@ def _build_time_limit():
     from app.events import with_event
     from app.runs import JOIN_RELEASE, WITH_WOKEN
 
-    # Only the run held by the very pool process Celery is about to kill (its
-    # boots are this host's with its pid), and only while it runs there.
+    # Only the run held by the very pool process Celery is about to kill: its
+    # boots are this worker's (node: the main process's own id) with its pid, and
+    # only while it runs there. Another container's process with the same
+    # hostname and pid is another node.
     return with_event(
         """
         UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
                failures = failures + 1, finished_at = now(), updated_at = now()
          WHERE id = :run AND status = 'running'
            AND claimed_by IN (SELECT boot_id FROM worker_boots
-                               WHERE hostname = :host AND pid = :pid)
+                               WHERE node = :node AND pid = :pid)
         """,
         "id, tenant_id, status, attempt, error",
         "'run.failed'",

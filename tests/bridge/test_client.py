@@ -33,6 +33,7 @@ from bridge.client import (
     RunNotFound,
     Runs,
     TransportError,
+    TransportTimeout,
     Unavailable,
     WaitTimeout,
 )
@@ -266,6 +267,19 @@ def test_a_dead_api_is_a_transport_error_after_the_retries(tenant):
     with fast(f"http://127.0.0.1:{port}", tenant.token, retry_for=0.5) as runs:
         with pytest.raises(TransportError):
             runs.get(str(uuid.uuid4()))
+
+
+def test_a_refused_connection_is_a_connection_error_not_a_timeout(tenant):
+    """urllib3 2 makes a refused connection a subclass of its timeout error: the reason
+    the inbox counts and logs must still say `connection` (docs/inbox.md)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with fast(f"http://127.0.0.1:{port}", tenant.token, retry_for=0.1) as runs:
+        with pytest.raises(TransportError) as err:
+            runs.get(str(uuid.uuid4()))
+    assert not isinstance(err.value, TransportTimeout)
+    assert err.value.reason == "connection"
 
 
 @pytest.mark.parametrize("bad", ["unknown_workflow", "bad_token"])

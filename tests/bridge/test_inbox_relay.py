@@ -444,6 +444,9 @@ def test_api_down_commits_nothing_and_loses_nothing(setup, pg, test_env, tmp_pat
         # Several rounds of retries, each a chance to commit wrongly: none did.
         wait_until(lambda: metric_sum(url, "poimen_inbox_retries_total") >= 4, timeout=30,
                    what="the relay retrying against the stopped API")
+        # Nothing listens: refused connections, counted as such (not as timeouts).
+        assert metric(url, "poimen_inbox_retries_total", reason="connection") >= 4
+        assert metric(url, "poimen_inbox_retries_total", reason="timeout") == 0
         assert setup.committed(2) == before
         assert metric_sum(url, "poimen_inbox_dead_lettered_total") == 0
 

@@ -264,6 +264,32 @@ MUTANTS: list[Mutant] = [
         "        if False:\n",
         ("tests/workers/test_gate.py",),
     ),
+    # -- issue 23: revoke, repair per queue, the time limit's fence ------------------------------
+    Mutant(
+        "revoke_not_recorded",
+        "a revoke of a run id is recorded as the API's cancel when it is issued",
+        "app/celery_control.py",
+        "        if command == \"revoke\" and arguments:\n",
+        "        if False:\n",
+        ("tests/workers/test_celery_native.py::"
+         "test_a_revoke_is_recorded_when_issued_and_survives_a_full_worker_restart",),
+    ),
+    Mutant(
+        "repair_budget_from_the_default_queue",
+        "repair re-sends only as far as each run's own queue has room",
+        "app/runs.py",
+        "            depths[queue] = _queue_depth(celery_app, queue)\n",
+        "            depths[queue] = _queue_depth(celery_app)\n",
+        ("tests/app/test_repair_queues.py",),
+    ),
+    Mutant(
+        "time_limit_fenced_by_host_and_pid",
+        "the hard-time-limit write applies only to the run held by this worker's pool process",
+        "workers/celery_native.py",
+        "                               WHERE node = :node AND pid = :pid)\n",
+        "                               WHERE pid = :pid)\n",
+        ("tests/workers/test_time_limit_fence.py",),
+    ),
     # -- the step-entry ledger ----------------------------------------------------------------
     Mutant(
         "ledger_continues_after_a_failed_marker",

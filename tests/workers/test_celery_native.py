@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 import uuid
 
 import pytest
@@ -267,6 +268,39 @@ def test_revoke_of_a_queued_run_cancels_it_and_it_never_runs(admit, env, pg, tmp
     wait_until(lambda: "task-revoked" in task_events.of(queued), timeout=30,
                what="the task-revoked event")
     assert "task-started" not in task_events.of(queued)
+
+
+def test_a_revoke_is_recorded_when_issued_and_survives_a_full_worker_restart(
+        admit, env, pg, tmp_path, processes, side_effects, client, tenant, redis_client,
+        queue_name):
+    """Celery keeps revoked ids in worker memory only: a run revoked while its message waited
+    ran after the next full restart (every Heroku deploy). The revoke is the API's cancel,
+    recorded by the command itself, before any worker sees the message."""
+    worker = start_worker(env, tmp_path, "revr", concurrency=1)
+    processes.append(worker)
+    wait_ready(worker)
+    blocker = admit("effect", {"seconds": 120})
+    wait_until(lambda: side_effects(blocker, "start") == 1, timeout=60, what="the blocker")
+    queued = admit("effect", {"seconds": 0})
+    wait_until(lambda: redis_client.llen(queue_name) == 1, timeout=10,
+               what="the run's message waiting in the queue")
+
+    celery_cli(env, "control", "--timeout", "2", "revoke", str(queued))
+    # At once, in the API: the command recorded it (no worker has seen the message yet).
+    answer = client.get(f"/v1/runs/{queued}", headers=tenant.headers).get_json()
+    assert answer["status"] == "cancelled", answer
+    assert redis_client.llen(queue_name) == 1
+
+    worker.kill()  # a full restart: the worker's in-memory revoked set is gone
+    restarted = start_worker(env, tmp_path, "revr2", concurrency=1)
+    processes.append(restarted)
+    wait_ready(restarted)
+    wait_until(lambda: redis_client.llen(queue_name) == 0, timeout=60,
+               what="the restarted worker to take the message")
+    time.sleep(3)  # what it does with the message would show by now
+    assert side_effects(queued, "start") == 0
+    assert run_row(pg, queued)[0] == "cancelled"
+    assert run_events(pg, queued) == ["run.admitted", "run.cancelled"]
 
 
 def test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed(admit, env, pg, tmp_path,
