@@ -266,6 +266,15 @@ MUTANTS: list[Mutant] = [
     ),
     # -- issue 23: revoke, repair per queue, the time limit's fence ------------------------------
     Mutant(
+        "prepared_statements_behind_a_pooler",
+        "the app's pooled connections prepare no statements (a transaction pooler mixes them)",
+        "app/config.py",
+        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "off")',
+        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "5")',
+        ("tests/chaos/test_pooler.py::"
+         "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error",),
+    ),
+    Mutant(
         "revoke_not_recorded",
         "a revoke of a run id is recorded as the API's cancel when it is issued",
         "app/celery_control.py",
