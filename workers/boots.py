@@ -356,12 +356,6 @@ def let_go(run_ids: Iterable[uuid.UUID]) -> None:
         _refresh_fence()
 
 
-def fence_deadline() -> float | None:
-    """When the fence kills this process (``time.monotonic()``), or None when disarmed."""
-    with _holding_lock:
-        return _fence_deadline()
-
-
 def _fence_deadline() -> float | None:
     if not _cover:
         return None
@@ -383,14 +377,6 @@ def _refresh_fence() -> None:
     if _fence is None:
         _fence = KillFence()
     _fence.arm(deadline)
-
-
-def probe_age() -> float | None:
-    """Seconds since this process's boot last confirmed its lock (None: no boot)."""
-    boot = _current
-    if boot is None or boot.pid != os.getpid():
-        return None
-    return max(0.0, time.monotonic() - boot.confirmed_at)
 
 
 def _forget_boot_in_child() -> None:
