@@ -414,6 +414,37 @@ def test_a_workflow_on_another_queue_runs_only_on_a_worker_consuming_it(
     assert side_effects(routed, "start") == 1
 
 
+def test_beat_keeps_a_queue_no_worker_consumes_within_a_page(
+        admit, env, pg, tmp_path, processes, celery_tasks, redis_client):
+    """Issue 23, item 3, with real beat and a real worker that consumes only the default
+    queue: 300 runs on a queue nobody consumes are re-sent every tick only up to that
+    queue's room below a page (1,000 messages); before, beat read the default queue's
+    depth (empty) and the slow queue grew by 300 a tick without bound."""
+    slow = celery_tasks.SLOW_QUEUE
+
+    def slow_depth() -> int:  # priority levels are lists of their own on Redis
+        return sum(redis_client.llen(k) for k in redis_client.keys(f"{slow}*")
+                   if k.decode().startswith(slow))
+
+    for key in redis_client.keys(f"{slow}*"):
+        redis_client.delete(key)
+    processes.append(start_worker(env, tmp_path, "pagew", concurrency=1))
+    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
+                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    for n in range(300):
+        admit("routed-slow", {"n": n})
+    try:
+        wait_until(lambda: slow_depth() >= 900, timeout=60, what="repair to fill the room")
+        depths = []
+        for _ in range(12):  # a dozen more ticks
+            time.sleep(1)
+            depths.append(slow_depth())
+        assert max(depths) <= 1000, depths
+    finally:
+        for key in redis_client.keys(f"{slow}*"):
+            redis_client.delete(key)
+
+
 def test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed(admit, env, pg, tmp_path,
                                                                 processes, side_effects,
                                                                 task_events):
