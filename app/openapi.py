@@ -82,7 +82,12 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "operationId": "createRun",
                     "summary": "Admit a run (idempotent per dispatch_key)",
-                    "parameters": [tenant_header],
+                    "parameters": [tenant_header, {
+                        "name": "Idempotency-Key", "in": "header", "required": False,
+                        "description": "The same as the body's dispatch_key (IETF draft "
+                                       "Idempotency-Key header); both present and different "
+                                       "is a 422. A quoted value is unquoted.",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 257}}],
                     "requestBody": {
                         "required": True,
                         "content": {"application/json": {
