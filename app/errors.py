@@ -82,7 +82,12 @@ def register_error_handlers(app: Flask) -> None:
         message = err.description or err.name
         if status == 413:
             message = f"request body exceeds {app.config['MAX_CONTENT_LENGTH']} bytes"
-        return error_response(status, _HTTP_CODES.get(status, "http_error"), message)
+        headers = None
+        if status == 405 and getattr(err, "valid_methods", None):
+            # RFC 9110: a 405 says which methods the resource does allow.
+            headers = {"Allow": ", ".join(sorted(err.valid_methods))}
+        return error_response(status, _HTTP_CODES.get(status, "http_error"), message,
+                              headers=headers)
 
     @app.teardown_appcontext
     def _end_session_despite_a_dead_connection(exc):
