@@ -125,7 +125,11 @@ def register_error_handlers(app: Flask) -> None:
     def _unexpected(err: Exception):
         # Types and stack only: exception messages quote data (Postgres repeats the
         # value it refused), and run inputs must never reach the log.
-        log.error("unhandled error:\n%s", _stack_without_messages(err))
+        # The stack goes in the record's own fields (``exc_type``, ``traceback``: one
+        # JSON object under LOG_FORMAT=json, appended in text), not in its message.
+        exc_type = f"{type(err).__module__}.{type(err).__qualname__}"
+        log.error("unhandled error (%s)", exc_type,
+                  extra={"exc_type": exc_type, "traceback": _stack_without_messages(err)})
         return error_response(500, "internal_error", "internal server error")
 
 

@@ -725,8 +725,8 @@ def main() -> int:
     config = OutboxConfig.from_env()
     problems = config.lease.problems()
     if problems:
-        log.critical("refusing to start: %s", "; ".join(problems))
-        raise SystemExit(f"poimen outbox refuses to start: {'; '.join(problems)}")
+        log.critical("poimen outbox refuses to start: %s", "; ".join(problems))
+        raise SystemExit(1)
     relay = OutboxRelay(config)
     serve(relay, relay.metrics.registry, config.metrics_port)
     return 0
