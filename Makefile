@@ -28,6 +28,7 @@ run: install
 test: services
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| apt-get install -y chromium chromium-driver \
+		|| { apt-get update && apt-get install -y chromium chromium-driver; } \
 		|| echo "make test: could not install chromium; tests/console will skip"
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -36,7 +37,8 @@ mutations: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m tests.mutations $(MUTATIONS_ARGS)
 
 bench: services
-	@command -v wrk >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y wrk
+	@command -v wrk >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y wrk \
+		|| { apt-get update && apt-get install -y wrk; }
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
 

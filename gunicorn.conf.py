@@ -73,3 +73,7 @@ class PoimenLogger(Logger):
 
 
 logger_class = PoimenLogger
+# gunicorn's default access line, plus the request id the app echoes (X-Request-ID),
+# so an access line and the app's records of one request can be joined.
+access_log_format = ('%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" '
+                     'request_id=%({x-request-id}o)s')

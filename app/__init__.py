@@ -51,6 +51,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
+    metrics.init_app(app)
     init_console(app)
     register_error_handlers(app)
     register_cli(app)

@@ -160,11 +160,33 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
     return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key}
 
 
+def idempotency_key(fields: dict[str, Any], header: str | None) -> str | None:
+    """The dispatch key of a request: the body's, or the ``Idempotency-Key`` header's.
+
+    The header (IETF draft "The Idempotency-Key HTTP Header Field") is the same
+    thing as ``dispatch_key``; its value is a structured-field string, so one
+    pair of surrounding double quotes is taken off. Both present and different
+    is a 422: two keys for one request would collapse two intents or split one.
+    """
+    if header is None:
+        return fields.get("dispatch_key")
+    key = header[1:-1] if len(header) >= 2 and header[0] == header[-1] == '"' else header
+    if not 1 <= len(key) <= MAX_KEY_LEN:
+        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": {
+            "Idempotency-Key": f"must be a string of 1 to {MAX_KEY_LEN} characters"}})
+    body_key = fields.get("dispatch_key")
+    if body_key is not None and body_key != key:
+        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": {
+            "Idempotency-Key": "differs from the body's dispatch_key (send one, or both equal)"}})
+    return key
+
+
 @bp.post("/runs")
 @require_token(ADMIT)
 def create_run():
     started = time.perf_counter()
     fields = validate_run_request(_json_body())
+    fields["dispatch_key"] = idempotency_key(fields, request.headers.get("Idempotency-Key"))
     logs.note(dispatch_key=fields.get("dispatch_key"))
     principal = g.principal
     # Admission is one statement (run and event together), so it needs no

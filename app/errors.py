@@ -82,7 +82,12 @@ def register_error_handlers(app: Flask) -> None:
         message = err.description or err.name
         if status == 413:
             message = f"request body exceeds {app.config['MAX_CONTENT_LENGTH']} bytes"
-        return error_response(status, _HTTP_CODES.get(status, "http_error"), message)
+        headers = None
+        if status == 405 and getattr(err, "valid_methods", None):
+            # RFC 9110: a 405 says which methods the resource does allow.
+            headers = {"Allow": ", ".join(sorted(err.valid_methods))}
+        return error_response(status, _HTTP_CODES.get(status, "http_error"), message,
+                              headers=headers)
 
     @app.teardown_appcontext
     def _end_session_despite_a_dead_connection(exc):
@@ -120,7 +125,11 @@ def register_error_handlers(app: Flask) -> None:
     def _unexpected(err: Exception):
         # Types and stack only: exception messages quote data (Postgres repeats the
         # value it refused), and run inputs must never reach the log.
-        log.error("unhandled error:\n%s", _stack_without_messages(err))
+        # The stack goes in the record's own fields (``exc_type``, ``traceback``: one
+        # JSON object under LOG_FORMAT=json, appended in text), not in its message.
+        exc_type = f"{type(err).__module__}.{type(err).__qualname__}"
+        log.error("unhandled error (%s)", exc_type,
+                  extra={"exc_type": exc_type, "traceback": _stack_without_messages(err)})
         return error_response(500, "internal_error", "internal server error")
 
 

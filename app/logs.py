@@ -1,9 +1,10 @@
 """The one logging setup (``logconfig.py``) wired into Flask and Celery.
 
 * ``init_app``: the web process logs in ``LOG_FORMAT`` at ``LOG_LEVEL``, and a
-  record logged while serving a request carries the request's ``tenant`` (its
-  token's), ``run_id`` (the URL's, or the run just admitted) and
-  ``dispatch_key``.
+  record logged while serving a request carries the request's ``request_id``
+  (the caller's ``X-Request-ID``, else a new one; echoed on the answer),
+  ``tenant`` (its token's), ``run_id`` (the URL's, or the run just admitted)
+  and ``dispatch_key``.
 * ``init_celery``: the worker, beat and Flower log the same way. Celery's own
   logging setup is replaced through its ``setup_logging`` signal (Celery then
   leaves the loggers alone); ``--loglevel`` is used only when ``LOG_LEVEL`` is
@@ -16,6 +17,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,10 +34,24 @@ log = logging.getLogger(__name__)
 # -- web ---------------------------------------------------------------------------------------
 
 
+# A caller's X-Request-ID is kept when it is short and plain (it goes into every
+# log line of the request and back in the answer); anything else is replaced.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id() -> str:
+    """The current request's id: the caller's ``X-Request-ID``, or one made for it."""
+    rid = g.get("request_id")
+    if rid is None:
+        given = request.headers.get("X-Request-ID", "")
+        rid = g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    return rid
+
+
 def _request_context() -> Mapping[str, Any]:
     if not has_request_context():
         return {}
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"request_id": request_id()}
     principal = g.get("principal")
     if principal is not None:
         fields["tenant"] = getattr(principal, "tenant_name", None)
@@ -59,6 +76,13 @@ def init_app(app: Flask) -> None:
     # set up; inside a program that configured logging already (pytest), not.
     logconfig.configure(force=False)
     logconfig.add_context_source(_request_context)
+
+    @app.after_request
+    def _echo_request_id(response):
+        # Echoed (or made) on every answer, errors included, so a caller and the
+        # logs name the same request; gunicorn's access line carries it too.
+        response.headers["X-Request-ID"] = request_id()
+        return response
 
 
 # -- Celery ------------------------------------------------------------------------------------

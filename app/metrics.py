@@ -39,6 +39,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -50,6 +51,19 @@ FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 RUN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                3600.0, 14400.0)
 
+# No `_created` series: a timestamp per counter that Prometheus does not use.
+disable_created_metrics()
+
+HTTP_REQUESTS = Counter(
+    "poimen_http_requests_total",
+    "HTTP requests web answered, by method, route (the URL rule, not the path) and status.",
+    ["method", "route", "status"],
+)
+HTTP_SECONDS = Histogram(
+    "poimen_http_request_seconds",
+    "Time web took to answer, by method and route.",
+    ["method", "route"], buckets=FAST_BUCKETS,
+)
 ADMISSIONS = Counter(
     "poimen_admissions_total",
     "Admission calls by origin and outcome (created, replayed, conflict).",
@@ -133,6 +147,7 @@ class GlobalGauges:
         from .events import outbox_lag
         from .extensions import db
         from .liveness import boot_probe_ages, live_boot_count
+        from .models import RunStatus
         from .runs import status_counts
 
         runs = GaugeMetricFamily("poimen_runs", "Runs by status (all tenants).",
@@ -156,8 +171,9 @@ class GlobalGauges:
                                   labels=["queue"])
         with self.flask_app.app_context():
             try:
-                for status, count in status_counts(db.session).items():
-                    runs.add_metric([status], count)
+                counts = status_counts(db.session)
+                for status in RunStatus:  # every status, at 0 too: no series appears late
+                    runs.add_metric([str(status)], counts.get(status, 0))
                 boots.add_metric([], live_boot_count(db.session))
                 slowest = 0.0
                 for probe in boot_probe_ages(db.session):
@@ -174,6 +190,26 @@ class GlobalGauges:
             for queue, count in self.queue_depths().items():
                 depth.add_metric([queue], count)
         return [runs, boots, probe_age, probe_age_max, pending, oldest, depth]
+
+
+def init_app(app: Flask) -> None:
+    """Count every answer by route and status; create web's series at 0 before any request."""
+    for outcome in ("created", "replayed", "conflict"):
+        ADMISSIONS.labels("http", outcome)
+    ADMISSION_SECONDS.labels("http")
+
+    @app.before_request
+    def _start_clock():
+        request.environ["poimen.started"] = time.perf_counter()
+
+    @app.after_request
+    def _count(response):
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        HTTP_REQUESTS.labels(request.method, rule, str(response.status_code)).inc()
+        started = request.environ.get("poimen.started")
+        if started is not None:
+            HTTP_SECONDS.labels(request.method, rule).observe(time.perf_counter() - started)
+        return response
 
 
 @bp.record_once

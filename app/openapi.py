@@ -44,7 +44,12 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
         text = "; or ".join(filter(None, parts))
         return text[0].upper() + text[1:]
 
+    unavailable = _error("database_unavailable: the database is not reachable (a restart, a "
+                         "failover); retry after Retry-After seconds, with the same "
+                         "dispatch_key for an admission")
+    unavailable["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
     return {
+        "503": unavailable,
         "400": _error(sentence(bad_request, TENANT_REQUIRED)),
         "401": unauthorized,
         "403": _error(sentence("the token may not act for the tenant named in X-Poimen-Tenant",
@@ -82,7 +87,12 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "operationId": "createRun",
                     "summary": "Admit a run (idempotent per dispatch_key)",
-                    "parameters": [tenant_header],
+                    "parameters": [tenant_header, {
+                        "name": "Idempotency-Key", "in": "header", "required": False,
+                        "description": "The same as the body's dispatch_key (IETF draft "
+                                       "Idempotency-Key header); both present and different "
+                                       "is a 422. A quoted value is unquoted.",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 257}}],
                     "requestBody": {
                         "required": True,
                         "content": {"application/json": {

@@ -115,10 +115,11 @@ SELECT EXISTS (
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
 """
 
+# Every tenant, those with nothing pending at 0: a restarted relay's lag series
+# exist from its first scrape, not from a tenant's next event.
 PENDING_SQL = """
-SELECT t.name, count(*), extract(epoch FROM now() - min(o.created_at))
-  FROM outbox o JOIN tenants t ON t.id = o.tenant_id
- WHERE o.published_at IS NULL
+SELECT t.name, count(o.id), coalesce(extract(epoch FROM now() - min(o.created_at)), 0)
+  FROM tenants t LEFT JOIN outbox o ON o.tenant_id = t.id AND o.published_at IS NULL
  GROUP BY t.name
 """
 
@@ -724,8 +725,8 @@ def main() -> int:
     config = OutboxConfig.from_env()
     problems = config.lease.problems()
     if problems:
-        log.critical("refusing to start: %s", "; ".join(problems))
-        raise SystemExit(f"poimen outbox refuses to start: {'; '.join(problems)}")
+        log.critical("poimen outbox refuses to start: %s", "; ".join(problems))
+        raise SystemExit(1)
     relay = OutboxRelay(config)
     serve(relay, relay.metrics.registry, config.metrics_port)
     return 0

@@ -15,12 +15,16 @@ from collections.abc import Callable
 from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 import logconfig
 
 log = logging.getLogger("poimen.bridge")
+
+# No `_created` series: a timestamp per counter that Prometheus does not use
+# (issue 29: noise in every scrape).
+disable_created_metrics()
 
 
 class Relay(Protocol):

@@ -9,6 +9,7 @@ whole-system cases, with a kernel black hole and real workers, are in
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -75,7 +76,7 @@ BREAKS_THE_ORDERING = {"POIMEN_LEASE_CLIENT_SECONDS": "25", "POIMEN_LEASE_SERVER
 @pytest.mark.parametrize("start", [start_worker, start_beat], ids=["worker", "beat"])
 def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         start, test_env, tmp_path):
-    proc = start({**test_env, **BREAKS_THE_ORDERING}, tmp_path)
+    proc = start({**test_env, **BREAKS_THE_ORDERING, "LOG_FORMAT": "json"}, tmp_path)
     try:
         proc.proc.wait(60)
     except subprocess.TimeoutExpired:
@@ -83,6 +84,10 @@ def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         pytest.fail(f"started with settings that break the lease ordering:\n{proc.log()[-3000:]}")
     assert proc.proc.returncode != 0
     assert "refuses to start" in proc.log() and "POIMEN_LEASE_CLIENT_SECONDS (25)" in proc.log()
+    # Under LOG_FORMAT=json the refusal is a record like every other line (issue 29).
+    lines = [line for line in proc.log().splitlines() if line.strip()]
+    assert lines and all(line.startswith("{") and json.loads(line) for line in lines), \
+        [line for line in lines if not line.startswith("{")][:3]
 
 
 def test_the_outbox_relay_refuses_to_start_with_settings_that_break_the_ordering(test_env):

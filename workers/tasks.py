@@ -80,8 +80,10 @@ def _check_lock_database(sender=None, **_):
             check_lease_settings()
             check_lock_database(boot_dsn())
         except (PooledLockConnection, LockKeyTaken, LeaseOrderingError) as err:
-            log.critical("refusing to start: %s", err)
-            raise SystemExit(f"poimen worker refuses to start: {err}") from None
+            # One record (JSON under LOG_FORMAT=json), then a bare exit status: a
+            # SystemExit message would be printed as a plain line after it.
+            log.critical("poimen worker refuses to start: %s", err)
+            raise SystemExit(1) from None
 
 
 @beat_init.connect
@@ -90,8 +92,8 @@ def _check_lease_at_beat(sender=None, **_):
     try:
         check_lease_settings()
     except LeaseOrderingError as err:
-        log.critical("refusing to start: %s", err)
-        raise SystemExit(f"poimen beat refuses to start: {err}") from None
+        log.critical("poimen beat refuses to start: %s", err)
+        raise SystemExit(1) from None
 
 
 @worker_init.connect

@@ -506,3 +506,35 @@ def test_a_replay_after_its_version_left_the_registry_is_still_a_replay(client, 
     assert clash.status_code == 409
     # And without a key, or with a fresh one, an unknown version is refused as before.
     assert post_run(client, tx_tenant, **{**body, "dispatch_key": "retire-2"}).status_code == 422
+
+
+# The Idempotency-Key header (IETF draft) is the dispatch key ---------------------------------
+
+def test_the_idempotency_key_header_is_the_dispatch_key(client, tx_tenant, db_session):
+    tenant = tx_tenant
+    headers = {**tenant.headers, "Idempotency-Key": "hdr-1"}
+    body = {"workflow_ref": "echo", "input": {"n": 1}}
+    first = client.post("/v1/runs", json=body, headers=headers)
+    assert first.status_code == 201 and first.json["dispatch_key"] == "hdr-1"
+    again = client.post("/v1/runs", json=body, headers=headers)
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json["id"] == first.json["id"]
+    # The same key in the body is the same request; a quoted header value is unquoted.
+    same = client.post("/v1/runs", json={**body, "dispatch_key": "hdr-1"},
+                       headers={**tenant.headers, "Idempotency-Key": '"hdr-1"'})
+    assert same.status_code == 200 and same.json["id"] == first.json["id"]
+    assert count_runs(db_session, tenant.id) == 1
+
+
+@pytest.mark.parametrize("header, key", [("hdr-a", "body-b"), ("", None), ("x" * 256, None)],
+                         ids=["differs", "empty", "too-long"])
+def test_a_bad_idempotency_key_is_a_422_and_admits_nothing(client, tx_tenant, db_session,
+                                                            header, key):
+    body = {"workflow_ref": "echo", "input": {}}
+    if key is not None:
+        body["dispatch_key"] = key
+    r = client.post("/v1/runs", json=body,
+                    headers={**tx_tenant.headers, "Idempotency-Key": header})
+    assert r.status_code == 422
+    assert "Idempotency-Key" in r.json["error"]["details"]["fields"]
+    assert count_runs(db_session, tx_tenant.id) == 0

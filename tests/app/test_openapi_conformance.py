@@ -303,3 +303,29 @@ def test_unstorable_run_requests_are_not_a_500(api, data):
     response = api.send("POST", "/v1/runs", data=data,
                         headers={"Content-Type": "application/json"})
     assert response.status_code in (400, 422)
+
+
+def test_every_authenticated_operation_declares_503_with_retry_after():
+    """Every endpoint that reads the database answers 503 database_unavailable (with
+    Retry-After) while it is away (docs/reliability.md, row 9): the document says so."""
+    document = openapi_document()
+    operations = [(path, method, op) for path, item in document["paths"].items()
+                  for method, op in item.items() if "401" in op["responses"]]
+    assert len(operations) >= 4
+    for path, method, op in operations:
+        declared = op["responses"].get("503")
+        assert declared is not None, f"{method.upper()} {path} does not declare 503"
+        assert "Retry-After" in declared["headers"], f"{method.upper()} {path}"
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("DELETE", "/v1/runs", {"GET", "POST"}),
+    ("PUT", f"/v1/runs/{uuid.uuid4()}", {"GET"}),
+    ("GET", f"/v1/runs/{uuid.uuid4()}/cancel", {"POST"}),
+])
+def test_an_unsupported_method_is_a_405_naming_the_allowed_ones(client, tenant, method, path,
+                                                                allowed):
+    response = client.open(path, method=method, headers=tenant.headers)
+    assert response.status_code == 405
+    assert response.get_json()["error"]["code"] == "method_not_allowed"
+    assert allowed <= {m.strip() for m in response.headers["Allow"].split(",")}

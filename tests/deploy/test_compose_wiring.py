@@ -109,5 +109,20 @@ def test_app_json_declares_the_add_ons_and_every_long_running_process():
     assert set(manifest["formation"]) == set(procfile_commands()) - {"release"}
     # Heroku's Redis certificate is self-signed: without this, rediss:// is refused.
     assert manifest["env"]["POIMEN_REDIS_SSL_CERT_REQS"]["value"] == "none"
+    # A one-click deploy's console works: Heroku generates the cookie secret (64 hex
+    # characters, over the console's 32), and web's process count is the budget's.
+    assert manifest["env"]["POIMEN_CONSOLE_SECRET"]["generator"] == "secret"
+    assert manifest["env"]["WEB_CONCURRENCY"]["value"] == "2"
     # The release phase is the Procfile's, run by Heroku before every deploy.
     assert procfile_commands()["release"] == "flask --app app db upgrade"
+
+
+def test_make_refreshes_empty_package_lists_before_giving_up_on_a_package():
+    """A fresh machine's apt lists may be empty: `apt-get install` alone then fails and the
+    console's browser tests skip. `make -n` shows what make would run."""
+    import subprocess
+
+    for target, package in (("test", "chromium chromium-driver"), ("bench", "wrk")):
+        recipe = subprocess.run(["make", "-n", "-W", "setup.cfg", target], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60).stdout
+        assert f"apt-get update && apt-get install -y {package}" in recipe, (target, recipe)

@@ -63,6 +63,12 @@ def test_counters_sum_over_processes_histograms_move_and_global_gauges_come_from
         for name in ("beat", "inbox", "outbox"):
             platform.start(name)
         platform.wait_ready()
+        # Series exist from the start, at 0: a rate() over a fresh web is not "no data".
+        early = web_metrics(platform)
+        for outcome in ("created", "replayed", "conflict"):
+            assert ("poimen_admissions_total",
+                    (("origin", "http"), ("outcome", outcome))) in early, outcome
+        assert value(early, "poimen_admissions_total", origin="http", outcome="created") == 0
 
         def post(key: str, note: str = "x") -> requests.Response:
             # A new connection each time, so both gunicorn workers get some.
@@ -104,6 +110,10 @@ def test_counters_sum_over_processes_histograms_move_and_global_gauges_come_from
             assert value(samples, "poimen_admission_seconds_count",
                          origin="http") == created + replayed
             assert value(samples, "poimen_admission_seconds_sum", origin="http") > 0
+            # Every answer by route and status (the URL rule, never a run id).
+            for status, count in (("201", created), ("200", replayed), ("409", conflicts)):
+                assert value(samples, "poimen_http_requests_total", method="POST",
+                             route="/v1/runs", status=status) == count, status
 
         # worker: every run claimed exactly once, the lost one after repair re-sent it.
         worker = platform.metrics_url("worker")
@@ -145,6 +155,16 @@ def test_counters_sum_over_processes_histograms_move_and_global_gauges_come_from
         assert beat_samples[("poimen_boot_probe_age_max_seconds", ())] == max(probe_ages)
         assert (("poimen_queue_depth", (("queue", queue_name),))) in beat_samples
         assert set(GLOBAL_GAUGES) <= families(beat)
+        from app.models import RunStatus
+
+        for status in RunStatus:  # every status, those with no run at 0
+            assert ("poimen_runs", (("status", str(status)),)) in beat_samples, status
+        scrapes = {"web": web_metrics(platform), "worker": metrics(worker), "beat": beat_samples,
+                   "inbox": metrics(platform.metrics_url("inbox")),
+                   "outbox": metrics(platform.metrics_url("outbox"))}
+        for name, samples in scrapes.items():
+            noise = [n for n, _ in samples if n.endswith("_created")]
+            assert not noise, f"{name} exports _created series: {noise[:3]}"
         others = {"web": families(f"{platform.api}/metrics", AUTH),
                   "worker": families(worker),
                   "inbox": families(platform.metrics_url("inbox")),
