@@ -156,7 +156,10 @@ def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side
     import os
     import signal
 
-    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    # The lease's server bound would end the orphaned lock session after T_s anyway:
+    # set it far beyond the wait, so only the lock going with the process can pass.
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30",
+           "POIMEN_LEASE_SERVER_SECONDS": "600"}
     run_id = admit("forker", {"seconds": 2, "grandchild_seconds": 300})
     victim = start_worker(env, tmp_path, "victim")
     processes.append(victim)
