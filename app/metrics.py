@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from flask import Blueprint, Flask, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -200,13 +200,13 @@ def init_app(app: Flask) -> None:
 
     @app.before_request
     def _start_clock():
-        request.environ["poimen.started"] = time.perf_counter()
+        g.poimen_started = time.perf_counter()
 
     @app.after_request
     def _count(response):
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         HTTP_REQUESTS.labels(request.method, rule, str(response.status_code)).inc()
-        started = request.environ.get("poimen.started")
+        started = g.get("poimen_started")
         if started is not None:
             HTTP_SECONDS.labels(request.method, rule).observe(time.perf_counter() - started)
         return response
