@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Iterable
 
 from celery.app.control import Control
-from sqlalchemy import text
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
     Ids that are no run (another task's, malformed) are left to Celery alone.
     """
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.runs import cancel_run, tenant_of
 
     if task_ids is None:
         return []
@@ -50,8 +49,7 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
                     run_id = uuid.UUID(str(raw))
                 except ValueError:
                     continue
-                tenant_id = db.session.execute(text("SELECT tenant_id FROM runs WHERE id = :run"),
-                                               {"run": run_id}).scalar_one_or_none()
+                tenant_id = tenant_of(db.session, run_id)
                 if tenant_id is None:
                     continue
                 cancel_run(db.session, tenant_id, run_id)

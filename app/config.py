@@ -6,6 +6,8 @@ import os
 import ssl
 from collections.abc import Mapping
 
+from lease import DEFAULT_TAKEOVER_DELAY
+
 MAX_BODY_BYTES = 1024 * 1024
 REDIS_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
                    "none": ssl.CERT_NONE}
@@ -115,7 +117,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         # time for a process that lost its lock to a Postgres restart, and is still
         # executing the run, to adopt it (docs/execution.md). Who runs it is still
         # decided by liveness at the claim; this only orders the contenders.
-        "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY", "6")),
+        "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY",
+                                               DEFAULT_TAKEOVER_DELAY)),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
         "POIMEN_SHUTDOWN_GRACE": float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),

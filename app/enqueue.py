@@ -69,6 +69,11 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
     )
 
 
+def queue_of(celery_app, workflow_ref: str) -> str:
+    """The Celery queue ``workflow_ref``'s runs are sent to (what ``send_run`` does)."""
+    return _routing(workflow_ref).get("queue") or celery_app.conf.task_default_queue
+
+
 def _routing(workflow_ref: str) -> dict:
     """The workflow's queue, time limits and priority (``@workflow(queue=...)``), if set.
 

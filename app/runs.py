@@ -26,7 +26,7 @@ from sqlalchemy import Row, and_, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from . import metrics
-from .enqueue import enqueue_after_commit, send_run
+from .enqueue import enqueue_after_commit, queue_of, send_run
 from .events import outbox_rows, with_event
 from .liveness import LIVE_BOOTS_SQL
 from .models import Run, RunStatus, Tenant
@@ -116,6 +116,14 @@ _CANCEL_QUEUED = with_event(
     then=JOIN_RELEASE,
     select=WITH_WOKEN,
 )
+
+
+def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
+    """Return the tenant id of any tenant's run ``run_id`` (None if there is no such run)."""
+    return session.execute(_TENANT_OF, {"run": run_id}).scalar_one_or_none()
+
+
+_TENANT_OF = text("SELECT tenant_id FROM runs WHERE id = :run")
 
 
 def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
@@ -319,16 +327,9 @@ def _queue_depth(celery_app, queue: str | None = None) -> int | None:
 
 def _queues_of(celery_app, refs) -> dict[str, tuple[list[str], list[str]]]:
     """Group (workflow name, version) pairs by the Celery queue their runs are sent to."""
-    from workers import registry
-
-    default = celery_app.conf.task_default_queue
     queues: dict[str, tuple[list[str], list[str]]] = {}
     for name, version in refs:
-        try:
-            queue = registry.get(name, version).queue or default
-        except registry.UnknownWorkflow:
-            queue = default  # send_run sends what this process lacks to the default queue
-        names, versions = queues.setdefault(queue, ([], []))
+        names, versions = queues.setdefault(queue_of(celery_app, f"{name}@{version}"), ([], []))
         names.append(name)
         versions.append(version)
     return queues

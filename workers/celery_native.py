@@ -163,7 +163,7 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
 def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.runs import cancel_run, tenant_of
 
     try:
         run_uuid = uuid.UUID(run_id)
@@ -171,8 +171,7 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
         return None
     with flask_app.app_context():
         try:
-            tenant_id = db.session.execute(text("SELECT tenant_id FROM runs WHERE id = :run"),
-                                           {"run": run_uuid}).scalar_one_or_none()
+            tenant_id = tenant_of(db.session, run_uuid)
             if tenant_id is None:
                 db.session.rollback()
                 return None

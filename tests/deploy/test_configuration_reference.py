@@ -3,7 +3,7 @@
 Every environment variable the code reads must be in ``app/settings_reference.py``
 (which generates ``docs/configuration.md``). Reads are found with ``ast`` in every
 module of ``app/``, ``workers/``, ``bridge/``, ``poimen_dev/`` and the top-level
-``celeryconfig.py``, ``logconfig.py``, ``gunicorn.conf.py``: ``os.environ[...]``,
+``celeryconfig.py``, ``lease.py``, ``logconfig.py``, ``gunicorn.conf.py``: ``os.environ[...]``,
 ``os.environ.get/pop/setdefault(...)``, ``os.getenv(...)``, ``"X" in os.environ``,
 and the same on ``env`` (the ``Mapping`` parameter every ``from_env`` takes,
 ``os.environ`` by default). A read by a variable (``env.get(variable)``) is
@@ -24,7 +24,7 @@ from app import settings_reference
 from tests.processes import ROOT
 
 SOURCES = ("app", "workers", "bridge", "poimen_dev")
-TOP_LEVEL = ("celeryconfig.py", "logconfig.py", "gunicorn.conf.py")
+TOP_LEVEL = ("celeryconfig.py", "lease.py", "logconfig.py", "gunicorn.conf.py")
 SHELL_FILES = ("Procfile", "bin/docker-entrypoint")
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
 ACCESSORS = {"get", "pop", "setdefault"}
