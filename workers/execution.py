@@ -28,11 +28,7 @@ from app.extensions import autocommit_next, db
 from app.logs import note_tenant
 from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
 from app.models import TERMINAL_STATUSES, RunStatus
-from logconfig import quiet_traceback
-
-from . import boots, ledger, registry
-from .boots import current_boot, end_current_boot
-from .claims import (
+from app.state.claims import (
     Adoption,
     Claim,
     ClaimOutcome,
@@ -42,6 +38,10 @@ from .claims import (
     release_claim,
     schedule_retry,
 )
+from logconfig import quiet_traceback
+
+from . import boots, ledger, registry
+from .boots import current_boot, end_current_boot
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ def _claim(run_id: uuid.UUID) -> Claim:
             # claim runs in autocommit: one round trip instead of BEGIN,
             # statement, COMMIT. Its commit is still inside this try.
             autocommit_next(session)
-            claim = claim_run(session, run_id, boot.boot_id)
+            claim = claim_run(session, run_id, boot.boot_id,
+                              max_takeovers=registry.max_takeovers_of)
             session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied

@@ -19,8 +19,8 @@ from celery.signals import (
 from flask import current_app
 
 from app.extensions import db
-from app.liveness import prune_dead_boots
 from app.runs import redrive_stranded_runs
+from app.state.boots import prune_dead_boots
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 from lease import LeaseOrderingError
 
