@@ -65,7 +65,7 @@ class RunRetrying(Exception):
 
 # -- what Celery is told -------------------------------------------------------------------------
 
-def report(task, claim) -> str:
+def report(task, execution) -> str:
     """End ``runs.execute`` the way this delivery's execution of the run ended.
 
     Return (SUCCESS) only for a run this delivery finished ``succeeded``; raise
@@ -73,7 +73,7 @@ def report(task, claim) -> str:
     """
     from .execution import RunEnding
 
-    ended = claim.ended
+    ended, claim = execution.ended, execution.claim
     if ended is None:
         return _not_executed(task, claim)
     if ended.status == RunEnding.SUCCEEDED:
@@ -271,9 +271,8 @@ class TaskBody:
         from flask import current_app
 
         task = current_app.extensions["celery"].tasks[self.task_name]
-        run = getattr(ctx, "_run", ctx)  # the ledger's StepContext wraps the RunContext
         task.push_request(
-            id=str(ctx.run_id), task=task.name, retries=getattr(run, "failures", 0),
+            id=str(ctx.run_id), task=task.name, retries=ctx.failures,
             args=[], kwargs=dict(input), called_directly=False,
             # "eager": self.retry() raises Retry instead of publishing a message;
             # the run's retry is Poimen's, with the run's claim and backoff.

@@ -62,7 +62,6 @@ class Claim:
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
     run: Row | None = None  # the claimed run's row (see _RUN_COLUMNS), when claimed
-    ended: Any = None  # how an executed claim's execution ended (workers/execution.py: Ended)
 
 
 # What a claim returns: everything the worker needs to run the workflow, so

@@ -10,6 +10,7 @@ rule) is the dispatcher's (``workers/ledger.py``); this module records.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import uuid
@@ -36,6 +37,41 @@ class DeclaredStep(Protocol):
 
     id: str
     actions: Sequence[DeclaredAction]
+
+
+class EntryStatus(enum.StrEnum):
+    RUNNING = "running"
+    WAITING = "waiting"  # a join entry whose actions are done, waiting for its children
+    COMPLETED = "completed"
+    FAILED = "failed"  # a marker-bearing action failed, or (the last entry) a non-marker one
+    ABANDONED = "abandoned"  # a marker claim was lost: the remainder never ran
+
+
+@dataclass(frozen=True)
+class EntryClose:
+    """How an entry ends: the values ``close_entry`` writes.
+
+    The dispatcher returns one with a run's last entry; the worker writes it in
+    the transaction that finishes (or retries) the run, so the ledger and the
+    run never disagree. ``entry_id`` None: the entry had no row yet.
+    """
+
+    entry_id: int | None
+    entry_no: int
+    step_id: str
+    status: str
+    actions: list[dict[str, Any]]
+    outputs: Any
+    error: dict | None
+    next_step: str | None
+    events: bool
+
+    def without_outputs(self, error: dict) -> EntryClose:
+        """The same end, failed with ``error`` and no outputs (Postgres refused them)."""
+        return dataclasses.replace(
+            self, status=EntryStatus.FAILED, error=error, outputs={},
+            actions=[{k: v for k, v in a.items() if k not in ("output", "error")}
+                     for a in self.actions])
 
 
 class MarkerOutcome(enum.StrEnum):
@@ -325,22 +361,21 @@ def marker_state(session: Session, entry_id: int, position: int) -> Row | None:
                            ).one_or_none()
 
 
-def close_entry(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], *,
-                entry_id: int | None, entry_no: int, step_id: str, status: str,
-                actions: list[dict[str, Any]], outputs: Any, error: dict | None,
-                next_step: str | None, events: bool) -> Row | None:
+def close_entry(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID],
+                close: EntryClose) -> Row | None:
     """End an entry (fenced) with its actions' outcomes; None if the run is not ours.
 
     An entry that needed no row while it ran (``entry_id`` None) is written now,
     with its ``step.entered`` and ``step.<status>`` events in that order.
     """
-    params = {"run": run_id, "boots": ours, "status": status, "actions": _json(actions),
-              "outputs": _json(outputs), "error": _json(error), "next_step": next_step,
-              "events": events, "event_type": f"step.{status}"}
-    if entry_id is None:
-        return session.execute(INSERT_CLOSED, {**params, "entry_no": entry_no,
-                                               "step": step_id}).one_or_none()
-    return session.execute(CLOSE_ENTRY, {**params, "entry": entry_id}).one_or_none()
+    params = {"run": run_id, "boots": ours, "status": close.status,
+              "actions": _json(close.actions), "outputs": _json(close.outputs),
+              "error": _json(close.error), "next_step": close.next_step,
+              "events": close.events, "event_type": f"step.{close.status}"}
+    if close.entry_id is None:
+        return session.execute(INSERT_CLOSED, {**params, "entry_no": close.entry_no,
+                                               "step": close.step_id}).one_or_none()
+    return session.execute(CLOSE_ENTRY, {**params, "entry": close.entry_id}).one_or_none()
 
 
 def wait_for_children(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], *,

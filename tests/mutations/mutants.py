@@ -196,14 +196,14 @@ MUTANTS: list[Mutant] = [
         "unrecordable_outcome_keeps_the_boot",
         "a claim whose outcome cannot be recorded ends the boot (the run becomes wreckage)",
         "workers/execution.py",
-        "        _rollback()\n        end_current_boot()\n        raise\n    finally:",
-        "        _rollback()\n        raise\n    finally:",
+        "        rollback()\n        end_current_boot()\n        raise\n    finally:",
+        "        rollback()\n        raise\n    finally:",
         (f"{CLAIM_TESTS}::test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot",),
     ),
     Mutant(
         "finish_refused_by_its_own_adoption",
         "a fenced write racing this process's own adoption is recorded under the new boot",
-        "workers/execution.py",
+        "workers/fence.py",
         "            return (True, True) if write(session, now_ours) else (False, False)\n",
         "            pass\n",
         (f"{CLAIM_TESTS}::"

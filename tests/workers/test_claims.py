@@ -200,7 +200,8 @@ def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app
     """The worker cannot load the run's workflow (a rolling deploy): back to queued, the
     attempt given back, the boot kept."""
     from workers.boots import current_boot
-    from workers.execution import boot_dsn, execute_run
+    from workers.execution import execute_run
+    from workers.fence import boot_dsn
 
     run_id = admit("echo")
     pg.execute("UPDATE runs SET workflow_version = '999' WHERE id = %s", [run_id])
@@ -507,7 +508,7 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
     running, though it completed); it writes again under the adopted boot."""
     from app.state.claims import adopt_run
     from workers import boots
-    from workers.execution import _finished_by_us, _record
+    from workers.fence import Fence
 
     run_id, lost = admit(), dead_boot()
     hold_as(pg, run_id, lost)
@@ -530,7 +531,8 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
 
     try:
         with app.app_context():
-            assert _record(run_id, finish_while_adopted, _finished_by_us(run_id)) is True
+            fence = Fence(run_id, tenant_id=0)
+            assert fence._end(finish_while_adopted, fence._finished_by_us) is True
     finally:
         boots.let_go([run_id])
     assert status_of(pg, run_id)[:2] == ("succeeded", new.boot_id)
