@@ -38,6 +38,7 @@ DEFAULT_SERVER_SECONDS = 20.0
 DEFAULT_TAKEOVER_DELAY = 6.0
 DEFAULT_RECORD_RETRY_SECONDS = 60.0
 DEFAULT_TOPIC_PREFIX = "poimen"
+DEFAULT_QUEUE = "poimen"  # the Celery queue (celeryconfig.py)
 DEFAULT_TOPIC_PARTITIONS = 4
 DEFAULT_OUTBOX_RETENTION = 7 * 86400.0  # published outbox rows are kept a week
 

@@ -184,4 +184,5 @@ def test_the_reference_states_the_defaults_app_config_uses():
     for name, value in constants.items():
         assert documented[name] == f"{value:g}", name
     assert documented["POIMEN_TOPIC_PREFIX"] == config.DEFAULT_TOPIC_PREFIX
+    assert documented["POIMEN_QUEUE"] == config.DEFAULT_QUEUE
     assert documented["POIMEN_OUTBOX_RETENTION"] == f"{config.DEFAULT_OUTBOX_RETENTION / 86400:g}d"
