@@ -5,6 +5,10 @@ Importing ``app`` (or a module in it) loads neither Flask nor Celery: the
 ``outbox`` relay imports the run-state store's statements and stays light.
 ``workers/celery.py`` builds the worker's Celery app from here, so the web
 process, the workers, beat and Flower share one wiring.
+
+Flask and Celery are imported when the factory is called, not with this
+package: the relays (``bridge/``) import ``app.config``, their one source of
+settings, which must cost them nothing.
 """
 
 from __future__ import annotations

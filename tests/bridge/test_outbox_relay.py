@@ -27,7 +27,8 @@ import pytest
 import requests
 from confluent_kafka import Consumer, TopicPartition
 
-from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
+from app.config import libpq_url, parse_retention
+from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE
 from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
