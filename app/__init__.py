@@ -1,14 +1,13 @@
 """The Poimen application: ``create_app()`` and the Celery app wired to it.
 
 Both read their settings from the environment when called, never at import.
-Importing ``app`` (or a module in it) loads neither Flask nor Celery: the
-``outbox`` relay imports the run-state store's statements and stays light.
 ``workers/celery.py`` builds the worker's Celery app from here, so the web
 process, the workers, beat and Flower share one wiring.
 
 Flask and Celery are imported when the factory is called, not with this
 package: the relays (``bridge/``) import ``app.config``, their one source of
-settings, which must cost them nothing.
+settings, and the outbox relay the store's outbox statements (``app.state.outbox``),
+which must cost them nothing.
 """
 
 from __future__ import annotations

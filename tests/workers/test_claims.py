@@ -454,12 +454,12 @@ def test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot(app, admit, pg, ds
     'running' under a live boot forever."""
     from sqlalchemy.exc import ProgrammingError
 
-    from workers import boots, execution
+    from workers import boots, execution, fence
 
     def broken_finish(*args, **kwargs):
         raise ProgrammingError("UPDATE runs ...", {}, Exception("permission denied"))
 
-    monkeypatch.setattr(execution, "finish_run", broken_finish)
+    monkeypatch.setattr(fence, "finish_run", broken_finish)
     boots.end_current_boot()
     run_id = admit("echo", {})
     try:

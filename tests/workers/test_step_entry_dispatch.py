@@ -16,7 +16,7 @@ import pytest
 
 import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
 from tests.processes import start_beat, start_worker, wait_until
-from workers.ledger import fanout_key, idempotency_key
+from workers.actions import fanout_key, idempotency_key
 from workers.registry import max_takeovers_of
 
 PARTICIPANTS = ["ana", "bo", "cy"]
