@@ -105,7 +105,7 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         # SIGTERM: Celery's soft shutdown (with REMAP_SIGTERM=SIGQUIT) also keeps
         # a 5 s run from restarting, but sleeps its whole timeout whatever runs
         # finish sooner; pool processes survive SIGTERM by workers/shutdown.py
-        # instead (measured in docs/internals/reliability.md, row 5).
+        # instead (docs/internals/reliability.md, row 5; measured in bench/RESULTS.md).
         "worker_soft_shutdown_timeout": 0.0,
         "worker_hijack_root_logger": False,
         "timezone": "UTC",
