@@ -45,7 +45,7 @@ bench: services
 lint: install
 	$(BIN)/ruff check .
 
-# docs/configuration.md, generated from app/settings_reference.py (the one list of variables).
+# docs/operations/configuration.md, generated from app/settings_reference.py (the one list of variables).
 docs: install
 	$(BIN)/python -m app.settings_reference
 

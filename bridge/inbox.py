@@ -188,7 +188,7 @@ class InboxMetrics:
                                 "Messages the API admitted as new runs (201).", registry=r)
         self.replayed = Counter("poimen_inbox_replayed_total",
                                 "Messages admission recognised as a replay (200).", registry=r)
-        # The name every process family's docs use for dead letters (docs/metrics.md).
+        # The name every process family's docs use for dead letters (docs/operations/metrics.md).
         self.dlq = Counter("poimen_dlq_total", "Messages written to a dead-letter topic, by reason.",
                            ["reason"], registry=r)
         self.dead_lettered = Counter("poimen_inbox_dead_lettered_total",

@@ -58,7 +58,7 @@ class Setup:
     log_dir: Path
     relays: list[Process] = field(default_factory=list)
 
-    # Topic names as docs/inbox.md gives them, not from the code under test.
+    # Topic names as docs/operations/inbox.md gives them, not from the code under test.
     @property
     def topic(self) -> str:
         return f"{self.prefix}.{self.tenant}.dispatch"

@@ -1,7 +1,7 @@
 """The configuration reference is complete and current (issue 14, Verify 6).
 
 Every environment variable the code reads must be in ``app/settings_reference.py``
-(which generates ``docs/configuration.md``). Reads are found with ``ast`` in every
+(which generates ``docs/operations/configuration.md``). Reads are found with ``ast`` in every
 module of ``app/``, ``workers/``, ``bridge/``, ``poimen_dev/`` and the top-level
 ``celeryconfig.py``, ``lease.py``, ``logconfig.py``, ``gunicorn.conf.py``: ``os.environ[...]``,
 ``os.environ.get/pop/setdefault(...)``, ``os.getenv(...)``, ``"X" in os.environ``,
@@ -149,4 +149,4 @@ def test_the_reference_lists_each_variable_once_with_its_processes():
 def test_docs_configuration_md_is_generated_from_the_reference():
     proc = subprocess.run([sys.executable, "-m", "app.settings_reference", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr + " (run `make docs` and commit docs/configuration.md)"
+    assert proc.returncode == 0, proc.stderr + " (run `make docs` and commit docs/operations/configuration.md)"

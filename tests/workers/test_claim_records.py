@@ -3,7 +3,7 @@
 tests/workers/test_claims.py witnesses who may claim, take over and write; these
 witness what each path leaves behind — the Claim a worker acts on, the row and
 the event — where mutmut over workers/claims.py found no in-process test
-looking (docs/testing.md, "mutmut over workers/claims.py").
+looking (docs/internals/testing.md, "mutmut over workers/claims.py").
 """
 
 from __future__ import annotations
