@@ -1,9 +1,15 @@
-"""Celery settings, from the environment only (read when the app is created)."""
+"""Celery settings, from the environment only (read when the app is created).
+
+A framework entry point, so it reads its own variables (``tests/test_wiring.py``
+allows it); the defaults it shares with the rest come from ``app.config``.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+
+from app.config import DEFAULT_QUEUE
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
@@ -63,7 +69,7 @@ def amqp_consumer_arguments(env: Mapping[str, str]) -> dict:
 def _amqp_settings(env: Mapping[str, str]) -> dict:
     from kombu import Exchange, Queue
 
-    queue = env.get("POIMEN_QUEUE", "poimen")
+    queue = env.get("POIMEN_QUEUE", DEFAULT_QUEUE)
     return {
         # RabbitMQ confirms each publish: a send that returns is in the broker, so an
         # admitted run's message is not lost silently between commit and repair.
@@ -85,7 +91,7 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
-        "task_default_queue": env.get("POIMEN_QUEUE", "poimen"),
+        "task_default_queue": env.get("POIMEN_QUEUE", DEFAULT_QUEUE),
         # At-least-once delivery: ack after the task body returns, redeliver when a
         # worker dies. Claims in Postgres make the duplicates harmless.
         "task_acks_late": True,

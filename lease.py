@@ -25,7 +25,7 @@ its own sessions, never left to the DBA or the OS:
   SIGKILL), so it needs neither the database nor the interpreter: a body stuck
   in C holding the GIL is stopped all the same.
 
-The ordering, checked when a process starts (:meth:`LeaseSettings.check`)::
+The ordering, checked when a process starts (:func:`check_ordering`)::
 
     T_c + KILL_SECONDS + MARGIN_SECONDS  <=  T_s + POIMEN_TAKEOVER_DELAY
 
@@ -37,7 +37,9 @@ killed at T_c after its last confirmation. Nobody can start the run while the
 old body runs. docs/internals/execution.md has the numbers.
 
 This module is shared by ``workers`` and ``bridge`` (which imports nothing from
-``app`` or ``workers``), like ``logconfig``.
+``app`` but its settings, ``app.config``, nor from ``workers``), like ``logconfig``.
+It reads no setting itself: ``app.config.lease_settings`` reads the numbers
+(``LeaseSettings``, re-exported here) and the processes pass them in.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import psycopg
 from psycopg import pq
+
+from app.config import LeaseSettings
 
 log = logging.getLogger(__name__)
 
@@ -63,74 +65,44 @@ KILL_SECONDS = 1.0
 # Slack for the timers on both hosts and a probe's flight time.
 MARGIN_SECONDS = 2.0
 
-DEFAULT_PROBE_INTERVAL = 2.0
-DEFAULT_CLIENT_SECONDS = 10.0
-DEFAULT_SERVER_SECONDS = 20.0
-DEFAULT_TAKEOVER_DELAY = 6.0
-
 
 class LeaseOrderingError(ValueError):
     """The lease settings would let two processes run one run's body at once."""
 
 
-@dataclass(frozen=True)
-class LeaseSettings:
-    """The lease's numbers (seconds), from the environment when a process starts."""
+def problems(settings: LeaseSettings) -> list[str]:
+    """Say what, if anything, breaks the ordering of ``settings`` (empty: they are safe)."""
+    found = []
+    lhs = settings.client_seconds + KILL_SECONDS + MARGIN_SECONDS
+    rhs = settings.server_seconds + settings.takeover_delay
+    if lhs > rhs:
+        found.append(
+            f"POIMEN_LEASE_CLIENT_SECONDS ({settings.client_seconds:g}) + kill "
+            f"({KILL_SECONDS:g}) + margin ({MARGIN_SECONDS:g}) = {lhs:g} exceeds "
+            f"POIMEN_LEASE_SERVER_SECONDS ({settings.server_seconds:g}) + POIMEN_TAKEOVER_DELAY "
+            f"({settings.takeover_delay:g}) = {rhs:g}: a cut-off worker could still run a body "
+            "another worker has started")
+    if settings.probe_interval * 2 + settings.probe_timeout > settings.client_seconds:
+        found.append(
+            f"POIMEN_BOOT_PROBE_INTERVAL ({settings.probe_interval:g}) leaves fewer than two "
+            f"probes (deadline {settings.probe_timeout:g}) per POIMEN_LEASE_CLIENT_SECONDS "
+            f"({settings.client_seconds:g}): one slow probe would stop healthy runs")
+    if settings.probe_interval + settings.probe_timeout + MARGIN_SECONDS > settings.server_seconds:
+        found.append(
+            f"POIMEN_BOOT_PROBE_INTERVAL ({settings.probe_interval:g}) is too close to "
+            f"POIMEN_LEASE_SERVER_SECONDS ({settings.server_seconds:g}): the server would end "
+            "healthy lock sessions between probes")
+    if settings.client_seconds <= 0 or settings.server_seconds <= 0 or settings.takeover_delay < 0:
+        found.append("lease bounds must be positive (POIMEN_LEASE_CLIENT_SECONDS, "
+                     "POIMEN_LEASE_SERVER_SECONDS) and POIMEN_TAKEOVER_DELAY not negative")
+    return found
 
-    probe_interval: float = DEFAULT_PROBE_INTERVAL  # POIMEN_BOOT_PROBE_INTERVAL
-    client_seconds: float = DEFAULT_CLIENT_SECONDS  # T_c, POIMEN_LEASE_CLIENT_SECONDS
-    server_seconds: float = DEFAULT_SERVER_SECONDS  # T_s, POIMEN_LEASE_SERVER_SECONDS
-    takeover_delay: float = DEFAULT_TAKEOVER_DELAY  # POIMEN_TAKEOVER_DELAY
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> LeaseSettings:
-        env = os.environ if env is None else env
-        return cls(
-            probe_interval=float(env.get("POIMEN_BOOT_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL)),
-            client_seconds=float(env.get("POIMEN_LEASE_CLIENT_SECONDS",
-                                         DEFAULT_CLIENT_SECONDS)),
-            server_seconds=float(env.get("POIMEN_LEASE_SERVER_SECONDS",
-                                         DEFAULT_SERVER_SECONDS)),
-            takeover_delay=float(env.get("POIMEN_TAKEOVER_DELAY", DEFAULT_TAKEOVER_DELAY)),
-        )
-
-    @property
-    def probe_timeout(self) -> float:
-        """A probe's deadline: unanswered by then, the lock is not confirmed."""
-        return max(0.2, min(5.0, self.client_seconds / 3))
-
-    def problems(self) -> list[str]:
-        """Say what, if anything, breaks the ordering (empty: the settings are safe)."""
-        found = []
-        lhs = self.client_seconds + KILL_SECONDS + MARGIN_SECONDS
-        rhs = self.server_seconds + self.takeover_delay
-        if lhs > rhs:
-            found.append(
-                f"POIMEN_LEASE_CLIENT_SECONDS ({self.client_seconds:g}) + kill "
-                f"({KILL_SECONDS:g}) + margin ({MARGIN_SECONDS:g}) = {lhs:g} exceeds "
-                f"POIMEN_LEASE_SERVER_SECONDS ({self.server_seconds:g}) + POIMEN_TAKEOVER_DELAY "
-                f"({self.takeover_delay:g}) = {rhs:g}: a cut-off worker could still run a body "
-                "another worker has started")
-        if self.probe_interval * 2 + self.probe_timeout > self.client_seconds:
-            found.append(
-                f"POIMEN_BOOT_PROBE_INTERVAL ({self.probe_interval:g}) leaves fewer than two "
-                f"probes (deadline {self.probe_timeout:g}) per POIMEN_LEASE_CLIENT_SECONDS "
-                f"({self.client_seconds:g}): one slow probe would stop healthy runs")
-        if self.probe_interval + self.probe_timeout + MARGIN_SECONDS > self.server_seconds:
-            found.append(
-                f"POIMEN_BOOT_PROBE_INTERVAL ({self.probe_interval:g}) is too close to "
-                f"POIMEN_LEASE_SERVER_SECONDS ({self.server_seconds:g}): the server would end "
-                "healthy lock sessions between probes")
-        if self.client_seconds <= 0 or self.server_seconds <= 0 or self.takeover_delay < 0:
-            found.append("lease bounds must be positive (POIMEN_LEASE_CLIENT_SECONDS, "
-                         "POIMEN_LEASE_SERVER_SECONDS) and POIMEN_TAKEOVER_DELAY not negative")
-        return found
-
-    def check(self) -> None:
-        """Raise ``LeaseOrderingError`` naming the settings if the ordering is broken."""
-        found = self.problems()
-        if found:
-            raise LeaseOrderingError("; ".join(found))
+def check_ordering(settings: LeaseSettings) -> None:
+    """Raise ``LeaseOrderingError`` naming the settings if the ordering is broken."""
+    found = problems(settings)
+    if found:
+        raise LeaseOrderingError("; ".join(found))
 
 
 # -- the server's bound -----------------------------------------------------------------------

@@ -3,26 +3,32 @@
 Both read their settings from the environment when called, never at import.
 ``workers/celery.py`` builds the worker's Celery app from here, so the web
 process, the workers, beat and Flower share one wiring.
+
+Flask and Celery are imported when the factory is called, not with this
+package: the relays (``bridge/``) import ``app.config``, their one source of
+settings, which must cost them nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from celery import Celery, Task
-from flask import Flask
-
-from .config import load_config
+if TYPE_CHECKING:
+    from celery import Celery
+    from flask import Flask
 
 
 def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
+    from flask import Flask
+
     from workers import registry
 
     from . import api, enqueue, health, logs, metrics  # noqa: F401 - enqueue registers its hooks
     from .cli import register_cli
+    from .config import load_config
     from .console import init_console
     from .errors import register_error_handlers
     from .extensions import db, migrate, ping_idle_connections
@@ -64,6 +70,8 @@ def celery_init_app(app: Flask) -> Celery:
     Every task runs inside an app context. The web process uses this app only
     to send; the worker (``workers/celery.py``) also imports the tasks.
     """
+    from celery import Celery, Task
+
     from celeryconfig import celery_settings
 
     from .task_names import REPAIR_RUNS

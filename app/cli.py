@@ -15,6 +15,7 @@ from flask import Flask, current_app
 from . import runs as run_service
 from . import tenants as tenant_service
 from .auth import SCOPES
+from .config import DEFAULT_TOPIC_PARTITIONS
 from .extensions import db
 
 
@@ -117,20 +118,21 @@ def register_cli(app: Flask) -> None:
     @topics.command("declare")
     @click.option("--tenant", "tenant_names", multiple=True,
                   help="Tenant name; repeat for several (default: every tenant).")
-    @click.option("--partitions", default=4, show_default=True)
+    @click.option("--partitions", default=DEFAULT_TOPIC_PARTITIONS, show_default=True)
     @_domain_errors
     def topics_declare(tenant_names: tuple[str, ...], partitions: int):
         """Create each tenant's topics; topics that exist are left as they are."""
-        from bridge.kafka import client_settings
-        from bridge.topics import declare_topics, tenant_topics, topic_prefix
+        from bridge.topics import declare_topics, tenant_topics
+
+        from .config import kafka_client_settings, topic_prefix, topic_replication
 
         names = list(tenant_names) or [t.name for t in tenant_service.list_tenants()]
         for name in names:
             tenant_service.find_tenant(name)
-        settings = client_settings()
+        settings = kafka_client_settings()
         prefix = topic_prefix()
         created = declare_topics(settings["bootstrap.servers"], prefix, names, partitions,
-                                 settings)
+                                 settings, replication_factor=topic_replication())
         for name in names:
             for topic in tenant_topics(prefix, name):
                 click.echo(f"{topic}\t{'created' if topic in created else 'exists'}")
@@ -152,8 +154,8 @@ def register_cli(app: Flask) -> None:
         from confluent_kafka import KafkaException
 
         from bridge.dlq import REPLAY_GROUP, parse_since, replay_dead_letters
-        from bridge.kafka import client_settings
-        from bridge.topics import consumer_group, topic_prefix
+
+        from .config import consumer_group, kafka_client_settings, topic_prefix
 
         tenant_service.find_tenant(tenant_name)
         try:
@@ -162,7 +164,7 @@ def register_cli(app: Flask) -> None:
             raise click.BadParameter(str(err), param_hint="--since") from None
         try:
             report = replay_dead_letters(
-                client_settings(), topic_prefix(), tenant_name,
+                kafka_client_settings(), topic_prefix(), tenant_name,
                 group=consumer_group(REPLAY_GROUP), reason=reason, since=when,
                 dry_run=dry_run, show=click.echo)
         except (RuntimeError, TimeoutError, KafkaException) as err:

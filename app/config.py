@@ -1,17 +1,57 @@
-"""Settings, read from the environment when the factory runs (never at import)."""
+"""Every process's settings, read from the environment when the process starts.
+
+This module is the one reader of the environment: the Flask config
+(``load_config``, for ``web``, ``worker``, ``beat``, ``flower``, the CLI), the
+lease (``lease_settings``), Kafka's client settings and topic names, and the
+relays' settings (``inbox_settings``, ``outbox_settings``). Every other module
+receives values from here; ``tests/test_wiring.py`` fails when one reads the
+environment itself. The framework entry points ``celeryconfig.py``,
+``gunicorn.conf.py`` and ``logconfig.py`` are the exceptions (Celery, gunicorn
+and the relays' logging read them before any factory runs).
+
+Nothing is read at import: each function reads ``env`` (``os.environ`` by
+default) when called. Each default is one constant, here; the documentation of
+each variable is ``app/settings_reference.py`` (``docs/operations/configuration.md``).
+
+This module imports only the standard library, so the relays (``bridge/``,
+which import nothing else of ``app/``) pay nothing for it, and importing it
+imports no Flask or Celery (``app/__init__.py`` imports those when called).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from lease import DEFAULT_TAKEOVER_DELAY
+# -- defaults shared by more than one reader ---------------------------------------------------
+
+# Seconds a process may take to stop on SIGTERM: Heroku sends SIGKILL 30 s after it.
+DEFAULT_SHUTDOWN_GRACE = 25.0
+# The lease (lease.py): probe interval, T_c, T_s, and the takeover delay beat's repair uses.
+DEFAULT_PROBE_INTERVAL = 2.0
+DEFAULT_CLIENT_SECONDS = 10.0
+DEFAULT_SERVER_SECONDS = 20.0
+DEFAULT_TAKEOVER_DELAY = 6.0
+DEFAULT_RECORD_RETRY_SECONDS = 60.0
+DEFAULT_TOPIC_PREFIX = "poimen"
+DEFAULT_QUEUE = "poimen"  # the Celery queue (celeryconfig.py)
+DEFAULT_TOPIC_PARTITIONS = 4
+DEFAULT_OUTBOX_RETENTION = 7 * 86400.0  # published outbox rows are kept a week
 
 MAX_BODY_BYTES = 1024 * 1024
 REDIS_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
                    "none": ssl.CERT_NONE}
 
+
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+# -- URLs -------------------------------------------------------------------------------------
 
 def database_url(raw: str) -> str:
     """Return a SQLAlchemy URL for psycopg 3, accepting Heroku's ``postgres://``."""
@@ -63,7 +103,7 @@ def prepare_threshold(env: Mapping[str, str]) -> int | None:
 
 def load_config(env: Mapping[str, str] | None = None) -> dict:
     """Build the Flask config from ``env`` (default: ``os.environ``)."""
-    env = os.environ if env is None else env
+    env = _environ(env)
     raw_db = env.get("DATABASE_URL")
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
@@ -109,7 +149,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_WORKFLOW_MODULES": [
             m.strip() for m in env.get("POIMEN_WORKFLOW_MODULES", "").split(",") if m.strip()
         ],
-        "POIMEN_TOPIC_PREFIX": env.get("POIMEN_TOPIC_PREFIX", "poimen"),
+        "POIMEN_TOPIC_PREFIX": env.get("POIMEN_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
         "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
         "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "10")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
@@ -121,6 +161,337 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
                                                DEFAULT_TAKEOVER_DELAY)),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
-        "POIMEN_SHUTDOWN_GRACE": float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),
+        "POIMEN_SHUTDOWN_GRACE": shutdown_grace(env),
+        # How long a worker retries recording a run's outcome while the database is away.
+        "POIMEN_RECORD_RETRY_SECONDS": float(env.get("POIMEN_RECORD_RETRY_SECONDS",
+                                                     DEFAULT_RECORD_RETRY_SECONDS)),
+        # The boot's lock connection: direct, never pooled (None: the app's database,
+        # SQLALCHEMY_DATABASE_URI, so an override of that one moves both).
+        "POIMEN_LOCK_DATABASE_URL": env.get("POIMEN_LOCK_DATABASE_URL") or None,
+        # worker's and beat's Prometheus port (None: not served).
+        "METRICS_PORT": metrics_port(env),
+        "POIMEN_METRICS_TOKEN": env.get("POIMEN_METRICS_TOKEN") or None,
+        "POIMEN_METRICS_CACHE_SECONDS": float(env.get("POIMEN_METRICS_CACHE_SECONDS", "5")),
+        "POIMEN_CONSOLE_SECRET": env.get("POIMEN_CONSOLE_SECRET", ""),
         "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
     }
+
+
+def shutdown_grace(env: Mapping[str, str] | None = None) -> float:
+    """``POIMEN_SHUTDOWN_GRACE``: seconds a process may take to stop on SIGTERM."""
+    env = _environ(env)
+    return float(env.get("POIMEN_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE))
+
+
+def metrics_port(env: Mapping[str, str] | None = None) -> int | None:
+    """The Prometheus port of ``worker`` and ``beat``: ``METRICS_PORT``, else ``PORT``; 0 is off."""
+    env = _environ(env)
+    port = env.get("METRICS_PORT") or env.get("PORT")
+    return int(port) if port and port != "0" else None
+
+
+def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """prometheus_client's ``PROMETHEUS_MULTIPROC_DIR``, as set now (None: single process).
+
+    Read when asked, not at start: ``gunicorn.conf.py`` and ``workers/metrics.py``
+    set it for prometheus_client (the only writes to the environment).
+    """
+    env = _environ(env)
+    return env.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+# -- the lease (lease.py applies it and checks its ordering) ---------------------------------
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """The lease's numbers, seconds; ``lease.problems`` says whether their order is safe."""
+
+    probe_interval: float = DEFAULT_PROBE_INTERVAL  # POIMEN_BOOT_PROBE_INTERVAL
+    client_seconds: float = DEFAULT_CLIENT_SECONDS  # T_c, POIMEN_LEASE_CLIENT_SECONDS
+    server_seconds: float = DEFAULT_SERVER_SECONDS  # T_s, POIMEN_LEASE_SERVER_SECONDS
+    takeover_delay: float = DEFAULT_TAKEOVER_DELAY  # POIMEN_TAKEOVER_DELAY
+
+    @property
+    def probe_timeout(self) -> float:
+        """A probe's deadline: unanswered by then, the lock is not confirmed."""
+        return max(0.2, min(5.0, self.client_seconds / 3))
+
+
+def lease_settings(env: Mapping[str, str] | None = None) -> LeaseSettings:
+    """Read the lease's numbers (worker, beat and the outbox read them when they start)."""
+    env = _environ(env)
+    return LeaseSettings(
+        probe_interval=float(env.get("POIMEN_BOOT_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL)),
+        client_seconds=float(env.get("POIMEN_LEASE_CLIENT_SECONDS", DEFAULT_CLIENT_SECONDS)),
+        server_seconds=float(env.get("POIMEN_LEASE_SERVER_SECONDS", DEFAULT_SERVER_SECONDS)),
+        takeover_delay=float(env.get("POIMEN_TAKEOVER_DELAY", DEFAULT_TAKEOVER_DELAY)),
+    )
+
+
+# -- Kafka: client settings and names ----------------------------------------------------------
+#
+# ``KAFKA_BOOTSTRAP_SERVERS`` names the brokers. Any other ``KAFKA_*`` variable is a
+# librdkafka setting: ``KAFKA_SECURITY_PROTOCOL=SASL_SSL`` becomes
+# ``security.protocol=SASL_SSL``. Apache Kafka on Heroku sets other names, translated
+# here: ``KAFKA_URL`` (``kafka+ssl://host:port,...``) gives the brokers and
+# ``security.protocol=SSL`` when ``KAFKA_BOOTSTRAP_SERVERS`` is unset;
+# ``KAFKA_TRUSTED_CERT``, ``KAFKA_CLIENT_CERT`` and ``KAFKA_CLIENT_CERT_KEY`` (PEM
+# contents) become ``ssl.ca.pem``, ``ssl.certificate.pem`` and ``ssl.key.pem``. An
+# explicit ``KAFKA_*`` setting always wins over a translated one. ``KAFKA_PREFIX``
+# goes in front of topic and group names.
+
+# Variables that look like client settings but are not: Heroku's Kafka add-on
+# sets these, and librdkafka refuses unknown properties at client creation.
+KAFKA_NOT_CLIENT_SETTINGS = frozenset({
+    "KAFKA_BOOTSTRAP_SERVERS", "KAFKA_URL", "KAFKA_PREFIX", "KAFKA_TRUSTED_CERT",
+    "KAFKA_CLIENT_CERT", "KAFKA_CLIENT_CERT_KEY",
+})
+# Heroku's PEM variables and the librdkafka settings that take their contents.
+HEROKU_KAFKA_PEMS = {
+    "KAFKA_TRUSTED_CERT": "ssl.ca.pem",
+    "KAFKA_CLIENT_CERT": "ssl.certificate.pem",
+    "KAFKA_CLIENT_CERT_KEY": "ssl.key.pem",
+}
+
+
+def _url_hosts(url: str) -> list[tuple[str, str]]:
+    """Split ``kafka+ssl://h1:9096,kafka+ssl://h2:9096`` into ``(scheme, host:port)`` pairs."""
+    pairs = []
+    for item in url.split(","):
+        scheme, sep, rest = item.strip().partition("://")
+        if not sep:
+            scheme, rest = "", scheme
+        if rest.strip("/"):
+            pairs.append((scheme.lower(), rest.strip("/")))
+    return pairs
+
+
+def kafka_bootstrap_servers(env: Mapping[str, str] | None = None) -> str:
+    """Return ``KAFKA_BOOTSTRAP_SERVERS`` (else Heroku's ``KAFKA_URL`` as ``host:port,...``)."""
+    env = _environ(env)
+    servers = env.get("KAFKA_BOOTSTRAP_SERVERS", "").strip()
+    if not servers:
+        servers = ",".join(host for _, host in _url_hosts(env.get("KAFKA_URL", "")))
+    if not servers:
+        raise SystemExit("KAFKA_BOOTSTRAP_SERVERS is not set (e.g. 127.0.0.1:9092), "
+                         "nor Heroku's KAFKA_URL")
+    return servers
+
+
+def heroku_kafka_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """Return the librdkafka settings Heroku's ``KAFKA_URL`` and PEM variables stand for."""
+    settings = {}
+    if not env.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
+        schemes = {scheme for scheme, _ in _url_hosts(env.get("KAFKA_URL", ""))}
+        if "kafka+ssl" in schemes:
+            settings["security.protocol"] = "SSL"
+    for variable, setting in HEROKU_KAFKA_PEMS.items():
+        if env.get(variable, "").strip():
+            settings[setting] = env[variable]
+    if "ssl.ca.pem" in settings:
+        # Heroku's broker certificates are signed by the trusted CA but do not name
+        # the broker hosts: verify the chain, not the host name.
+        settings["ssl.endpoint.identification.algorithm"] = "none"
+    return settings
+
+
+def kafka_client_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return librdkafka settings: bootstrap servers plus every extra ``KAFKA_*`` variable."""
+    env = _environ(env)
+    settings = {"bootstrap.servers": kafka_bootstrap_servers(env), **heroku_kafka_settings(env)}
+    for name, value in env.items():
+        if name.startswith("KAFKA_") and name not in KAFKA_NOT_CLIENT_SETTINGS:
+            settings[name[len("KAFKA_"):].lower().replace("_", ".")] = value
+    return settings
+
+
+def topic_prefix(env: Mapping[str, str] | None = None) -> str:
+    """Return the topic prefix: ``POIMEN_TOPIC_PREFIX`` (``poimen``) after Heroku's ``KAFKA_PREFIX``.
+
+    On Heroku's multi-tenant Kafka plans every topic name must start with
+    ``KAFKA_PREFIX`` (e.g. ``acme-42.``), so ``poimen.<tenant>.dispatch`` becomes
+    ``acme-42.poimen.<tenant>.dispatch``.
+    """
+    env = _environ(env)
+    return (env.get("KAFKA_PREFIX", "").strip()
+            + (env.get("POIMEN_TOPIC_PREFIX", "").strip() or DEFAULT_TOPIC_PREFIX))
+
+
+def consumer_group(name: str, env: Mapping[str, str] | None = None) -> str:
+    """Return the consumer group ``name`` with Heroku's ``KAFKA_PREFIX`` in front (if set)."""
+    env = _environ(env)
+    prefix = env.get("KAFKA_PREFIX", "").strip()
+    return name if not prefix or name.startswith(prefix) else prefix + name
+
+
+def topic_replication(env: Mapping[str, str] | None = None) -> int:
+    """``POIMEN_TOPIC_REPLICATION``: replication factor of declared topics (-1: the broker's)."""
+    env = _environ(env)
+    return int(env.get("POIMEN_TOPIC_REPLICATION", "-1"))
+
+
+# -- the inbox relay (bridge/inbox.py) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class InboxSettings:
+    """The inbox relay's settings and their defaults, the only place they are written.
+
+    ``INBOX_VARIABLES`` names the environment variable behind each field.
+    """
+
+    api_url: str
+    api_token: str
+    kafka: Mapping[str, str]
+    prefix: str = DEFAULT_TOPIC_PREFIX
+    group: str = "poimen-inbox"
+    concurrency: int = 8              # parallel partitions, and so HTTP sessions (one per thread)
+    partition_window: int = 1         # calls in flight per partition; 1 is strict order
+    http_timeout: float = 15.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    max_buffered: int = 1000          # fetched, uncommitted messages per partition ...
+    buffer_bytes: int = 64 * 1024 * 1024  # ... and their bytes across all partitions
+    metadata_refresh_ms: int = 2000
+    session_timeout_ms: int = 10000
+    dlq_partitions: int = 1
+    metrics_port: int = 9101
+    lag_interval: float = 5.0
+    progress_interval: float = 30.0
+    commit_interval: float = 0.2
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    # Test only: a message whose value contains these bytes makes the relay's own
+    # code raise, to prove that a bug cannot strand a partition. Never set it in
+    # production; empty (the default) disables the check.
+    test_raise_on: bytes = b""
+
+    @property
+    def subscription(self) -> str:
+        return rf"^{re.escape(self.prefix)}\..+\.dispatch$"
+
+
+INBOX_VARIABLES = {
+    "group": "POIMEN_INBOX_GROUP",
+    "concurrency": "POIMEN_INBOX_CONCURRENCY",
+    "partition_window": "POIMEN_INBOX_PARTITION_WINDOW",
+    "http_timeout": "POIMEN_INBOX_HTTP_TIMEOUT",
+    "backoff_initial": "POIMEN_INBOX_BACKOFF_INITIAL",
+    "backoff_max": "POIMEN_INBOX_BACKOFF_MAX",
+    "max_buffered": "POIMEN_INBOX_MAX_BUFFERED",
+    "buffer_bytes": "POIMEN_INBOX_BUFFER_BYTES",
+    "metadata_refresh_ms": "POIMEN_INBOX_METADATA_REFRESH_MS",
+    "session_timeout_ms": "POIMEN_INBOX_SESSION_TIMEOUT_MS",
+    "dlq_partitions": "POIMEN_INBOX_DLQ_PARTITIONS",
+    "metrics_port": "METRICS_PORT",  # else PORT
+    "lag_interval": "POIMEN_INBOX_LAG_INTERVAL",
+    "progress_interval": "POIMEN_INBOX_PROGRESS_INTERVAL",
+    "shutdown_grace": "POIMEN_SHUTDOWN_GRACE",
+    "test_raise_on": "POIMEN_INBOX_TEST_RAISE_ON",
+}
+
+
+def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
+    """Read the inbox relay's settings from ``env`` (default: ``os.environ``)."""
+    env = _environ(env)
+    missing = [n for n in ("POIMEN_API_URL", "POIMEN_API_TOKEN") if not env.get(n)]
+    if missing:
+        raise SystemExit(f"{' and '.join(missing)} must be set: the inbox POSTs runs to the "
+                         "API with a service token (flask --app app tokens create --service)")
+    defaults = {f.name: f.default for f in fields(InboxSettings)}
+    values: dict[str, Any] = {}
+    for name, variable in INBOX_VARIABLES.items():
+        raw = env.get(variable, "").strip()
+        if not raw:
+            continue
+        kind = type(defaults[name])
+        try:
+            values[name] = raw.encode() if kind is bytes else kind(raw)
+        except ValueError:
+            raise SystemExit(f"{variable}={raw!r} is not a valid {kind.__name__}") from None
+    if "metrics_port" not in values and env.get("PORT"):
+        values["metrics_port"] = int(env["PORT"])
+    values["group"] = consumer_group(values.get("group", defaults["group"]), env)
+    return InboxSettings(api_url=env["POIMEN_API_URL"].rstrip("/"),
+                         api_token=env["POIMEN_API_TOKEN"], kafka=kafka_client_settings(env),
+                         prefix=topic_prefix(env), **values)
+
+
+# -- the outbox relay (bridge/outbox.py) -------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_retention(value: str | None) -> float | None:
+    """Return ``POIMEN_OUTBOX_RETENTION`` in seconds, or ``None`` to keep published rows.
+
+    A plain number is seconds; ``s``, ``m``, ``h`` and ``d`` suffixes name the unit
+    (``7d``, ``36h``). ``0``, ``never`` and ``off`` disable pruning.
+    """
+    if value is None or not value.strip():
+        return DEFAULT_OUTBOX_RETENTION
+    if value.strip().lower() in ("never", "off", "none"):
+        return None
+    match = _DURATION.match(value)
+    if match is None:
+        raise SystemExit(f"POIMEN_OUTBOX_RETENTION={value!r}: use seconds or e.g. 7d, 36h, never")
+    seconds = float(match.group(1)) * _UNIT[match.group(2).lower()]
+    return seconds or None
+
+
+@dataclass(frozen=True)
+class OutboxSettings:
+    """The outbox relay's settings; ``outbox_settings`` names the variable behind each."""
+
+    database_url: str
+    lock_database_url: str
+    kafka: Mapping[str, str]
+    prefix: str = DEFAULT_TOPIC_PREFIX
+    batch_size: int = 1000
+    poll_interval: float = 0.2
+    standby_interval: float = 1.0
+    lock_check_interval: float = 1.0
+    topic_partitions: int = DEFAULT_TOPIC_PARTITIONS
+    retention: float | None = DEFAULT_OUTBOX_RETENTION
+    prune_interval: float = 60.0
+    prune_batch: int = 1000
+    lag_interval: float = 5.0
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    backoff_max: float = 10.0
+    metrics_port: int = 9102
+    progress_interval: float = 30.0
+    lease: LeaseSettings = field(default_factory=LeaseSettings)
+
+
+def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
+    """Read the outbox relay's settings from ``env`` (default: ``os.environ``)."""
+    env = _environ(env)
+    if not env.get("DATABASE_URL"):
+        raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
+    database = libpq_url(env["DATABASE_URL"])
+    defaults = OutboxSettings(database, database, {})
+    return OutboxSettings(
+        database_url=database,
+        # Session advisory locks need a direct connection: a transaction-mode
+        # pooler would hand the lock's session to someone else.
+        lock_database_url=libpq_url(env.get("POIMEN_LOCK_DATABASE_URL") or database),
+        kafka=kafka_client_settings(env),
+        prefix=topic_prefix(env),
+        batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", defaults.batch_size)),
+        poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", defaults.poll_interval)),
+        standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL",
+                                       defaults.standby_interval)),
+        lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL",
+                                          defaults.lock_check_interval)),
+        topic_partitions=int(env.get("POIMEN_OUTBOX_TOPIC_PARTITIONS",
+                                     defaults.topic_partitions)),
+        retention=parse_retention(env.get("POIMEN_OUTBOX_RETENTION")),
+        prune_interval=float(env.get("POIMEN_OUTBOX_PRUNE_INTERVAL", defaults.prune_interval)),
+        prune_batch=int(env.get("POIMEN_OUTBOX_PRUNE_BATCH", defaults.prune_batch)),
+        lag_interval=float(env.get("POIMEN_OUTBOX_LAG_INTERVAL", defaults.lag_interval)),
+        shutdown_grace=shutdown_grace(env),
+        backoff_max=float(env.get("POIMEN_OUTBOX_BACKOFF_MAX", defaults.backoff_max)),
+        metrics_port=int(env.get("METRICS_PORT") or env.get("PORT") or defaults.metrics_port),
+        progress_interval=float(env.get("POIMEN_OUTBOX_PROGRESS_INTERVAL",
+                                        defaults.progress_interval)),
+        lease=lease_settings(env),
+    )

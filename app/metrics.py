@@ -28,7 +28,6 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -44,6 +43,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from .config import prometheus_multiproc_dir
 from .errors import ApiError
 
 # Admission takes milliseconds; a run's queue wait and duration span seconds to hours.
@@ -212,15 +212,6 @@ def init_app(app: Flask) -> None:
         return response
 
 
-@bp.record_once
-def _settings(state) -> None:
-    # Read from the environment when the factory runs, like every other setting.
-    config = state.app.config
-    config.setdefault("POIMEN_METRICS_TOKEN", os.environ.get("POIMEN_METRICS_TOKEN") or None)
-    config.setdefault("POIMEN_METRICS_CACHE_SECONDS",
-                      float(os.environ.get("POIMEN_METRICS_CACHE_SECONDS", "5")))
-
-
 def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
     """A registry that sums the values every process wrote under ``path``."""
     from prometheus_client import multiprocess
@@ -231,7 +222,7 @@ def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
 
 
 def _registry() -> CollectorRegistry:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if prometheus_multiproc_dir():
         return multiprocess_registry()
     from prometheus_client import REGISTRY
 

@@ -5,7 +5,10 @@
 file differs. ``tests/deploy/test_configuration_reference.py`` fails when the
 code reads a variable this list does not name, and when the document is stale.
 
-This module only describes settings; each process reads its own when it starts.
+This module only describes settings. ``app/config.py`` reads them, for every
+process, when the process starts (the framework entry points ``celeryconfig.py``,
+``gunicorn.conf.py`` and ``logconfig.py`` read their own); each default is one
+constant there, and the defaults written here must match them.
 """
 
 from __future__ import annotations
@@ -271,9 +274,11 @@ def render() -> str:
         "     app/settings_reference.py. Edit that file, not this one. -->",
         "",
         "Every environment variable the code reads, the processes that read it, and its",
-        "default. Each process reads its settings when it starts (never at import).",
+        "default. Each process reads its settings when it starts (never at import), in one",
+        "module, `app/config.py` (plus the framework entry points `celeryconfig.py`,",
+        "`gunicorn.conf.py` and `logconfig.py`); every other module receives values.",
         "`tests/deploy/test_configuration_reference.py` fails when the code reads a variable",
-        "that is not listed here.",
+        "that is not listed here, or when one listed here is no longer read.",
         "",
         "Processes: " + "; ".join(f"`{p}` ({note})" for p, note in PROCESS_NOTES.items()) + ".",
         "",

@@ -37,9 +37,10 @@ from datetime import UTC, datetime, timedelta
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from app.config import consumer_group, kafka_client_settings, topic_prefix
+
 from .inbox_faults import MessageFault, run_request_body
-from .kafka import client_settings
-from .topics import consumer_group, dead_letter_topic, dispatch_topic, topic_prefix
+from .topics import dead_letter_topic, dispatch_topic
 
 log = logging.getLogger("poimen.dlq")
 
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         since = parse_since(args.since) if args.since else None
     except ValueError as err:
         parser.error(str(err))
-    report = replay_dead_letters(client_settings(), topic_prefix(), args.tenant,
+    report = replay_dead_letters(kafka_client_settings(), topic_prefix(), args.tenant,
                                  group=consumer_group(REPLAY_GROUP), reason=args.reason,
                                  since=since, dry_run=args.dry_run, show=print)
     print(report.summary(args.dry_run))

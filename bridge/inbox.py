@@ -20,23 +20,22 @@ code is retried, and becomes a message fault on the third consecutive try on
 the same offset: a bug must not strand a partition.
 
 Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
-from the environment when it starts; see ``InboxConfig.from_env``.
+from the environment when it starts: ``app.config.inbox_settings``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from importlib import metadata
 from typing import Any
@@ -52,6 +51,7 @@ from prometheus_client import (
 )
 
 import logconfig
+from app.config import InboxSettings, inbox_settings
 
 from .client import Transport, TransportError, TransportTimeout
 from .inbox_faults import (
@@ -63,9 +63,9 @@ from .inbox_faults import (
     response_fault,
     run_request_body,
 )
-from .kafka import client_settings, describe
-from .process import configure_logging, serve
-from .topics import consumer_group, dead_letter_topic, ensure_topics, topic_prefix
+from .kafka import describe
+from .process import backoff_delay, configure_logging, serve
+from .topics import dead_letter_topic, ensure_topics
 
 log = logging.getLogger("poimen.inbox")
 
@@ -90,88 +90,6 @@ def _version() -> str:
 
 
 USER_AGENT = f"poimen-inbox/{_version()}"
-
-
-@dataclass(frozen=True)
-class InboxConfig:
-    """The relay's settings and their defaults, the only place defaults are written.
-
-    ``SETTINGS`` names the environment variable behind each field.
-    """
-
-    api_url: str
-    api_token: str
-    kafka: Mapping[str, str]
-    prefix: str = "poimen"
-    group: str = "poimen-inbox"
-    concurrency: int = 8              # parallel partitions, and so HTTP sessions (one per thread)
-    partition_window: int = 1         # calls in flight per partition; 1 is strict order
-    http_timeout: float = 15.0
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
-    max_buffered: int = 1000          # fetched, uncommitted messages per partition ...
-    buffer_bytes: int = 64 * 1024 * 1024  # ... and their bytes across all partitions
-    metadata_refresh_ms: int = 2000
-    session_timeout_ms: int = 10000
-    dlq_partitions: int = 1
-    metrics_port: int = 9101
-    lag_interval: float = 5.0
-    progress_interval: float = 30.0
-    commit_interval: float = 0.2
-    shutdown_grace: float = 25.0      # Heroku sends SIGKILL 30 s after SIGTERM
-    # Test only: a message whose value contains these bytes makes the relay's own
-    # code raise, to prove that a bug cannot strand a partition. Never set it in
-    # production; empty (the default) disables the check.
-    test_raise_on: bytes = b""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> InboxConfig:
-        """Read the relay's settings from ``env`` (default: ``os.environ``)."""
-        env = os.environ if env is None else env
-        missing = [n for n in ("POIMEN_API_URL", "POIMEN_API_TOKEN") if not env.get(n)]
-        if missing:
-            raise SystemExit(f"{' and '.join(missing)} must be set: the inbox POSTs runs to the "
-                             "API with a service token (flask --app app tokens create --service)")
-        defaults = {f.name: f.default for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for name, variable in SETTINGS.items():
-            raw = env.get(variable, "").strip()
-            if not raw:
-                continue
-            kind = type(defaults[name])
-            try:
-                values[name] = raw.encode() if kind is bytes else kind(raw)
-            except ValueError:
-                raise SystemExit(f"{variable}={raw!r} is not a valid {kind.__name__}") from None
-        if "metrics_port" not in values and env.get("PORT"):
-            values["metrics_port"] = int(env["PORT"])
-        values["group"] = consumer_group(values.get("group", defaults["group"]), env)
-        return cls(api_url=env["POIMEN_API_URL"].rstrip("/"), api_token=env["POIMEN_API_TOKEN"],
-                   kafka=client_settings(env), prefix=topic_prefix(env), **values)
-
-    @property
-    def subscription(self) -> str:
-        return rf"^{re.escape(self.prefix)}\..+\.dispatch$"
-
-
-SETTINGS = {
-    "group": "POIMEN_INBOX_GROUP",
-    "concurrency": "POIMEN_INBOX_CONCURRENCY",
-    "partition_window": "POIMEN_INBOX_PARTITION_WINDOW",
-    "http_timeout": "POIMEN_INBOX_HTTP_TIMEOUT",
-    "backoff_initial": "POIMEN_INBOX_BACKOFF_INITIAL",
-    "backoff_max": "POIMEN_INBOX_BACKOFF_MAX",
-    "max_buffered": "POIMEN_INBOX_MAX_BUFFERED",
-    "buffer_bytes": "POIMEN_INBOX_BUFFER_BYTES",
-    "metadata_refresh_ms": "POIMEN_INBOX_METADATA_REFRESH_MS",
-    "session_timeout_ms": "POIMEN_INBOX_SESSION_TIMEOUT_MS",
-    "dlq_partitions": "POIMEN_INBOX_DLQ_PARTITIONS",
-    "metrics_port": "METRICS_PORT",  # else PORT
-    "lag_interval": "POIMEN_INBOX_LAG_INTERVAL",
-    "progress_interval": "POIMEN_INBOX_PROGRESS_INTERVAL",
-    "shutdown_grace": "POIMEN_SHUTDOWN_GRACE",
-    "test_raise_on": "POIMEN_INBOX_TEST_RAISE_ON",
-}
 
 
 class InboxMetrics:
@@ -243,16 +161,6 @@ class Outcome:
     def done(self) -> bool:
         """Whether the message is finished with, so its offset may be committed."""
         return self.kind is not OutcomeKind.RETRY
-
-
-def backoff_delay(attempt: int, initial: float, cap: float) -> float:
-    """Return the wait before retry ``attempt`` (1-based): capped exponential, jittered.
-
-    Half the delay is fixed and half random, so relays that lost the API together
-    do not come back together, yet none retries much sooner than planned.
-    """
-    ceiling = min(cap, initial * 2 ** min(attempt - 1, 30))
-    return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
 def _where(msg: Message) -> str:
@@ -445,7 +353,7 @@ def dead_letter_record(*, key: bytes | None, value: bytes | None,
 class Inbox:
     """The relay: one consumer, a bounded pool of HTTP sessions, one DLQ producer."""
 
-    def __init__(self, config: InboxConfig, metrics: InboxMetrics | None = None):
+    def __init__(self, config: InboxSettings, metrics: InboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or InboxMetrics()
         self._message_size = 1024.0  # running average of message bytes (for batch sizes)
@@ -991,7 +899,7 @@ class Inbox:
 def main() -> int:
     """Run the inbox until SIGTERM or SIGINT."""
     configure_logging()
-    config = InboxConfig.from_env()
+    config = inbox_settings()
     inbox = Inbox(config)
     serve(inbox, inbox.metrics.registry, config.metrics_port)
     if inbox.abandoned:

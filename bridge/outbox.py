@@ -31,12 +31,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
-import re
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +48,13 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from lease import LeaseSettings, bound_lock_session, lock_connect_kwargs, probe_lock
+from app.config import LeaseSettings, OutboxSettings, outbox_settings
+from lease import bound_lock_session, lock_connect_kwargs, probe_lock
+from lease import problems as lease_problems
 
-from .kafka import client_settings, describe
-from .process import configure_logging, serve
-from .topics import DEFAULT_PARTITIONS, ensure_topics, events_topic, topic_prefix
+from .kafka import describe
+from .process import backoff_delay, configure_logging, serve
+from .topics import ensure_topics, events_topic
 
 log = logging.getLogger("poimen.outbox")
 
@@ -65,7 +64,6 @@ OUTBOX_LOCK_NAMESPACE = 0x504F4F42
 OUTBOX_LOCK_KEY = 1
 LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
-DEFAULT_RETENTION = 7 * 86400.0
 
 # The event, built by Postgres: row_to_json keeps the documented key order
 # (docs/guide/events.schema.json) and is compact; the relay passes the text through.
@@ -131,96 +129,6 @@ DELETE FROM outbox WHERE id IN (
      LIMIT %s
        FOR UPDATE SKIP LOCKED)
 """
-
-
-def libpq_url(raw: str) -> str:
-    """Return a URL libpq accepts from a Postgres, Heroku (``postgres://``) or SQLAlchemy URL."""
-    for prefix in ("postgres://", "postgresql+psycopg://", "postgresql+psycopg2://"):
-        if raw.startswith(prefix):
-            return "postgresql://" + raw[len(prefix):]
-    return raw
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_retention(value: str | None) -> float | None:
-    """Return ``POIMEN_OUTBOX_RETENTION`` in seconds, or ``None`` to keep published rows.
-
-    A plain number is seconds; ``s``, ``m``, ``h`` and ``d`` suffixes name the unit
-    (``7d``, ``36h``). ``0``, ``never`` and ``off`` disable pruning.
-    """
-    if value is None or not value.strip():
-        return DEFAULT_RETENTION
-    if value.strip().lower() in ("never", "off", "none"):
-        return None
-    match = _DURATION.match(value)
-    if match is None:
-        raise SystemExit(f"POIMEN_OUTBOX_RETENTION={value!r}: use seconds or e.g. 7d, 36h, never")
-    seconds = float(match.group(1)) * _UNIT[match.group(2).lower()]
-    return seconds or None
-
-
-def backoff_delay(attempt: int, initial: float, cap: float) -> float:
-    """Return the wait before retry ``attempt`` (1-based): capped exponential, half jittered."""
-    ceiling = min(cap, initial * 2 ** min(attempt - 1, 30))
-    return ceiling / 2 + random.uniform(0, ceiling / 2)
-
-
-@dataclass(frozen=True)
-class OutboxConfig:
-    """The relay's settings; ``from_env`` documents the variable behind each."""
-
-    database_url: str
-    lock_database_url: str
-    kafka: Mapping[str, str]
-    prefix: str = "poimen"
-    batch_size: int = 1000
-    poll_interval: float = 0.2
-    standby_interval: float = 1.0
-    lock_check_interval: float = 1.0
-    topic_partitions: int = DEFAULT_PARTITIONS
-    retention: float | None = DEFAULT_RETENTION
-    prune_interval: float = 60.0
-    prune_batch: int = 1000
-    lag_interval: float = 5.0
-    shutdown_grace: float = 25.0
-    backoff_max: float = 10.0
-    metrics_port: int = 9102
-    progress_interval: float = 30.0
-    lease: LeaseSettings = field(default_factory=LeaseSettings)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxConfig:
-        """Read the relay's settings from ``env`` (default: ``os.environ``)."""
-        env = os.environ if env is None else env
-        if not env.get("DATABASE_URL"):
-            raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
-        database_url = libpq_url(env["DATABASE_URL"])
-        return cls(
-            database_url=database_url,
-            # Session advisory locks need a direct connection: a transaction-mode
-            # pooler would hand the lock's session to someone else.
-            lock_database_url=libpq_url(env.get("POIMEN_LOCK_DATABASE_URL") or database_url),
-            kafka=client_settings(env),
-            prefix=topic_prefix(env),
-            batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", "1000")),
-            poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", "0.2")),
-            standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL", "1")),
-            lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL", "1")),
-            topic_partitions=int(env.get("POIMEN_OUTBOX_TOPIC_PARTITIONS",
-                                         str(DEFAULT_PARTITIONS))),
-            retention=parse_retention(env.get("POIMEN_OUTBOX_RETENTION")),
-            prune_interval=float(env.get("POIMEN_OUTBOX_PRUNE_INTERVAL", "60")),
-            prune_batch=int(env.get("POIMEN_OUTBOX_PRUNE_BATCH", "1000")),
-            lag_interval=float(env.get("POIMEN_OUTBOX_LAG_INTERVAL", "5")),
-            shutdown_grace=float(env.get("POIMEN_SHUTDOWN_GRACE", "25")),
-            backoff_max=float(env.get("POIMEN_OUTBOX_BACKOFF_MAX", "10")),
-            metrics_port=int(env.get("METRICS_PORT") or env.get("PORT") or "9102"),
-            progress_interval=float(env.get("POIMEN_OUTBOX_PROGRESS_INTERVAL", "30")),
-            lease=LeaseSettings.from_env(env),
-        )
 
 
 class OutboxMetrics:
@@ -371,7 +279,7 @@ class Deliveries:
 class OutboxRelay:
     """Ship outbox rows to Kafka while holding the outbox lock; stand by otherwise."""
 
-    def __init__(self, config: OutboxConfig, metrics: OutboxMetrics | None = None):
+    def __init__(self, config: OutboxSettings, metrics: OutboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or OutboxMetrics()
         self.lock = RelayLock(config.lock_database_url, f"{LOCK_APPLICATION}/{os.getpid()}",
@@ -722,8 +630,8 @@ class OutboxRelay:
 def main() -> int:
     """Run the outbox relay until SIGTERM or SIGINT."""
     configure_logging()
-    config = OutboxConfig.from_env()
-    problems = config.lease.problems()
+    config = outbox_settings()
+    problems = lease_problems(config.lease)
     if problems:
         log.critical("poimen outbox refuses to start: %s", "; ".join(problems))
         raise SystemExit(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import random
 import signal
 import threading
 from collections.abc import Callable
@@ -81,3 +82,13 @@ def serve(relay: Relay, registry: CollectorRegistry, metrics_port: int | None) -
     signal.signal(signal.SIGTERM, relay.stop)
     signal.signal(signal.SIGINT, relay.stop)
     relay.run()
+
+
+def backoff_delay(attempt: int, initial: float, cap: float) -> float:
+    """Return the wait before retry ``attempt`` (1-based): capped exponential, jittered.
+
+    Half the delay is fixed and half random, so relays that lost a dependency
+    together do not come back together, yet none retries much sooner than planned.
+    """
+    ceiling = min(cap, initial * 2 ** min(attempt - 1, 30))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)

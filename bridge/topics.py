@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -18,30 +17,16 @@ from collections.abc import Iterable, Mapping
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from .kafka import client_settings
+# The prefix (POIMEN_TOPIC_PREFIX after Heroku's KAFKA_PREFIX) and the client
+# settings are read by app.config; the names below are built from what it read.
+from app.config import (
+    DEFAULT_TOPIC_PARTITIONS,
+    kafka_client_settings,
+    topic_prefix,
+    topic_replication,
+)
 
-DEFAULT_PREFIX = "poimen"
-DEFAULT_PARTITIONS = 4
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-
-
-def topic_prefix(env: Mapping[str, str] | None = None) -> str:
-    """Return the topic prefix: ``POIMEN_TOPIC_PREFIX`` (``poimen``) after Heroku's ``KAFKA_PREFIX``.
-
-    On Heroku's multi-tenant Kafka plans every topic name must start with
-    ``KAFKA_PREFIX`` (e.g. ``acme-42.``), so ``poimen.<tenant>.dispatch`` becomes
-    ``acme-42.poimen.<tenant>.dispatch``.
-    """
-    env = os.environ if env is None else env
-    return (env.get("KAFKA_PREFIX", "").strip()
-            + (env.get("POIMEN_TOPIC_PREFIX", "").strip() or DEFAULT_PREFIX))
-
-
-def consumer_group(name: str, env: Mapping[str, str] | None = None) -> str:
-    """Return the consumer group ``name`` with Heroku's ``KAFKA_PREFIX`` in front (if set)."""
-    env = os.environ if env is None else env
-    prefix = env.get("KAFKA_PREFIX", "").strip()
-    return name if not prefix or name.startswith(prefix) else prefix + name
 
 
 def dispatch_topic(prefix: str, tenant: str) -> str:
@@ -89,10 +74,12 @@ def ensure_topics(admin: AdminClient, names: Iterable[str], partitions: int,
 
 
 def declare_topics(bootstrap: str, prefix: str, tenants: Iterable[str], partitions: int,
-                   settings: Mapping[str, str] | None = None) -> list[str]:
+                   settings: Mapping[str, str] | None = None,
+                   replication_factor: int = -1) -> list[str]:
     """Create the dispatch, dead-letter and events topics of each tenant; return those created.
 
-    ``settings`` are extra librdkafka settings (security, SASL) for the admin client.
+    ``settings`` are extra librdkafka settings (security, SASL) for the admin client;
+    ``replication_factor`` is ``POIMEN_TOPIC_REPLICATION`` (-1: the broker's default).
     """
     tenants = list(tenants)
     for tenant in tenants:
@@ -100,8 +87,7 @@ def declare_topics(bootstrap: str, prefix: str, tenants: Iterable[str], partitio
             raise ValueError(f"{tenant!r} is not a tenant name (a-z, 0-9, '_', '-')")
     admin = AdminClient({**(settings or {}), "bootstrap.servers": bootstrap})
     names = [topic for tenant in tenants for topic in tenant_topics(prefix, tenant)]
-    return ensure_topics(admin, names, partitions,
-                         replication_factor=int(os.environ.get("POIMEN_TOPIC_REPLICATION", "-1")))
+    return ensure_topics(admin, names, partitions, replication_factor=replication_factor)
 
 
 def publish_dispatch(settings: Mapping[str, str], prefix: str, tenant: str,
@@ -124,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     declare = sub.add_parser("declare", help="create a tenant's topics (idempotent)")
     declare.add_argument("--tenant", action="append", required=True, dest="tenants",
                          help="tenant name; repeat for several")
-    declare.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS)
+    declare.add_argument("--partitions", type=int, default=DEFAULT_TOPIC_PARTITIONS)
     publish = sub.add_parser("publish", help="publish one dispatch message (a console producer)")
     publish.add_argument("--tenant", required=True)
     publish.add_argument("--workflow-ref", required=True)
@@ -134,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     publish.add_argument("--key", help="message key (default: <tenant>:<dispatch key>)")
     args = parser.parse_args(argv)
 
-    settings = client_settings()
+    settings = kafka_client_settings()
     prefix = topic_prefix()
     if args.command == "declare":
         created = declare_topics(settings["bootstrap.servers"], prefix, args.tenants,
-                                 args.partitions, settings)
+                                 args.partitions, settings, topic_replication())
         for tenant in args.tenants:
             for topic in tenant_topics(prefix, tenant):
                 print(f"{topic}\t{'created' if topic in created else 'exists'}")

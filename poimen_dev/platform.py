@@ -84,11 +84,17 @@ def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
         # The inbox only admits runs: its token can do nothing else.
         service_token = _ensure_token(d / "service-token", None, True, "make run inbox",
                                       scope=ADMIT)
-    from bridge.kafka import client_settings
-    from bridge.topics import declare_topics, topic_prefix
+    from app.config import (
+        DEFAULT_TOPIC_PARTITIONS,
+        kafka_client_settings,
+        topic_prefix,
+        topic_replication,
+    )
+    from bridge.topics import declare_topics
 
-    settings = client_settings(env)
-    declare_topics(settings["bootstrap.servers"], topic_prefix(env), [DEV_TENANT], 4, settings)
+    settings = kafka_client_settings(env)
+    declare_topics(settings["bootstrap.servers"], topic_prefix(env), [DEV_TENANT],
+                   DEFAULT_TOPIC_PARTITIONS, settings, topic_replication(env))
     return tenant_token, service_token
 
 

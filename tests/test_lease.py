@@ -20,7 +20,9 @@ import uuid
 import psycopg
 import pytest
 
-from lease import KILL_SECONDS, LeaseOrderingError, LeaseSettings, probe_lock
+from app.config import lease_settings
+from lease import KILL_SECONDS, LeaseOrderingError, LeaseSettings, check_ordering, probe_lock
+from lease import problems as lease_problems
 from tests.conftest import libpq_url
 from tests.processes import ROOT, start_beat, start_worker, wait_until
 from tests.proxy import StallingProxy
@@ -48,7 +50,7 @@ def lock_holders(pg, key: int, namespace: int) -> list[int]:
 
 def test_the_default_lease_keeps_its_ordering():
     settings = LeaseSettings()
-    assert settings.problems() == []
+    assert lease_problems(settings) == []
     assert settings.client_seconds + KILL_SECONDS < settings.server_seconds \
         + settings.takeover_delay
     # No stranded run: the server lets go within T_s, beat's repair notices on its next tick
@@ -63,9 +65,9 @@ def test_the_default_lease_keeps_its_ordering():
     ({"POIMEN_BOOT_PROBE_INTERVAL": "5"}, "POIMEN_BOOT_PROBE_INTERVAL (5)"),
 ])
 def test_settings_that_break_the_ordering_are_refused_naming_them(env, named):
-    settings = LeaseSettings.from_env(env)
+    settings = lease_settings(env)
     with pytest.raises(LeaseOrderingError) as err:
-        settings.check()
+        check_ordering(settings)
     assert named in str(err.value)
 
 

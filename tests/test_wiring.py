@@ -116,22 +116,103 @@ def test_importing_the_packages_reads_no_settings():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_bridge_imports_nothing_from_app_or_workers():
+# bridge/ is a client of the API, never an in-process caller: of app/ it may import
+# only its settings (app.config, standard library only), and nothing of workers/.
+BRIDGE_MAY_IMPORT_FROM_APP = {"app", "app.config"}
+
+
+def test_bridge_imports_nothing_from_app_or_workers_but_its_settings():
     modules = [p.stem for p in (ROOT / "bridge").glob("*.py") if p.stem != "__init__"]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module('bridge.' + m)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers'))\n"
+        f"allowed = {sorted(BRIDGE_MAY_IMPORT_FROM_APP)!r}\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')\n"
+        "             and m not in allowed)\n"
         "assert not bad, bad\n"
+        # The settings cost the relays nothing: no web or task framework comes with them.
+        "heavy = sorted(m for m in ('flask', 'celery', 'sqlalchemy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for path in Path(ROOT / "bridge").rglob("*.py"):
-        for line in path.read_text().splitlines():
-            stripped = line.strip()
-            assert not stripped.startswith(("from app", "import app", "from workers",
-                                            "import workers")), f"{path}: {line}"
+    for path in sorted((ROOT / "bridge").rglob("*.py")):
+        bad = sorted(m for m in _imported_modules(path)
+                     if m.split(".")[0] in ("app", "workers")
+                     and m not in BRIDGE_MAY_IMPORT_FROM_APP
+                     and not m.startswith("app.config."))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+# -- one home for settings ---------------------------------------------------------------------
+
+# The one module that reads the environment, and the framework entry points that
+# Celery, gunicorn and the relays' logging load before any factory runs.
+SETTINGS_READER = "app/config.py"
+ENTRY_POINTS = {"celeryconfig.py", "gunicorn.conf.py", "logconfig.py"}
+
+
+def environment_reads(path: Path) -> list[str]:
+    """``line: code`` of every read of the process environment in ``path``.
+
+    A read is any use of ``os.environ`` (or ``environ`` imported from os) other
+    than assigning one of its items, which configures a library
+    (``PROMETHEUS_MULTIPROC_DIR``), and any call of ``os.getenv``/``getenv``. A
+    WSGI app's ``environ`` parameter is not the process's.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    from_os = {alias.asname or alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module == "os"
+               for alias in node.names}
+    os_names = {alias.asname or alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names if alias.name == "os"}
+    writes = {id(node.value) for node in ast.walk(tree)
+              if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)}
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(tree):
+        is_os_attr = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                      and node.value.id in os_names)
+        if ((is_os_attr and node.attr in ("environ", "environb") and id(node) not in writes)
+                or (is_os_attr and node.attr == "getenv")
+                or (isinstance(node, ast.Name) and node.id in from_os & {"environ", "getenv"}
+                    and id(node) not in writes and not isinstance(node.ctx, ast.Store))):
+            found.append((node.lineno, lines[node.lineno - 1].strip()))
+    return [f"{line}: {code}" for line, code in sorted(set(found))]
+
+
+def test_only_app_config_reads_the_environment():
+    modules = [p for pkg in ("app", "workers", "bridge") for p in sorted((ROOT / pkg).rglob("*.py"))]
+    modules.append(ROOT / "lease.py")
+    readers = {}
+    for path in modules:
+        where = str(path.relative_to(ROOT))
+        if where != SETTINGS_READER and environment_reads(path):
+            readers[where] = environment_reads(path)
+    assert not readers, ("read the environment outside app/config.py (take the value from "
+                         f"app.config instead): {readers}")
+    # The scan sees what it must: the reader reads, and so do the entry points.
+    assert environment_reads(ROOT / SETTINGS_READER)
+    for name in ENTRY_POINTS:
+        assert environment_reads(ROOT / name), name
+
+
+def test_the_environment_scan_tells_reads_from_writes(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import os\nfrom os import environ, getenv\n"
+        "os.environ['A'] = 'x'\n"               # line 3, a write: allowed
+        "a = os.environ.get('B')\n"             # lines 4 to 9: reads
+        "b = os.environ['C']\n"
+        "c = 'D' in os.environ\n"
+        "d = os.getenv('E')\n"
+        "e = environ.get('F')\n"
+        "f = getenv('G')\n")
+    assert [int(r.split(":")[0]) for r in environment_reads(sample)] == [4, 5, 6, 7, 8, 9]
+    wsgi = tmp_path / "wsgi.py"
+    wsgi.write_text("def app(environ, start_response):\n    return environ.get('PATH_INFO')\n")
+    assert environment_reads(wsgi) == []
 
 
 def test_openapi_document_describes_every_route(app):

@@ -39,8 +39,16 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from app.config import lease_settings as read_lease_settings
 from app.liveness import LOCK_NAMESPACE
-from lease import KillFence, LeaseSettings, bound_lock_session, lock_connect_kwargs, probe_lock
+from lease import (
+    KillFence,
+    LeaseSettings,
+    bound_lock_session,
+    check_ordering,
+    lock_connect_kwargs,
+    probe_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +84,7 @@ class PooledLockConnection(RuntimeError):
 
 def lease_settings() -> LeaseSettings:
     """The lease's numbers, read from the environment when a boot registers."""
-    return LeaseSettings.from_env()
+    return read_lease_settings()
 
 
 def probe_interval() -> float:
@@ -222,7 +230,7 @@ def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
 def check_lease_settings() -> LeaseSettings:
     """Refuse lease settings that break the ordering (``lease.LeaseOrderingError``)."""
     settings = lease_settings()
-    settings.check()
+    check_ordering(settings)
     return settings
 
 

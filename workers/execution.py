@@ -117,7 +117,7 @@ def boot_dsn() -> str:
     ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
     goes through a pooler), else the app's database.
     """
-    return libpq_url(os.environ.get("POIMEN_LOCK_DATABASE_URL")
+    return libpq_url(current_app.config.get("POIMEN_LOCK_DATABASE_URL")
                      or current_app.config["SQLALCHEMY_DATABASE_URI"])
 
 
@@ -234,7 +234,7 @@ def commit_fenced(run_id: uuid.UUID,
     stale. ``retrying`` tells ``write`` that an earlier try's commit may have
     applied with its reply lost, so it can recognise its own write.
     """
-    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    deadline = time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
     retrying = False
     delay = 0.2
     while True:
@@ -286,7 +286,7 @@ def _await_new_boot(run_id: uuid.UUID, dead: uuid.UUID) -> uuid.UUID:
     The boot watchdog notices the loss and adopts the run (``_adopt_runs``), or
     the process exits because another worker took the run over; wait for that.
     """
-    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    deadline = time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
     while True:
         try:
             current = current_boot(boot_dsn)
@@ -469,7 +469,7 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
     runs = boots.runs_held_by(lost.boot_id)
     if not runs:
         return
-    deadline = time.monotonic() + float(os.environ.get("POIMEN_RECORD_RETRY_SECONDS", "60"))
+    deadline = time.monotonic() + flask_app.config["POIMEN_RECORD_RETRY_SECONDS"]
     with flask_app.app_context():
         while True:
             try:

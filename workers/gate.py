@@ -26,6 +26,7 @@ import time
 import psycopg
 from celery import bootsteps
 
+from app.config import lease_settings
 from lease import LeaseSettings, lock_connect_kwargs, probe_lock
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class DatabaseGate(bootsteps.StartStopStep):
 
         with c.app.flask_app.app_context():
             dsn = boot_dsn()
-        settings = LeaseSettings.from_env()
+        settings = lease_settings()
         self._stop.clear()
         threading.Thread(target=self._check, args=(dsn, settings), name="poimen-db-gate",
                          daemon=True).start()

@@ -27,11 +27,6 @@ log = logging.getLogger(__name__)
 _private_dir: str | None = None
 
 
-def metrics_port() -> int | None:
-    port = os.environ.get("METRICS_PORT") or os.environ.get("PORT")
-    return int(port) if port and port != "0" else None
-
-
 def queue_depths(celery_app) -> dict[str, int]:
     """Messages waiting in the Celery queue, on Redis or RabbitMQ.
 
@@ -70,6 +65,8 @@ def _count_in_shared_files() -> str:
     from prometheus_client import values
 
     _private_dir = tempfile.mkdtemp(prefix="poimen-metrics-worker-")
+    # A write, for prometheus_client (and app.metrics, which reads it through
+    # app.config.prometheus_multiproc_dir at scrape time).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _private_dir
     values.ValueClass = values.MultiProcessValue()
     return _private_dir
@@ -93,7 +90,7 @@ def serve_metrics(flask_app, celery_app) -> None:
 
     from app.metrics import multiprocess_registry
 
-    port = metrics_port()
+    port = flask_app.config["METRICS_PORT"]  # app.config.metrics_port
     if port is None:
         return
     path = _count_in_shared_files()
@@ -113,7 +110,7 @@ def serve_global_metrics(flask_app, celery_app) -> None:
 
     from app.metrics import GlobalGauges
 
-    port = metrics_port()
+    port = flask_app.config["METRICS_PORT"]  # app.config.metrics_port
     if port is None:
         return
     registry = CollectorRegistry()

@@ -36,16 +36,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+
+from app.config import DEFAULT_SHUTDOWN_GRACE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRACE = 25.0  # seconds; Heroku sends SIGKILL 30 s after SIGTERM
 # Exit status of a pool process that gave up its run at the deadline (EX_TEMPFAIL).
 EXIT_ABANDONED = 75
 
 _received_at: float | None = None  # time.monotonic() of this process's first SIGTERM
-_grace = DEFAULT_GRACE
+_grace = DEFAULT_SHUTDOWN_GRACE
 _in_pool_process = False
 _executing = False
 _lock = threading.Lock()
@@ -54,12 +54,6 @@ _lock = threading.Lock()
 def shutting_down() -> bool:
     """Whether this process got SIGTERM: finish soon, or checkpoint and stop."""
     return _received_at is not None
-
-
-def grace_seconds(env: Mapping[str, str] | None = None) -> float:
-    """``POIMEN_SHUTDOWN_GRACE``: how long in-flight runs may take after SIGTERM."""
-    env = os.environ if env is None else env
-    return float(env.get("POIMEN_SHUTDOWN_GRACE", DEFAULT_GRACE))
 
 
 def seconds_left() -> float | None:
@@ -77,11 +71,11 @@ def mark_received() -> None:
             _received_at = time.monotonic()
 
 
-def init_pool_process(grace: float | None = None) -> None:
-    """In a fresh pool process: remember the grace (``worker_process_init``)."""
+def init_pool_process(grace: float) -> None:
+    """In a fresh pool process: remember the grace, ``POIMEN_SHUTDOWN_GRACE`` (``worker_process_init``)."""
     global _in_pool_process, _grace
     _in_pool_process = True
-    _grace = grace_seconds() if grace is None else grace
+    _grace = grace
 
 
 def task_starting() -> None:

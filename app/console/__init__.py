@@ -11,8 +11,6 @@ re-drive call the same functions as the API (``app/runs.py``,
 
 from __future__ import annotations
 
-import os
-
 from flask import Flask, Request
 from flask.sessions import SecureCookieSessionInterface
 
@@ -43,11 +41,10 @@ class ConsoleSessionInterface(SecureCookieSessionInterface):
 
 
 def init_console(app: Flask) -> None:
-    """Register the console on ``app``; read its secret from the environment now."""
+    """Register the console on ``app``; its secret is the config's ``POIMEN_CONSOLE_SECRET``."""
     from . import views
 
-    secret = app.config.get("POIMEN_CONSOLE_SECRET") or os.environ.get(
-        "POIMEN_CONSOLE_SECRET", "")
+    secret = app.config.get("POIMEN_CONSOLE_SECRET") or ""
     app.config["POIMEN_CONSOLE_ENABLED"] = len(secret) >= MIN_SECRET_LEN
     if app.config["POIMEN_CONSOLE_ENABLED"]:
         app.config["SECRET_KEY"] = secret
@@ -64,12 +61,11 @@ def init_console(app: Flask) -> None:
 
 def _kafka_settings() -> dict | None:
     """The inbox page's Kafka client settings, topic prefix and group; None without Kafka."""
+    from app.config import consumer_group, kafka_client_settings, topic_prefix
     from bridge.dlq import REPLAY_GROUP
-    from bridge.kafka import client_settings
-    from bridge.topics import consumer_group, topic_prefix
 
     try:
-        settings = client_settings()
+        settings = kafka_client_settings()
     except SystemExit:  # no KAFKA_BOOTSTRAP_SERVERS nor KAFKA_URL: the page says so
         return None
     return {"settings": settings, "prefix": topic_prefix(), "group": consumer_group(REPLAY_GROUP)}

@@ -67,7 +67,8 @@ def test_an_exception_message_with_the_input_is_not_logged(client, tx_tenant, mo
 
 def test_kafka_settings_printed_at_start_hide_credentials():
     """The inbox and outbox log their Kafka settings through ``describe`` when they start."""
-    from bridge.kafka import client_settings, describe
+    from app.config import kafka_client_settings
+    from bridge.kafka import describe
 
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": "broker-1:9096",
@@ -80,7 +81,7 @@ def test_kafka_settings_printed_at_start_hide_credentials():
         "KAFKA_SSL_KEY_PEM": SECRET + "-pem",
         "KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET": SECRET + "-oauth",
     }
-    line = describe(client_settings(env))
+    line = describe(kafka_client_settings(env))
     assert SECRET not in line, line
     for name in ("sasl.password", "ssl.key.password", "ssl.keystore.password", "ssl.key.pem",
                  "sasl.oauthbearer.client.secret"):

@@ -22,7 +22,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic, topic_prefix
+from app.config import topic_prefix
+from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
 from tests.processes import ROOT, metric, start_inbox, start_web, wait_until
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import pytest
 
-from bridge.inbox import SETTINGS, InboxConfig, dead_letter_record, traceback_summary
+from app.config import INBOX_VARIABLES, InboxSettings, inbox_settings
+from bridge.inbox import dead_letter_record, traceback_summary
 from bridge.inbox_faults import (
     FaultKind,
     MessageFault,
@@ -207,24 +208,24 @@ def test_a_traceback_summary_names_the_innermost_frame():
 
 
 def test_every_setting_has_one_default_and_is_documented():
-    config = InboxConfig.from_env({"POIMEN_API_URL": "http://api/", "POIMEN_API_TOKEN": "t",
+    config = inbox_settings({"POIMEN_API_URL": "http://api/", "POIMEN_API_TOKEN": "t",
                                    "KAFKA_BOOTSTRAP_SERVERS": "k:9092"})
-    defaults = {f.name: f.default for f in fields(InboxConfig)}
-    for name in SETTINGS:
+    defaults = {f.name: f.default for f in fields(InboxSettings)}
+    for name in INBOX_VARIABLES:
         assert getattr(config, name) == defaults[name], name
     assert config.api_url == "http://api" and config.shutdown_grace == 25
     docs = (ROOT / "docs" / "operations" / "configuration.md").read_text()  # the one settings table
-    for variable in SETTINGS.values():
+    for variable in INBOX_VARIABLES.values():
         assert re.search(rf"`{variable}`", docs), f"{variable} is not in docs/operations/configuration.md"
 
 
 def test_settings_are_read_from_the_environment():
-    config = InboxConfig.from_env({
+    config = inbox_settings({
         "POIMEN_API_URL": "http://api", "POIMEN_API_TOKEN": "t", "KAFKA_BOOTSTRAP_SERVERS": "k",
         "POIMEN_INBOX_CONCURRENCY": "3", "POIMEN_INBOX_HTTP_TIMEOUT": "2.5",
         "POIMEN_SHUTDOWN_GRACE": "10", "PORT": "5000"})
     assert (config.concurrency, config.http_timeout, config.shutdown_grace,
             config.metrics_port) == (3, 2.5, 10.0, 5000)
     with pytest.raises(SystemExit, match="POIMEN_INBOX_CONCURRENCY"):
-        InboxConfig.from_env({"POIMEN_API_URL": "a", "POIMEN_API_TOKEN": "t",
+        inbox_settings({"POIMEN_API_URL": "a", "POIMEN_API_TOKEN": "t",
                               "KAFKA_BOOTSTRAP_SERVERS": "k", "POIMEN_INBOX_CONCURRENCY": "x"})

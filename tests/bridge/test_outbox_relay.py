@@ -27,7 +27,8 @@ import pytest
 import requests
 from confluent_kafka import Consumer, TopicPartition
 
-from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE, libpq_url, parse_retention
+from app.config import libpq_url, parse_retention
+from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE
 from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
@@ -636,12 +637,12 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
 # -- Verify 6: the bridge stands alone -----------------------------------------------------------
 
 
-def test_the_bridge_imports_nothing_from_app_or_workers():
+def test_the_bridge_imports_nothing_from_app_or_workers_but_its_settings():
     code = ("import sys, bridge.outbox, bridge.inbox, bridge.topics, bridge.kafka; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=60)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "['app', 'app.config']"
 
 
 # -- shutdown, retention -------------------------------------------------------------------------

@@ -24,16 +24,18 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from app.config import load_config, redis_ssl_options
-from bridge.dlq import REPLAY_GROUP
-from bridge.kafka import client_settings, describe
-from bridge.topics import (
+from app.config import (
     consumer_group,
-    dead_letter_topic,
-    dispatch_topic,
-    events_topic,
+    inbox_settings,
+    kafka_client_settings,
+    load_config,
+    outbox_settings,
+    redis_ssl_options,
     topic_prefix,
 )
+from bridge.dlq import REPLAY_GROUP
+from bridge.kafka import describe
+from bridge.topics import dead_letter_topic, dispatch_topic, events_topic
 from tests.processes import Process, free_port, wait_until
 
 
@@ -163,7 +165,7 @@ def test_heroku_kafka_variables_become_librdkafka_settings(heroku_kafka_env):
     from confluent_kafka import Consumer, Producer
 
     env = heroku_kafka_env
-    settings = client_settings(env)
+    settings = kafka_client_settings(env)
     assert settings == {
         "bootstrap.servers": "ec2-3-1-2-3.compute-1.amazonaws.com:9096,"
                              "ec2-3-1-2-4.compute-1.amazonaws.com:9096",
@@ -181,23 +183,20 @@ def test_heroku_kafka_variables_become_librdkafka_settings(heroku_kafka_env):
     assert "BEGIN" not in line and "ssl.key.pem=***" in line and "ssl.ca.pem=***" in line
 
     # An explicit setting wins over a translated one; KAFKA_BOOTSTRAP_SERVERS over KAFKA_URL.
-    explicit = client_settings({**env, "KAFKA_BOOTSTRAP_SERVERS": "b:9092",
+    explicit = kafka_client_settings({**env, "KAFKA_BOOTSTRAP_SERVERS": "b:9092",
                                 "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
                                 "KAFKA_SSL_ENDPOINT_IDENTIFICATION_ALGORITHM": "https"})
     assert explicit["bootstrap.servers"] == "b:9092"
     assert explicit["security.protocol"] == "SASL_SSL"
     assert explicit["ssl.endpoint.identification.algorithm"] == "https"
     # A plaintext kafka:// URL (a private space's internal listener) sets no protocol.
-    assert client_settings({"KAFKA_URL": "kafka://10.0.0.1:9092"}) == {
+    assert kafka_client_settings({"KAFKA_URL": "kafka://10.0.0.1:9092"}) == {
         "bootstrap.servers": "10.0.0.1:9092"}
     with pytest.raises(SystemExit, match="KAFKA_URL"):
-        client_settings({})
+        kafka_client_settings({})
 
 
 def test_kafka_prefix_is_applied_to_topics_and_groups(heroku_kafka_env):
-    from bridge.inbox import InboxConfig
-    from bridge.outbox import OutboxConfig
-
     env = {**heroku_kafka_env, "POIMEN_API_URL": "http://web", "POIMEN_API_TOKEN": "pmn_x",
            "DATABASE_URL": "postgres://u@h/d"}
     prefix = topic_prefix(env)
@@ -208,7 +207,7 @@ def test_kafka_prefix_is_applied_to_topics_and_groups(heroku_kafka_env):
     assert topic_prefix({**env, "POIMEN_TOPIC_PREFIX": "runs"}) == "acme.runs"
     assert topic_prefix({}) == "poimen"
 
-    inbox = InboxConfig.from_env(env)
+    inbox = inbox_settings(env)
     assert inbox.prefix == "acme.poimen" and inbox.group == "acme.poimen-inbox"
     assert inbox.kafka["security.protocol"] == "SSL"
     import re
@@ -217,10 +216,10 @@ def test_kafka_prefix_is_applied_to_topics_and_groups(heroku_kafka_env):
     assert subscription.match("acme.poimen.t1.dispatch")
     assert not subscription.match("poimen.t1.dispatch")
     assert not subscription.match("acme.poimen.t1.dispatch.dlq")
-    assert InboxConfig.from_env({**env, "POIMEN_INBOX_GROUP": "blue"}).group == "acme.blue"
+    assert inbox_settings({**env, "POIMEN_INBOX_GROUP": "blue"}).group == "acme.blue"
     # Already prefixed (as Heroku's docs write group names): not prefixed twice.
-    assert InboxConfig.from_env({**env, "POIMEN_INBOX_GROUP": "acme.blue"}).group == "acme.blue"
-    assert InboxConfig.from_env({k: v for k, v in env.items() if k != "KAFKA_PREFIX"}
+    assert inbox_settings({**env, "POIMEN_INBOX_GROUP": "acme.blue"}).group == "acme.blue"
+    assert inbox_settings({k: v for k, v in env.items() if k != "KAFKA_PREFIX"}
                                 ).group == "poimen-inbox"
-    assert OutboxConfig.from_env(env).prefix == "acme.poimen"
+    assert outbox_settings(env).prefix == "acme.poimen"
     assert consumer_group(REPLAY_GROUP, env) == "acme.poimen-dlq-replay"

@@ -243,8 +243,8 @@ MUTANTS: list[Mutant] = [
         "lease_ordering_unchecked",
         "settings with T_c + kill + margin > T_s + takeover delay are refused at start",
         "lease.py",
-        "        if lhs > rhs:\n",
-        "        if False:\n",
+        "    if lhs > rhs:\n",
+        "    if False:\n",
         ("tests/test_lease.py::test_a_process_refuses_to_start_with_settings_that_break_the_ordering",),
     ),
     Mutant(
