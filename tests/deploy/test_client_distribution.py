@@ -63,8 +63,9 @@ def test_the_client_imports_nothing_but_the_standard_library_and_urllib3():
 
 
 def test_bridge_client_is_the_same_client():
-    import bridge.client
     import poimen_client
+
+    import bridge.client
 
     for name in poimen_client.__all__:
         assert getattr(bridge.client, name) is getattr(poimen_client, name), name
