@@ -42,6 +42,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from poimen_client import Transport, TransportError, TransportTimeout
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -53,7 +54,6 @@ from prometheus_client import (
 import logconfig
 from app.config import InboxSettings, inbox_settings
 
-from .client import Transport, TransportError, TransportTimeout
 from .inbox_faults import (
     DETAIL_CHARS,
     TENANT_NOT_FOUND,
