@@ -13,11 +13,14 @@ WORKDIR /app
 
 # The pinned dependencies first (a layer that survives code changes), then the project.
 COPY requirements.txt ./
-RUN grep -v '^\.$' requirements.txt > /tmp/pins.txt \
+RUN grep -v -e '^\.' requirements.txt > /tmp/pins.txt \
  && pip install -r /tmp/pins.txt \
  && rm /tmp/pins.txt
 COPY . .
-RUN pip install --no-deps . \
+# The client, then the server: the image is Poimen's alone, so its wheel is wanted here
+# (deploy/build_backend.py refuses it without the setting).
+RUN pip install --no-deps ./clients/python \
+ && pip install --no-deps --config-settings poimen-environment=dedicated . \
  && useradd --system --uid 10001 --home-dir /app poimen
 
 USER poimen

@@ -9,11 +9,14 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# Editable, from this checkout: the client (clients/python, which the server depends
+# on) and the server, whose wheel is refused outside a dedicated environment
+# (deploy/build_backend.py); an editable install puts none of its packages into site-packages.
+$(VENV)/.installed: setup.cfg pyproject.toml clients/python/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "installing poimen and its dev dependencies into $(VENV) ..."
+	@echo "installing poimen, its client and its dev dependencies into $(VENV) ..."
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ./clients/python -e '.[dev]'
 	@touch $@
 
 # Embedded Postgres/Redis/Kafka for whichever of DATABASE_URL, REDIS_URL,
@@ -45,7 +48,7 @@ bench: services
 lint: install
 	$(BIN)/ruff check .
 
-# docs/configuration.md, generated from app/settings_reference.py (the one list of variables).
+# docs/operations/configuration.md, generated from app/settings_reference.py (the one list of variables).
 docs: install
 	$(BIN)/python -m app.settings_reference
 

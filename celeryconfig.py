@@ -16,7 +16,7 @@ AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
 # RabbitMQ closes the channel of a consumer that holds a message unacknowledged longer
 # than its consumer_timeout (30 min by default); with acks_late that is every run longer
 # than that. Poimen's liveness is the boot's advisory lock, not this timer, so by
-# default the consumer asks for a day (docs/rabbitmq.md).
+# default the consumer asks for a day (docs/operations/rabbitmq.md).
 DEFAULT_AMQP_CONSUMER_TIMEOUT = "86400"
 
 
@@ -111,7 +111,7 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         # SIGTERM: Celery's soft shutdown (with REMAP_SIGTERM=SIGQUIT) also keeps
         # a 5 s run from restarting, but sleeps its whole timeout whatever runs
         # finish sooner; pool processes survive SIGTERM by workers/shutdown.py
-        # instead (measured in docs/reliability.md, row 5).
+        # instead (docs/internals/reliability.md, row 5; measured in bench/RESULTS.md).
         "worker_soft_shutdown_timeout": 0.0,
         "worker_hijack_root_logger": False,
         "timezone": "UTC",

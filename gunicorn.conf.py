@@ -13,6 +13,8 @@ file by default when started from the repository root). Command-line flags
   worker that exits is marked dead (``child_exit``) so its live gauges go.
 * Logs: gunicorn's own error and access logs use ``LOG_FORMAT`` (``json``: one
   object per line) and ``LOG_LEVEL``, like every other process (``logconfig.py``).
+  An access line names the request's ``request_id``, ``tenant`` and ``run_id``
+  (in the text, and as fields of the JSON record).
 """
 
 from __future__ import annotations
@@ -71,9 +73,20 @@ class PoimenLogger(Logger):
             for handler in log.handlers:
                 _logs.style(handler)
 
+    def access(self, resp, req, environ, request_time) -> None:
+        # Under LOG_FORMAT=json the request's ids are the record's own fields, as on
+        # the app's records of that request (app/logs.py left them in the environ).
+        fields = {name: environ.get(f"poimen.{name}") for name in _ACCESS_FIELDS}
+        with _logs.log_context(**fields):
+            super().access(resp, req, environ, request_time)
+
+
+_ACCESS_FIELDS = ("request_id", "tenant", "run_id")  # app/logs.py ACCESS_FIELDS
 
 logger_class = PoimenLogger
-# gunicorn's default access line, plus the request id the app echoes (X-Request-ID),
+# gunicorn's default access line, plus the request's id (the X-Request-ID the app
+# echoes), tenant and run id (when the request names or admits one; "-" otherwise),
 # so an access line and the app's records of one request can be joined.
 access_log_format = ('%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" '
-                     'request_id=%({x-request-id}o)s')
+                     'request_id=%({x-request-id}o)s tenant=%({poimen.tenant}e)s '
+                     'run_id=%({poimen.run_id}e)s')

@@ -34,7 +34,7 @@ that probe started on the client, so the server lets go no sooner than T_s
 after the client's last confirmation; a rescuer's delivery comes
 ``POIMEN_TAKEOVER_DELAY`` after that at the earliest; the cut-off process was
 killed at T_c after its last confirmation. Nobody can start the run while the
-old body runs. docs/execution.md has the numbers.
+old body runs. docs/internals/execution.md has the numbers.
 
 This module is shared by ``workers`` and ``bridge`` (which imports nothing from
 ``app`` but its settings, ``app.config``, nor from ``workers``), like ``logconfig``.

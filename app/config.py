@@ -11,7 +11,7 @@ and the relays' logging read them before any factory runs).
 
 Nothing is read at import: each function reads ``env`` (``os.environ`` by
 default) when called. Each default is one constant, here; the documentation of
-each variable is ``app/settings_reference.py`` (``docs/configuration.md``).
+each variable is ``app/settings_reference.py`` (``docs/operations/configuration.md``).
 
 This module imports only the standard library, so the relays (``bridge/``,
 which import nothing else of ``app/``) pay nothing for it, and importing it
@@ -112,7 +112,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             # to their socket since (it cut them) or they sat idle for
             # POIMEN_DB_PING_IDLE_SECONDS (extensions.ping_idle_connections): that
             # replaces connections a database restart or failover cut before a
-            # request uses one (docs/reliability.md, row 9) without a round trip
+            # request uses one (docs/internals/reliability.md, row 9) without a round trip
             # per transaction under load. POIMEN_DB_PRE_PING=0 turns pinging off.
             "pool_pre_ping": False,
             "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),
@@ -155,7 +155,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
         # A dead boot's run is re-sent at once but delivered this many seconds later:
         # time for a process that lost its lock to a Postgres restart, and is still
-        # executing the run, to adopt it (docs/execution.md). Who runs it is still
+        # executing the run, to adopt it (docs/internals/execution.md). Who runs it is still
         # decided by liveness at the claim; this only orders the contenders.
         "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY",
                                                DEFAULT_TAKEOVER_DELAY)),

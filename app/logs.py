@@ -4,7 +4,8 @@
   record logged while serving a request carries the request's ``request_id``
   (the caller's ``X-Request-ID``, else a new one; echoed on the answer),
   ``tenant`` (its token's), ``run_id`` (the URL's, or the run just admitted)
-  and ``dispatch_key``.
+  and ``dispatch_key``; gunicorn's access line carries its ``request_id``,
+  ``tenant`` and ``run_id`` (``gunicorn.conf.py``).
 * ``init_celery``: the worker, beat and Flower log the same way. Celery's own
   logging setup is replaced through its ``setup_logging`` signal (Celery then
   leaves the loggers alone); ``--loglevel`` is used only when ``LOG_LEVEL`` is
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 
 # -- web ---------------------------------------------------------------------------------------
 
+
+# The fields of a request that gunicorn's access line carries, under these WSGI environ
+# keys (``poimen.tenant``): ids only, never a run's input or a token.
+ACCESS_FIELDS = ("request_id", "tenant", "run_id")
+ACCESS_PREFIX = "poimen."
 
 # A caller's X-Request-ID is kept when it is short and plain (it goes into every
 # log line of the request and back in the answer); anything else is replaced.
@@ -82,6 +88,11 @@ def init_app(app: Flask) -> None:
         # Echoed (or made) on every answer, errors included, so a caller and the
         # logs name the same request; gunicorn's access line carries it too.
         response.headers["X-Request-ID"] = request_id()
+        # gunicorn writes its access line after the request context is gone: the
+        # fields it names go in the WSGI environ (read by gunicorn.conf.py).
+        fields = _request_context()
+        request.environ.update({f"{ACCESS_PREFIX}{name}": str(fields[name])
+                                for name in ACCESS_FIELDS if fields.get(name)})
         return response
 
 

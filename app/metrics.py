@@ -1,6 +1,6 @@
 """Prometheus metrics: what each process counts, and the global gauges beat alone exports.
 
-Every metric and the process that exports it: ``docs/metrics.md``.
+Every metric and the process that exports it: ``docs/operations/metrics.md``.
 
 * Counters and histograms are per process and add up across processes:
   ``web`` runs gunicorn in prometheus_client's multiprocess mode

@@ -1,6 +1,6 @@
 """Every environment variable the code reads: the one list, and the configuration reference.
 
-``python -m app.settings_reference`` writes ``docs/configuration.md`` from
+``python -m app.settings_reference`` writes ``docs/operations/configuration.md`` from
 ``SETTINGS`` (``make docs`` does the same); ``--check`` exits 1 if the committed
 file differs. ``tests/deploy/test_configuration_reference.py`` fails when the
 code reads a variable this list does not name, and when the document is stale.
@@ -23,7 +23,7 @@ CELERY = (WEB, WORKER, BEAT, FLOWER)          # every process that builds the Ce
 APP = (RELEASE, *CELERY, CLI)                 # every process that runs create_app()
 ALL = (*APP, INBOX, OUTBOX)
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "operations" / "configuration.md"
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ SETTINGS: tuple[Setting, ...] = (
     _proc("METRICS_PORT", "worker and beat: off, inbox: 9101, outbox: 9102",
           (WORKER, BEAT, INBOX, OUTBOX),
           "Prometheus (`/metrics`, `/healthz`) port of the process; `0` turns it off. `beat` "
-          "alone exports the global gauges (docs/metrics.md)."),
+          "alone exports the global gauges (docs/operations/metrics.md)."),
     _proc("WEB_CONCURRENCY", "2", WEB, "gunicorn worker processes (Procfile)."),
     _proc("WEB_THREADS", "4", WEB, "threads per gunicorn worker (Procfile)."),
     _proc("WORKER_CONCURRENCY", "2", WORKER,
@@ -146,7 +146,7 @@ SETTINGS: tuple[Setting, ...] = (
     _celery("POIMEN_AMQP_CONSUMER_TIMEOUT", "86400", (*CELERY, CLI),
             "RabbitMQ only: seconds a worker's consumer may hold a run's message unacknowledged "
             "(`x-consumer-timeout`, honoured by RabbitMQ 3.12+); must exceed the longest run. "
-            "`0`: the server's `consumer_timeout` decides. See docs/rabbitmq.md."),
+            "`0`: the server's `consumer_timeout` decides. See docs/operations/rabbitmq.md."),
     _celery("CELERY_PREFETCH_MULTIPLIER", "1", WORKER,
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", "0", (*CELERY, CLI),
@@ -159,7 +159,7 @@ SETTINGS: tuple[Setting, ...] = (
     _celery("POIMEN_TAKEOVER_DELAY", "6", (BEAT, CLI),
             "Seconds after which a re-sent run of a dead worker is delivered, so a worker cut off "
             "by a Postgres restart can adopt its run first. One side of the lease ordering "
-            "(docs/execution.md)."),
+            "(docs/internals/execution.md)."),
     _celery("POIMEN_BOOT_PROBE_INTERVAL", "2", (WORKER, BEAT, OUTBOX),
             "Seconds between a worker's (and the active outbox relay's) checks that Postgres "
             "still holds its liveness lock; each check renews the lease."),
@@ -241,7 +241,7 @@ SETTINGS: tuple[Setting, ...] = (
          "Signs the console's session cookie (`/console`); 32 characters or more, the same in "
          "every `web` process. Unset or shorter: the console answers 503 and the API is "
          "unaffected. `make run` keeps one in `.poimen/console-secret`. Changing it signs "
-         "everyone out. See docs/console.md."),
+         "everyone out. See docs/guide/console.md."),
     # -- dev
     _dev("POIMEN_DEV_DIR", ".poimen", DEV, "Where `poimen-dev` keeps the embedded services' state."),
     _dev("POIMEN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//", DEV,
@@ -266,7 +266,7 @@ def names() -> set[str]:
 
 
 def render() -> str:
-    """Return ``docs/configuration.md``."""
+    """Return ``docs/operations/configuration.md``."""
     lines = [
         "# Configuration reference",
         "",

@@ -10,7 +10,7 @@ tenant's ``.dispatch`` topic again, and the inbox admits it like any message.
 Replaying is safe to repeat: a message keeps its ``dispatch_key``, so a second
 replay of it is admission's replay (the same run), never a second run. A
 message written without one was admitted under the key derived from its place
-in the log (``kafka:<topic>:<partition>:<offset>``, see ``docs/inbox.md``); a
+in the log (``kafka:<topic>:<partition>:<offset>``, see ``docs/operations/inbox.md``); a
 re-published copy would sit at a new offset and derive a new key, so replay
 writes the key derived from its *origin* into the copy. Nothing is committed
 and no state is kept: each replay reads the dead-letter topic from the start
@@ -183,7 +183,7 @@ def replay_request(letter: DeadLetter) -> tuple[bytes | None, str]:
     """Return the value to re-publish for ``letter``, or ``(None, why not)``.
 
     A keyless message gets the key derived from its origin, so each replay of it
-    is the same run (``docs/inbox.md``: the derived key).
+    is the same run (``docs/operations/inbox.md``: the derived key).
     """
     if "truncated" in letter.dlq:
         return None, "truncated"

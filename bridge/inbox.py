@@ -42,6 +42,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from poimen_client import Transport, TransportError, TransportTimeout
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -53,7 +54,6 @@ from prometheus_client import (
 import logconfig
 from app.config import InboxSettings, inbox_settings
 
-from .client import Transport, TransportError, TransportTimeout
 from .inbox_faults import (
     DETAIL_CHARS,
     TENANT_NOT_FOUND,
@@ -106,7 +106,7 @@ class InboxMetrics:
                                 "Messages the API admitted as new runs (201).", registry=r)
         self.replayed = Counter("poimen_inbox_replayed_total",
                                 "Messages admission recognised as a replay (200).", registry=r)
-        # The name every process family's docs use for dead letters (docs/metrics.md).
+        # The name every process family's docs use for dead letters (docs/operations/metrics.md).
         self.dlq = Counter("poimen_dlq_total", "Messages written to a dead-letter topic, by reason.",
                            ["reason"], registry=r)
         self.dead_lettered = Counter("poimen_inbox_dead_lettered_total",

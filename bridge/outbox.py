@@ -12,7 +12,7 @@ Which rows: ``published_at IS NULL`` and ``txid`` below the snapshot horizon
 transactions commit out of id order, and a cursor skips the row of a
 transaction that drew a lower id but committed later. The horizon makes each
 read a prefix of history that can no longer change: a row is read only once
-every transaction older than its own has ended. See docs/outbox.md.
+every transaction older than its own has ended. See docs/internals/outbox.md.
 
 One relay is active at a time: the one holding a session advisory lock on a
 dedicated, direct connection (``POIMEN_LOCK_DATABASE_URL``). Others stand by
@@ -67,7 +67,7 @@ LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
 
 # The event, built by Postgres: row_to_json keeps the documented key order
-# (docs/events.schema.json) and is compact; the relay passes the text through.
+# (docs/guide/events.schema.json) and is compact; the relay passes the text through.
 READ_SQL = """
 SELECT o.id,
        t.name,

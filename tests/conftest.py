@@ -72,7 +72,8 @@ def test_env(database_url) -> dict[str, str]:
     """The environment for child processes: the test database and queue."""
     from tests.processes import ROOT
 
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The checkout's client too (the inbox posts through it), not only an installed one.
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
 
 
 def connect(database_url: str, **kwargs) -> psycopg.Connection:

@@ -1,4 +1,4 @@
-"""The liveness lease, rule by rule, deterministically (``lease.py``, docs/execution.md).
+"""The liveness lease, rule by rule, deterministically (``lease.py``, docs/internals/execution.md).
 
 Each bound is witnessed on its own, against the real Postgres, with the path to
 it made silent by a proxy that stops forwarding with its sockets open (the

@@ -1,4 +1,4 @@
-"""Celery's own tools keep their meaning for runs (``docs/celery.md``).
+"""Celery's own tools keep their meaning for runs (``docs/guide/celery.md``).
 
 * **States.** ``runs.execute`` ends its Celery task the way the run's
   execution ended (:func:`report`): a run that succeeded is SUCCESS, one that
@@ -298,7 +298,7 @@ def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None
     ``self.retry(countdown=..., max_retries=...)`` and ``autoretry_for`` retry
     the run (Celery's ``max_retries`` decides when to stop); any other
     exception fails it. ``time_limit`` and ``soft_time_limit`` default to the
-    task's own. See docs/celery.md for what does not carry over.
+    task's own. See docs/guide/celery.md for what does not carry over.
     """
     celery_task = _resolve_task(task) if isinstance(task, str) else task
     task_name = celery_task.name

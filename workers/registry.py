@@ -326,7 +326,7 @@ def workflow(
     Sugar for a workflow of one step (``main``) with one action at position 0
     that is not marker-bearing: a run lost mid-way starts it again from the top.
     ``queue``, ``time_limit``, ``soft_time_limit`` and ``priority`` go to
-    Celery with every message of its runs (docs/celery.md).
+    Celery with every message of its runs (docs/guide/celery.md).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")

@@ -26,7 +26,7 @@ own handler by then, and replaces any installed earlier):
 
 The main process only records the signal (``worker_shutting_down``), so
 :func:`shutting_down` means the same in both. What was measured, and why not
-Celery's own soft shutdown or ``REMAP_SIGTERM``: ``docs/reliability.md``.
+Celery's own soft shutdown or ``REMAP_SIGTERM``: ``docs/internals/reliability.md``.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def _end_boot(**_):
     end_current_boot()
 
 
-# SIGTERM (docs/reliability.md): pool processes outlive the dyno-wide signal
+# SIGTERM (docs/internals/reliability.md): pool processes outlive the dyno-wide signal
 # and finish their run within POIMEN_SHUTDOWN_GRACE; see workers/shutdown.py.
 @worker_process_init.connect
 def _shutdown_grace(**_):

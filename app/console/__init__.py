@@ -6,7 +6,7 @@ leaves the server after sign-in: the session cookie (signed with
 ``/console``) keeps only its SHA-256, and every request checks it through
 ``app.auth.principal_for``, the API's own token check. Reads, cancel and
 re-drive call the same functions as the API (``app/runs.py``,
-``app/admission.py``). Rules and settings: ``docs/console.md``.
+``app/admission.py``). Rules and settings: ``docs/guide/console.md``.
 """
 
 from __future__ import annotations

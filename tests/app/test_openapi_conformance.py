@@ -307,7 +307,7 @@ def test_unstorable_run_requests_are_not_a_500(api, data):
 
 def test_every_authenticated_operation_declares_503_with_retry_after():
     """Every endpoint that reads the database answers 503 database_unavailable (with
-    Retry-After) while it is away (docs/reliability.md, row 9): the document says so."""
+    Retry-After) while it is away (docs/internals/reliability.md, row 9): the document says so."""
     document = openapi_document()
     operations = [(path, method, op) for path, item in document["paths"].items()
                   for method, op in item.items() if "401" in op["responses"]]

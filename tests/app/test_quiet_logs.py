@@ -42,7 +42,7 @@ def test_an_error_quoting_the_input_is_logged_without_it(app, client, tx_tenant,
     assert SECRET not in response.get_data(as_text=True)
     logged = caplog.text
     assert SECRET not in logged, logged
-    # The stack is kept, in the record's fields (docs/metrics.md#logs), not its message.
+    # The stack is kept, in the record's fields (docs/operations/metrics.md#logs), not its message.
     record = next(r for r in caplog.records if r.getMessage().startswith("unhandled error"))
     assert "SQLSTATE 23514" in record.traceback and "create_run" in record.traceback
     assert record.exc_type.endswith("IntegrityError") and SECRET not in record.traceback

@@ -63,3 +63,48 @@ def test_gunicorns_access_line_names_the_request_id(test_env, tenant, tmp_path):
     access = [json.loads(line) for line in web.log().splitlines()
               if line.startswith("{") and '"gunicorn.access"' in line]
     assert any("request_id=access-9" in r["message"] for r in access), access[-3:]
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_an_admissions_access_line_names_its_tenant_run_and_request(test_env, tenant, tmp_path,
+                                                                       log_format):
+    env = {k: v for k, v in test_env.items() if k != "LOG_FORMAT"}
+    if log_format == "json":
+        env["LOG_FORMAT"] = "json"
+    web, url = start_web(env, tmp_path, workers=1, threads=2)
+    secret = f"input-{log_format}-s3cr3t"
+    try:
+        admitted = requests.post(
+            f"{url}/v1/runs", json={"workflow_ref": "echo", "input": {"secret": secret}},
+            headers={**tenant.headers, "X-Request-ID": f"admit-{log_format}"}, timeout=10)
+        assert admitted.status_code == 201, admitted.text
+        run_id = admitted.json()["id"]
+        # A request naming a run by its URL, and one naming none (not even a tenant).
+        assert requests.get(f"{url}/v1/runs/{run_id}", headers={
+            **tenant.headers, "X-Request-ID": f"get-{log_format}"}, timeout=10).ok
+        assert requests.get(f"{url}/v1/runs", headers={"X-Request-ID": f"anon-{log_format}"},
+                            timeout=10).status_code == 401
+    finally:
+        web.stop()
+    log = web.log()
+    assert secret not in log and tenant.token not in log
+
+    if log_format == "json":
+        access = {r["request_id"]: r for r in map(json.loads, filter(
+            lambda line: line.startswith("{") and '"gunicorn.access"' in line,
+            log.splitlines())) if "request_id" in r}
+        admit, get, anon = (access.get(f"{what}-json") for what in ("admit", "get", "anon"))
+        assert admit and "POST /v1/runs" in admit["message"], log[-3000:]
+        assert (admit["tenant"], admit["run_id"]) == (tenant.name, run_id)
+        assert (get["tenant"], get["run_id"]) == (tenant.name, run_id)
+        assert "tenant" not in anon and "run_id" not in anon
+        # The text of the line says the same, for a drain that keeps only the message.
+        assert f"tenant={tenant.name} run_id={run_id}" in admit["message"]
+    else:
+        lines = [line for line in log.splitlines() if "gunicorn.access" in line]
+        admit = [line for line in lines if "request_id=admit-text " in line]
+        assert admit and '"POST /v1/runs HTTP/1.1" 201' in admit[0], lines[-3:]
+        assert admit[0].endswith(f"request_id=admit-text tenant={tenant.name} run_id={run_id}")
+        assert any(line.endswith(f"request_id=get-text tenant={tenant.name} run_id={run_id}")
+                   for line in lines), lines[-3:]
+        assert any(line.endswith("request_id=anon-text tenant=- run_id=-") for line in lines)

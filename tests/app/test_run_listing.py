@@ -1,6 +1,6 @@
 """``GET /v1/runs``: what a page holds, not only that it answers 200.
 
-README "API": newest first; follow ``next_cursor``; filters ``status`` (comma
+docs/guide/api.md ("In short"): newest first; follow ``next_cursor``; filters ``status`` (comma
 separated), ``goal_id``, ``workflow_ref``, ``dispatch_key``, ``parent_run_id``
 (the last is witnessed by the fan-out tests in tests/workers/test_step_entry_dispatch.py).
 Runs are committed one request at a time so their ``created_at`` differ.

@@ -1,6 +1,6 @@
 """The per-process token cache (app/auth.py): what it costs and what it never does.
 
-docs/admission.md: a revoked token keeps working for at most
+docs/internals/admission.md: a revoked token keeps working for at most
 ``POIMEN_TOKEN_CACHE_SECONDS`` in a process that saw it just before; 0 disables the
 cache; a failed authentication is never cached, so a token that starts working
 (created, or its tenant created) works on the very next request.

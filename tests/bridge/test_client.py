@@ -271,7 +271,7 @@ def test_a_dead_api_is_a_transport_error_after_the_retries(tenant):
 
 def test_a_refused_connection_is_a_connection_error_not_a_timeout(tenant):
     """urllib3 2 makes a refused connection a subclass of its timeout error: the reason
-    the inbox counts and logs must still say `connection` (docs/inbox.md)."""
+    the inbox counts and logs must still say `connection` (docs/operations/inbox.md)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

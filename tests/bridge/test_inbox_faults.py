@@ -2,7 +2,7 @@
 
 The relay tests (``test_inbox_relay.py``, ``test_inbox_hostile.py``) prove the
 same rules over real processes; these pin every row of the table in
-``docs/inbox.md`` cheaply, including rows a real API never produces.
+``docs/operations/inbox.md`` cheaply, including rows a real API never produces.
 """
 
 from __future__ import annotations
@@ -214,9 +214,9 @@ def test_every_setting_has_one_default_and_is_documented():
     for name in INBOX_VARIABLES:
         assert getattr(config, name) == defaults[name], name
     assert config.api_url == "http://api" and config.shutdown_grace == 25
-    docs = (ROOT / "docs" / "inbox.md").read_text()
+    docs = (ROOT / "docs" / "operations" / "configuration.md").read_text()  # the one settings table
     for variable in INBOX_VARIABLES.values():
-        assert re.search(rf"`{variable}`", docs), f"{variable} is not in docs/inbox.md"
+        assert re.search(rf"`{variable}`", docs), f"{variable} is not in docs/operations/configuration.md"
 
 
 def test_settings_are_read_from_the_environment():

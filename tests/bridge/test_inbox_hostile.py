@@ -2,7 +2,7 @@
 serving the API, and ``python -m bridge.inbox`` as a subprocess.
 
 Each test asserts outcomes (runs in the database, the dead-letter topic, the
-group's committed offsets), never which calls were made. See docs/inbox.md for
+group's committed offsets), never which calls were made. See docs/operations/inbox.md for
 the message-fault / delivery-fault table these tests hold the relay to.
 """
 
@@ -321,7 +321,7 @@ def test_messages_for_a_tenant_not_yet_created_wait_and_become_runs(setup, pg, m
         [sys.executable, "-m", "bridge.topics", "declare", "--tenant", name, "--partitions", "1"],
         env=setup.env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert declared.returncode == 0, declared.stderr
-    topic = f"{setup.prefix}.{name}.dispatch"  # docs/inbox.md
+    topic = f"{setup.prefix}.{name}.dispatch"  # docs/operations/inbox.md
     assert f"{topic}\tcreated" in declared.stdout
     produce(setup.bootstrap, topic, request(dispatch_key="early"))
 

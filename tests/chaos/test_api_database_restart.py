@@ -164,7 +164,7 @@ def test_every_endpoint_answers_503_while_down_and_201_soon_after(
         try:
             # Down: every endpoint that needs the database, probed once more by hand, is a
             # JSON 503. /metrics does not: web exports only its own process metrics (the
-            # global gauges are beat's, docs/metrics.md), so the scrape survives the outage.
+            # global gauges are beat's, docs/operations/metrics.md), so the scrape survives the outage.
             for name, call in calls:
                 r = call()
                 if name == "GET /metrics":

@@ -10,7 +10,7 @@ both ends: no RST, no FIN). Everything runs with the default lease settings
 
 A ``tick`` run appends ``<time> <pid>`` to a file four times a second, outside
 the database, so the victim's body is visible while it is cut off; the figures
-(overlap, takeover) are printed for docs/reliability.md.
+(overlap, takeover) are printed for bench/RESULTS.md (the chaos table).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def test_a_doc_review_runs_page_shows_its_entries_in_order_with_markers_and_its_
     assert driver.save_screenshot(str(path))
     assert path.stat().st_size > 10_000
     print(f"\nscreenshot: {path}")
-    # The README's picture: POIMEN_CONSOLE_SCREENSHOT=docs/img/console-run.png (docs/console.md).
+    # The README's picture: POIMEN_CONSOLE_SCREENSHOT=docs/img/console-run.png (docs/guide/console.md).
     if target := os.environ.get("POIMEN_CONSOLE_SCREENSHOT"):
         shutil.copy(path, target)
 

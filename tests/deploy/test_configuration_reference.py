@@ -1,7 +1,7 @@
 """The configuration reference is complete and current (issue 14, Verify 6).
 
 Every environment variable the code reads must be in ``app/settings_reference.py``
-(which generates ``docs/configuration.md``). The product reads the environment in
+(which generates ``docs/operations/configuration.md``). The product reads the environment in
 one module, ``app/config.py`` (``tests/test_wiring.py`` fails on a read anywhere
 else in ``app/``, ``workers/``, ``bridge/`` or ``lease.py``), plus the framework
 entry points ``celeryconfig.py``, ``gunicorn.conf.py`` and ``logconfig.py``; the dev
@@ -165,7 +165,7 @@ def test_the_reference_lists_each_variable_once_with_its_processes():
 def test_docs_configuration_md_is_generated_from_the_reference():
     proc = subprocess.run([sys.executable, "-m", "app.settings_reference", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr + " (run `make docs` and commit docs/configuration.md)"
+    assert proc.returncode == 0, proc.stderr + " (run `make docs` and commit docs/operations/configuration.md)"
 
 
 def test_the_reference_states_the_defaults_app_config_uses():

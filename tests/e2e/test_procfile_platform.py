@@ -56,7 +56,7 @@ def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tm
         assert 'poimen_admissions_total{origin="http",outcome="created"} 1.0' in metrics
         worker_metrics = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert 'poimen_claims_total{outcome="claimed"} 1.0' in worker_metrics
-        # The global gauges come from beat alone (docs/metrics.md).
+        # The global gauges come from beat alone (docs/operations/metrics.md).
         assert "poimen_runs{" not in metrics + worker_metrics
         beat_metrics = f"http://127.0.0.1:{beat_metrics_port}/metrics"
         wait_until(lambda: 'poimen_runs{status="succeeded"} 1.0'

@@ -3,5 +3,5 @@
 ``make mutations`` (``python -m tests.mutations``) copies the tree to a scratch
 directory per mutant, applies one exact source edit there (never to the working
 tree), runs the tests that must catch it, and fails if any mutant survives. See
-``docs/testing.md``.
+``docs/internals/testing.md``.
 """

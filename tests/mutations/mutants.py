@@ -401,7 +401,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "client_retries_without_a_key",
         "every attempt of one admit() carries one dispatch_key, generated when the caller gave none",
-        "bridge/client.py",
+        "clients/python/poimen_client/client.py",
         '        request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),\n'
         '                                   "dispatch_key": key}\n',
         '        request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),\n'

@@ -185,7 +185,7 @@ def test_the_workers_consumer_asks_for_the_configured_consumer_timeout(amqp_env,
                                                                        processes):
     """With acks_late a run holds its message unacked for its whole length; the worker's
     consumer carries ``x-consumer-timeout`` (POIMEN_AMQP_CONSUMER_TIMEOUT, seconds) so
-    RabbitMQ (3.12+; see docs/rabbitmq.md for older servers) does not close its channel
+    RabbitMQ (3.12+; see docs/operations/rabbitmq.md for older servers) does not close its channel
     under a run longer than the server's default 30 minutes."""
     if urlsplit(amqp_url).hostname not in ("127.0.0.1", "localhost"):
         pytest.skip("rabbitmqctl only sees a local broker")

@@ -1,4 +1,4 @@
-"""Celery's own tools keep their meaning (docs/celery.md), against real processes.
+"""Celery's own tools keep their meaning (docs/guide/celery.md), against real processes.
 
 Flower (the Procfile's command) and a real event receiver (what ``celery
 events`` uses) see each run's task end the way the run ended; ``celery control

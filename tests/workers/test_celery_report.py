@@ -1,4 +1,4 @@
-"""What ``runs.execute`` tells Celery, for each way a delivery ends (docs/celery.md's table).
+"""What ``runs.execute`` tells Celery, for each way a delivery ends (docs/guide/celery.md's table).
 
 In this process, through ``execute_run`` (what the task calls) and
 ``celery_native.report`` (what the task returns or raises), against the real
