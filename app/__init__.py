@@ -6,7 +6,8 @@ process, the workers, beat and Flower share one wiring.
 
 Flask and Celery are imported when the factory is called, not with this
 package: the relays (``bridge/``) import ``app.config``, their one source of
-settings, which must cost them nothing.
+settings, and the outbox relay the store's outbox statements (``app.state.outbox``),
+which must cost them nothing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Admission: the one function that creates runs.
 
 The HTTP view, a parent run's fan-out and the tests all call ``admit_run``;
-nothing else inserts into ``runs``. Exactly-once is decided by the partial
-unique index on ``(tenant_id, dispatch_key)``: the insert is ``ON CONFLICT DO
+nothing else creates runs. Its statement is the store's (``app/state/runs.py``:
+``ADMIT``). Exactly-once is decided by the partial unique index on ``(tenant_id, dispatch_key)``: the insert is ``ON CONFLICT DO
 NOTHING RETURNING id`` and a miss reads the row that won, compared with the
 request by Postgres. There is no check-then-insert, so concurrent callers with
 one key cannot both create.
@@ -26,44 +26,15 @@ from json.encoder import (  # the C string encoders the json module uses itself
 from typing import Any
 
 from psycopg.types.json import set_json_loads
-from sqlalchemy import Row, text
+from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from workers import registry
 
-from .enqueue import enqueue_after_commit
-from .events import with_event
 from .models import AdmissionOrigin, RunStatus
+from .state import runs as state_runs
+from .state.compose import send_after_commit
 
-_ADMIT = with_event(
-    """
-    INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
-                      goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id, definition_hash)
-    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
-            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id, :definition_hash)
-    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
-    """,
-    "*",
-    "'run.admitted'",
-    "CAST(:event AS jsonb)",
-)
-
-# A miss: the row that holds the key, and whether it was admitted with this very
-# request, decided by Postgres on the stored values: jsonb equality compares
-# numbers as numbers (1e23 = 100000000000000000000000) and never equates true
-# with 1, which Python's == does and a float round trip cannot get right.
-_EXISTING = text(
-    """
-    SELECT runs.*,
-           workflow_ref IS NOT DISTINCT FROM :workflow_ref AS same_workflow_ref,
-           input = CAST(:input AS jsonb) AS same_input,
-           goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
-      FROM runs
-     WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
-    """
-)
 _COMPARED = ("workflow_ref", "input", "goal_id")
 
 
@@ -228,14 +199,9 @@ def admit_run(
     # One statement, one round trip: the insert that the index may refuse, and
     # the run.admitted outbox event only for a row that was really inserted.
     # (Plain SQL: building this through the ORM cost more CPU than the database.)
-    inserted = session.execute(_ADMIT, {
-        **values,
-        "input": input_json,
-        "event": json.dumps(event_fields),
-    }).one_or_none()
-
+    inserted = state_runs.admit(session, values, input_json=input_json,
+                                event_json=json.dumps(event_fields))
     if inserted is not None:
-        enqueue_after_commit(session, run_id, workflow.ref)
         return Admission(run=inserted, created=True)
 
     # The key is taken. Under READ COMMITTED this statement sees the row the
@@ -251,10 +217,9 @@ def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: s
 
     Raises ``AdmissionConflict`` when the stored request differs (compared by Postgres).
     """
-    existing = session.execute(_EXISTING, {
-        "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_ref": workflow_ref,
-        "input": input_json, "goal_id": goal_id,
-    }).one_or_none()
+    existing = state_runs.holder_of_key(
+        session, tenant_id=tenant_id, dispatch_key=dispatch_key, workflow_ref=workflow_ref,
+        input_json=input_json, goal_id=goal_id)
     if existing is None:
         return None
     diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
@@ -262,7 +227,7 @@ def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: s
         raise AdmissionConflict(existing, diffs)
     if existing.status == RunStatus.QUEUED:
         # Its first message may have been lost; a duplicate is absorbed by claims.
-        enqueue_after_commit(
+        send_after_commit(
             session, existing.id, f"{existing.workflow_name}@{existing.workflow_version}"
         )
     return Admission(run=existing, created=False)

@@ -30,6 +30,7 @@ from .errors import ApiError
 from .extensions import autocommit_next, db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
+from .state import runs as state_runs
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 
@@ -342,7 +343,7 @@ def cancel_run(run_id: str):
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
     # left as it is.
-    changed = run_service.cancel_run(db.session, run.tenant_id, run.id)
+    changed = state_runs.cancel_run(db.session, run.tenant_id, run.id)
     db.session.commit()
     if changed is not None:
         db.session.refresh(run)

@@ -6,7 +6,7 @@ next full worker restart, which every Heroku deploy is, and the API never
 showed the revoke. Every revoke this app sends (``celery -A workers control
 revoke``, ``app.control.revoke``, Flower's buttons) goes through
 ``broadcast``; this subclass records each run id's cancel first, through the
-API's cancel path (``app/runs.py: cancel_run``), so it survives restarts and
+API's cancel path (``app/state/runs.py: cancel_run``), so it survives restarts and
 shows in ``GET /v1/runs/<id>`` at once. The broadcast follows as before: the
 workers that receive it stop the run now (``--terminate``) instead of at its
 next checkpoint.
@@ -36,7 +36,8 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
     Ids that are no run (another task's, malformed) are left to Celery alone.
     """
     from app.extensions import db
-    from app.runs import cancel_run, tenant_of
+    from app.runs import tenant_of
+    from app.state.runs import cancel_run
 
     if task_ids is None:
         return []

@@ -32,16 +32,14 @@ from sqlalchemy.orm import Session
 
 from workers import registry
 
+from .state.compose import PENDING_SENDS
 from .task_names import EXECUTE_RUN
 
 log = logging.getLogger(__name__)
 
-_PENDING = "poimen_pending_enqueue"
-
-
-def enqueue_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str) -> None:
-    """Send ``run_id`` to the workers once ``session``'s transaction commits."""
-    session.info.setdefault(_PENDING, {})[run_id] = workflow_ref
+# Transitions leave their runs to send on the session (``app/state/compose.py``:
+# ``send_after_commit``); the hooks below send them after commit.
+_PENDING = PENDING_SENDS
 
 
 def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None = None) -> bool:

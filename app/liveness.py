@@ -88,27 +88,3 @@ def boot_probe_ages(session_or_conn, boot_id: uuid.UUID | None = None) -> list[P
     else:
         rows = session_or_conn.execute(_PROBE_AGE, {"boot_id": boot_id})
     return [ProbeAge(*row) for row in rows]
-
-
-# A dead boot that no run points at any more is history: without pruning, the
-# table (and the join every liveness check makes) grows by one row per worker
-# process lifetime, forever (think --max-tasks-per-child at high throughput).
-_PRUNE = text(
-    f"""
-    DELETE FROM worker_boots b
-     WHERE b.boot_id IN (
-            SELECT d.boot_id FROM worker_boots d
-             WHERE d.boot_id NOT IN ({LIVE_BOOTS_SQL})
-               AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)
-             LIMIT :limit)
-    """
-)
-
-
-def prune_dead_boots(session: Session, limit: int = 10_000) -> int:
-    """Delete up to ``limit`` dead boots that no run references; return how many.
-
-    Step markers keep their claimer's id without a foreign key (migration 0008):
-    a pruned boot is simply dead to them, as it was.
-    """
-    return session.execute(_PRUNE, {"limit": limit}).rowcount

@@ -170,7 +170,7 @@ class OutboxEvent(db.Model):
 
 
 class StepEntry(db.Model):
-    """One entry of a run into a step: the ledger's row (``workers/ledger.py`` writes it)."""
+    """One entry of a run into a step: the ledger's row (``app/state/ledger.py`` writes it)."""
 
     __tablename__ = "step_entries"
 

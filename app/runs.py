@@ -1,17 +1,9 @@
-"""Runs: reading them, and every run transition that is not fenced by a claim.
+"""Runs: reading them, cancelling them, and repair's re-sends.
 
-Admission (``admission.py``) creates runs; a worker's fenced transitions
-(claim, release, retry, finish) live in ``workers/claims.py``. Everything else
-that changes a run is here, so each transition has one statement and one home:
-
-* cancel: a queued (or waiting) run becomes ``cancelled``; a running one gets
-  ``cancel_requested`` and stops at its workflow's next checkpoint;
-* repair: re-sending runs whose Celery message may be lost;
-* join release: the end of a run's last child re-queues the waiting parent,
-  in the statement that ends the child (``JOIN_RELEASE``, used by every
-  statement that ends a run, here and in ``workers/claims.py``).
-
-Views and CLI commands call these; they hold no SQL of their own.
+Every statement that changes a run is in the run-state store (``app/state/``);
+this module reads runs for the API, the console and the CLI, and orchestrates
+repair (which runs to re-send, within each Celery queue's room). Views and CLI
+commands call these; they hold no SQL of their own.
 """
 
 from __future__ import annotations
@@ -22,101 +14,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, and_, func, or_, select, text
+from sqlalchemy import Row, and_, or_, select, text
 from sqlalchemy.orm import Session
 
 from . import metrics
-from .enqueue import enqueue_after_commit, queue_of, send_run
-from .events import outbox_rows, with_event
-from .liveness import LIVE_BOOTS_SQL
-from .models import Run, RunStatus, Tenant
+from .enqueue import queue_of, send_run
+from .models import Run, Tenant
+from .state import runs as state_runs
 
 log = logging.getLogger(__name__)
-
-_ENDED = "('succeeded', 'failed', 'cancelled')"
-
-# Joins. A join entry's counters live on its step_entries row, and both sides
-# of the race lock that row: the parent going ``waiting`` (workers/ledger.py,
-# only while children_done < children_total) and each child's end (below,
-# children_done + 1). Whichever comes second sees the other's commit, so the
-# parent either never waits or is re-queued by exactly one child: the one
-# whose increment makes children_done equal children_total while the entry
-# waits. No timer polls for it.
-#
-# The parent's runs row is updated only for that child. Its WHERE must accept
-# the snapshot's version ('running' if the parent went waiting while this
-# statement waited on the entry row): Postgres re-checks it on the newest
-# version, which is 'waiting', or 'cancelled' (then it is left alone).
-JOIN_RELEASE = f""",
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN {_ENDED}
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = '{RunStatus.WAITING}' THEN '{RunStatus.QUEUED}'
-                             ELSE p.status END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN {_ENDED}
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
-    ),
-    woken_event AS ({outbox_rows("woken", "'run.joined'",
-                                 "jsonb_build_object('entry_id', entry_id)",
-                                 f"status = '{RunStatus.QUEUED}'")})
-"""
-
-# The select list of a statement with JOIN_RELEASE: its rows, plus the parents it re-queued.
-WITH_WOKEN = (
-    "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
-    "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) "
-    f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
-)
-
-
-def send_woken(session: Session, row: Row | None) -> None:
-    """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
-    for parent in (row.woken if row is not None else None) or ():
-        enqueue_after_commit(session, uuid.UUID(parent["id"]), parent["ref"])
-
-# One statement, so no interleaving can slip between "cancel if queued" and
-# "flag if running": a run that moves running -> queued (a retry, a release)
-# while we wait on its row lock is re-checked on its new version by Postgres
-# and cancelled outright.
-# A waiting run (a join) holds no worker: it is cancelled outright, like a queued one.
-_CANCEL = with_event(
-    f"""
-    UPDATE runs
-       SET status = CASE WHEN status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
-                         THEN '{RunStatus.CANCELLED}' ELSE status END,
-           finished_at = CASE WHEN status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
-                              THEN now() ELSE finished_at END,
-           cancel_requested = true, updated_at = now()
-     WHERE id = :run AND tenant_id = :tenant
-       AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')
-    """,
-    "*",
-    "'run.cancelled'",
-    only_if=f"status = '{RunStatus.CANCELLED}'",
-    then=JOIN_RELEASE,
-    select=WITH_WOKEN,
-)
-
-# A delivery found a queued run whose cancellation was requested.
-_CANCEL_QUEUED = with_event(
-    f"""
-    UPDATE runs SET status = '{RunStatus.CANCELLED}', finished_at = now(), updated_at = now()
-     WHERE id = :run AND status = '{RunStatus.QUEUED}' AND cancel_requested
-    """,
-    "id, tenant_id, status",
-    "'run.cancelled'",
-    then=JOIN_RELEASE,
-    select=WITH_WOKEN,
-)
-
 
 def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
     """Return the tenant id of any tenant's run ``run_id`` (None if there is no such run)."""
@@ -124,25 +30,6 @@ def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
 
 
 _TENANT_OF = text("SELECT tenant_id FROM runs WHERE id = :run")
-
-
-def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
-    """Cancel ``run_id`` (queued or waiting: at once; running: at its next checkpoint).
-
-    Return the changed row, or None when the run was already finished (then
-    there is nothing to cancel). The caller commits; a parent whose join this
-    run completes is sent after the commit.
-    """
-    row = session.execute(_CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
-    send_woken(session, row)
-    return row
-
-
-def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
-    """End a queued run whose cancellation was requested; True if it was."""
-    row = session.execute(_CANCEL_QUEUED, {"run": run_id}).one_or_none()
-    send_woken(session, row)
-    return row is not None
 
 
 def get_run(session: Session, tenant_id: int, run_id: str) -> Run | None:
@@ -241,71 +128,6 @@ def run_steps(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return steps
 
 
-def status_counts(session: Session) -> dict[str, int]:
-    """Return how many runs are in each status (all tenants)."""
-    return dict(session.execute(select(Run.status, func.count()).group_by(Run.status)).all())
-
-
-# Repair: two statements, so neither kind of stranded run waits behind the other.
-# Each marks what it returns as sent (``last_sent_at = now()``) in the same
-# statement; the sends follow the commit. ``FOR UPDATE SKIP LOCKED`` lets two
-# repairs (two beats by mistake, beat and an operator) split the work instead
-# of sending the same runs twice.
-#
-# Runs held by a dead boot (its lock is gone): re-sent on the first tick after
-# the boot died, i.e. if not re-sent since the claim (a claim or takeover sets
-# updated_at), and after that only once the repair age has passed again.
-_DEAD_BOOT_RUNS = text(
-    f"""
-    UPDATE runs SET last_sent_at = now()
-     WHERE id IN (
-           SELECT r.id FROM runs r
-            WHERE r.status = '{RunStatus.RUNNING}'
-              AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL})
-              AND (r.last_sent_at <= r.updated_at
-                   OR r.last_sent_at <= now() - make_interval(secs => :min_age))
-            ORDER BY r.updated_at
-            LIMIT :limit
-              FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
-    """
-)
-
-# Queued runs whose last send is older than the repair age (a retry's delayed
-# message counts as sent at not_before), oldest send first: each tick takes
-# the next page instead of the same oldest runs again.
-_QUEUED_RUNS = text(
-    f"""
-    UPDATE runs SET last_sent_at = now()
-     WHERE id IN (
-           SELECT r.id FROM runs r
-            WHERE r.status = '{RunStatus.QUEUED}'
-              AND r.last_sent_at <= now() - make_interval(secs => :min_age)
-              AND (r.not_before IS NULL
-                   OR r.not_before <= now() - make_interval(secs => :min_age))
-              AND (r.workflow_name, r.workflow_version) IN (
-                   SELECT unnest(CAST(:names AS text[])), unnest(CAST(:versions AS text[])))
-            ORDER BY r.last_sent_at
-            LIMIT :limit
-              FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
-    """
-)
-
-# The workflows (name, version) that have queued runs due for a re-send: repair
-# budgets each Celery queue by its own depth, and a workflow's queue is its
-# definition's (``@workflow(queue=...)``), known to the registry, not the row.
-_QUEUED_WORKFLOWS = text(
-    f"""
-    SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
-     WHERE r.status = '{RunStatus.QUEUED}'
-       AND r.last_sent_at <= now() - make_interval(secs => :min_age)
-       AND (r.not_before IS NULL
-            OR r.not_before <= now() - make_interval(secs => :min_age))
-    """
-)
-
-
 def _queue_depth(celery_app, queue: str | None = None) -> int | None:
     """Messages waiting in Celery queue ``queue`` (default: the runs' default queue), or
     None if the broker cannot say."""
@@ -361,20 +183,19 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     whatever the queue holds. Commits the marks, then sends. Return
     ``(sent, found)``.
     """
-    params = {"min_age": min_age, "limit": limit}
-    dead = session.execute(_DEAD_BOOT_RUNS, params).all()
+    dead = state_runs.mark_dead_boot_runs_sent(session, min_age=min_age, limit=limit)
     queued, depths = [], {}
     # Each queue is budgeted by its own depth: a backlog on one (a queue no worker
     # consumes, say) neither grows without bound nor stops re-sends on another.
     for queue, (names, versions) in _queues_of(
-            celery_app, session.execute(_QUEUED_WORKFLOWS, params).all()).items():
+            celery_app, state_runs.queued_workflows_due(session, min_age=min_age)).items():
         room = limit
         if limit is not None:
             depths[queue] = _queue_depth(celery_app, queue)
             room = max(0, limit - (depths[queue] or 0))
         if room != 0:
-            queued += session.execute(_QUEUED_RUNS, {**params, "limit": room, "names": names,
-                                                     "versions": versions}).all()
+            queued += state_runs.mark_queued_runs_sent(session, min_age=min_age, limit=room,
+                                                       names=names, versions=versions)
     session.commit()
     sent = 0
     for row in dead:

@@ -39,9 +39,9 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app.state.outbox import MARK_PUBLISHED  # noqa: E402
 from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
 from bridge.outbox import (  # noqa: E402
-    MARK_SQL,
     OUTBOX_LOCK_KEY,
     OUTBOX_LOCK_NAMESPACE,
     READ_SQL,
@@ -196,7 +196,7 @@ def measure_sql(db: str, events: int) -> dict[str, float]:
             cpu, started = time.process_time(), time.monotonic()
             done = 0
             while rows := conn.execute(READ_SQL, [BATCH]).fetchall():
-                conn.execute(MARK_SQL, [[r[0] for r in rows]])
+                conn.execute(MARK_PUBLISHED, [[r[0] for r in rows]])
                 done += len(rows)
             elapsed, cpu = time.monotonic() - started, time.process_time() - cpu
             pg_cpu = backends_cpu(setup, "poimen-bench-sql")

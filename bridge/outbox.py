@@ -49,6 +49,7 @@ from prometheus_client import (
 )
 
 from app.config import LeaseSettings, OutboxSettings, outbox_settings
+from app.state.outbox import MARK_PUBLISHED, PRUNE_PUBLISHED
 from lease import bound_lock_session, lock_connect_kwargs, probe_lock
 from lease import problems as lease_problems
 
@@ -96,7 +97,6 @@ SELECT o.id,
  LIMIT %s
 """
 
-MARK_SQL = "UPDATE outbox SET published_at = now() WHERE id = ANY(%s::bigint[])"
 
 # The probe runs on the lock connection itself and asks the server, not the
 # client library: psycopg only notices a dead connection when a query fails,
@@ -121,14 +121,6 @@ SELECT t.name, count(o.id), coalesce(extract(epoch FROM now() - min(o.created_at
  GROUP BY t.name
 """
 
-PRUNE_SQL = """
-DELETE FROM outbox WHERE id IN (
-    SELECT id FROM outbox
-     WHERE published_at < now() - make_interval(secs => %s)
-     ORDER BY published_at
-     LIMIT %s
-       FOR UPDATE SKIP LOCKED)
-"""
 
 
 class OutboxMetrics:
@@ -514,7 +506,7 @@ class OutboxRelay:
         # published this batch once more, which consumers dedupe on ce_id.
         self._confirm_lock(always=True)
         if deliveries.acked:
-            self._work_connection().execute(MARK_SQL, [deliveries.acked])
+            self._work_connection().execute(MARK_PUBLISHED, [deliveries.acked])
             self._published += len(deliveries.acked)
             self.metrics.published.inc(len(deliveries.acked))
         self.metrics.batch_seconds.observe(time.monotonic() - started)
@@ -580,7 +572,7 @@ class OutboxRelay:
         # many rows nor delays the next batch for long.
         while time.monotonic() < budget and not self._stop.is_set():
             deleted = self._work_connection().execute(
-                PRUNE_SQL, [cfg.retention, cfg.prune_batch]).rowcount
+                PRUNE_PUBLISHED, [cfg.retention, cfg.prune_batch]).rowcount
             total += deleted
             if deleted < cfg.prune_batch:
                 break

@@ -41,6 +41,7 @@ import psycopg
 
 from app.config import lease_settings as read_lease_settings
 from app.liveness import LOCK_NAMESPACE
+from app.state.boots import register_boot
 from lease import (
     KillFence,
     LeaseSettings,
@@ -127,11 +128,8 @@ class Boot:
             # is held, so repair's pruning of dead boots can never take a boot
             # that is still being born.
             lock_key, params = _take_free_key(conn, boot_id)
-            conn.execute(
-                "INSERT INTO worker_boots (boot_id, lock_key, hostname, pid, node) "
-                "VALUES (%s, %s, %s, %s, %s)",
-                [boot_id, lock_key, socket.gethostname()[:255], os.getpid(), NODE],
-            )
+            register_boot(conn, boot_id=boot_id, lock_key=lock_key,
+                          hostname=socket.gethostname(), pid=os.getpid(), node=NODE)
             backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             _check_session_kept(dsn, conn, backend_pid, params)
         except BaseException:

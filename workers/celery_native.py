@@ -7,7 +7,7 @@
   cancelled run is REVOKED. A delivery that did no work (a duplicate, a run
   already finished, not due yet) is ``Ignore``d: no SUCCESS for work not done.
 * **Controls.** ``celery control revoke <run id>`` cancels the run through the
-  API's cancel path (``app/runs.py: cancel_run``); ``--terminate`` records the
+  API's cancel path (``app/state/runs.py: cancel_run``); ``--terminate`` records the
   cancel first, then kills the pool process (SIGKILL for SIGTERM: a pool
   process reads SIGTERM as a deploy's and protects its run), and the run ends
   ``cancelled`` once its boot is dead, never resumed.
@@ -42,6 +42,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy import text
 
+from app.state import runs as state_runs
 from app.task_names import EXECUTE_RUN
 
 from . import boots
@@ -64,7 +65,7 @@ class RunRetrying(Exception):
 
 # -- what Celery is told -------------------------------------------------------------------------
 
-def report(task, claim) -> str:
+def report(task, execution) -> str:
     """End ``runs.execute`` the way this delivery's execution of the run ended.
 
     Return (SUCCESS) only for a run this delivery finished ``succeeded``; raise
@@ -72,7 +73,7 @@ def report(task, claim) -> str:
     """
     from .execution import RunEnding
 
-    ended = claim.ended
+    ended, claim = execution.ended, execution.claim
     if ended is None:
         return _not_executed(task, claim)
     if ended.status == RunEnding.SUCCEEDED:
@@ -91,8 +92,7 @@ def report(task, claim) -> str:
 
 def _not_executed(task, claim) -> str:
     from app.extensions import db
-
-    from .claims import ClaimOutcome
+    from app.state.claims import ClaimOutcome
 
     if claim.outcome == ClaimOutcome.FINISHED:
         status, error = db.session.execute(
@@ -163,7 +163,8 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
 def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
-    from app.runs import cancel_run, tenant_of
+    from app.runs import tenant_of
+    from app.state.runs import cancel_run
 
     try:
         run_uuid = uuid.UUID(run_id)
@@ -176,7 +177,7 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
                 db.session.rollback()
                 return None
             row = cancel_run(db.session, tenant_id, run_uuid)
-            ended = _end_abandoned(db.session, run_uuid)
+            ended = state_runs.end_abandoned(db.session, run_uuid)
             db.session.commit()
         except Exception:  # noqa: BLE001 - the revoke stands; repair and the API remain
             db.session.rollback()
@@ -203,7 +204,7 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     with flask_app.app_context():
         while time.monotonic() < deadline:
             try:
-                if _end_abandoned(db.session, run_uuid):
+                if state_runs.end_abandoned(db.session, run_uuid):
                     db.session.commit()
                     log.info("run %s: cancelled (its terminated process is gone)", run_id)
                     return
@@ -219,19 +220,10 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     log.warning("run %s: still running %ss after terminate; left to repair", run_id, timeout)
 
 
-def _end_abandoned(session, run_id: uuid.UUID) -> bool:
-    from app.runs import send_woken
-
-    row = session.execute(_END_ABANDONED(), {"run": run_id}).one_or_none()
-    send_woken(session, row)
-    return row is not None
-
-
 def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None:
     import json
 
     from app.extensions import db
-    from app.runs import send_woken
 
     error = {"code": "time_limit", "type": "poimen.TimeLimitExceeded",
              "message": f"the run exceeded its hard time limit ({timeout:g}s); its worker "
@@ -241,10 +233,8 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         run_uuid = uuid.UUID(run_id)
         with flask_app.app_context():
             try:
-                row = db.session.execute(_TIME_LIMIT(), {
-                    "run": run_uuid, "pid": pid, "node": boots.NODE,
-                    "error": json.dumps(error)}).one_or_none()
-                send_woken(db.session, row)
+                row = state_runs.fail_time_limit(db.session, run_uuid, node=boots.NODE, pid=pid,
+                                                 error=json.dumps(error))
                 db.session.commit()
             finally:
                 db.session.remove()
@@ -255,69 +245,7 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         log.error("run %s: failed: time_limit (%gs)", run_id, timeout)
 
 
-# The statements build lazily: app.runs (JOIN_RELEASE) is not imported at this
-# module's import, which the web process may do through a workflow module.
 _STATUS = text("SELECT status FROM runs WHERE id = :run")
-
-
-class _Lazy:
-    def __init__(self, build: Callable[[], Any]):
-        self.build, self.value = build, None
-
-    def __call__(self):
-        if self.value is None:
-            self.value = self.build()
-        return self.value
-
-
-def _build_end_abandoned():
-    from app.events import with_event
-    from app.liveness import LIVE_BOOTS_SQL
-    from app.runs import JOIN_RELEASE, WITH_WOKEN
-
-    # A run whose cancel was requested and whose holder is dead ends cancelled,
-    # as a takeover would end it (workers/claims.py: _TAKE_OVER). Conditional on
-    # both, so it races a takeover or the run's own finish safely: one wins.
-    return with_event(
-        f"""
-        UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
-         WHERE id = :run AND status = 'running' AND cancel_requested
-           AND claimed_by NOT IN ({LIVE_BOOTS_SQL})
-        """,
-        "id, tenant_id, status, attempt",
-        "'run.cancelled'",
-        "jsonb_build_object('attempt', attempt)",
-        then=JOIN_RELEASE,
-        select=WITH_WOKEN,
-    )
-
-
-def _build_time_limit():
-    from app.events import with_event
-    from app.runs import JOIN_RELEASE, WITH_WOKEN
-
-    # Only the run held by the very pool process Celery is about to kill: its
-    # boots are this worker's (node: the main process's own id) with its pid, and
-    # only while it runs there. Another container's process with the same
-    # hostname and pid is another node.
-    return with_event(
-        """
-        UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
-               failures = failures + 1, finished_at = now(), updated_at = now()
-         WHERE id = :run AND status = 'running'
-           AND claimed_by IN (SELECT boot_id FROM worker_boots
-                               WHERE node = :node AND pid = :pid)
-        """,
-        "id, tenant_id, status, attempt, error",
-        "'run.failed'",
-        "jsonb_build_object('attempt', attempt, 'error', error)",
-        then=JOIN_RELEASE,
-        select=WITH_WOKEN,
-    )
-
-
-_END_ABANDONED = _Lazy(_build_end_abandoned)
-_TIME_LIMIT = _Lazy(_build_time_limit)
 
 
 # -- existing Celery tasks as workflows ----------------------------------------------------------
@@ -343,9 +271,8 @@ class TaskBody:
         from flask import current_app
 
         task = current_app.extensions["celery"].tasks[self.task_name]
-        run = getattr(ctx, "_run", ctx)  # the ledger's StepContext wraps the RunContext
         task.push_request(
-            id=str(ctx.run_id), task=task.name, retries=getattr(run, "failures", 0),
+            id=str(ctx.run_id), task=task.name, retries=ctx.failures,
             args=[], kwargs=dict(input), called_directly=False,
             # "eager": self.retry() raises Retry instead of publishing a message;
             # the run's retry is Poimen's, with the run's claim and backoff.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import logging
@@ -10,38 +9,34 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from celery.exceptions import Retry as CeleryRetry
 from flask import current_app
-from psycopg import Error as psycopg_errors
-from sqlalchemy import text
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError
-from sqlalchemy.orm import Session
+from sqlalchemy.exc import DataError
 
-from app.config import libpq_url
 from app.enqueue import send_run
 from app.extensions import autocommit_next, db
 from app.logs import note_tenant
 from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
-from app.models import TERMINAL_STATUSES, RunStatus
-from logconfig import quiet_traceback
-
-from . import boots, ledger, registry
-from .boots import current_boot, end_current_boot
-from .claims import (
+from app.models import RunStatus
+from app.state.claims import (
     Adoption,
     Claim,
     ClaimOutcome,
     adopt_run,
     claim_run,
-    finish_run,
-    release_claim,
-    schedule_retry,
 )
+from app.state.ledger import EntryClose
+from logconfig import quiet_traceback
+
+from . import boots, ledger, registry
+from .actions import error_info
+from .boots import current_boot, end_current_boot
+from .context import RunContext
+from .dberrors import rollback
+from .fence import Fence, boot_dsn, record_deadline
 
 log = logging.getLogger(__name__)
 
@@ -69,63 +64,20 @@ class Ended:
     delay: float | None = None  # RETRYING: seconds until the next attempt
 
 
-@dataclass
-class RunContext:
-    """What a workflow function gets besides its input."""
+@dataclass(frozen=True)
+class Execution:
+    """What one delivery did: its claim, and how executing the run ended (None: it did not
+    execute it)."""
 
-    run_id: uuid.UUID
-    tenant_id: int
-    attempt: int
-    workflow: registry.Workflow
-    boot_id: uuid.UUID
-    _cancelled: bool = field(default=False, repr=False)
-    # Workflow exceptions recorded before this attempt (a Celery task's self.request.retries).
-    failures: int = 0
+    claim: Claim
+    ended: Ended | None = None
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether cancellation was requested (a checkpoint: reads the database).
-
-        While the database is unreachable the answer is the last one known: a
-        restart of Postgres must not fail the runs that happen to ask.
-        """
-        if not self._cancelled:
-            try:
-                with db.engine.connect() as conn:
-                    self._cancelled = bool(conn.execute(
-                        text("SELECT cancel_requested FROM runs WHERE id = :run"),
-                        {"run": self.run_id},
-                    ).scalar())
-            except Exception as err:  # noqa: BLE001
-                if not _retryable(err):
-                    raise
-        return self._cancelled
-
-    @property
-    def shutting_down(self) -> bool:
-        """Whether this worker got SIGTERM (a deploy): a long workflow may checkpoint."""
-        try:
-            from .shutdown import shutting_down
-        except ImportError:
-            return False
-        return shutting_down()
+    outcome = property(lambda self: self.claim.outcome)
+    run_id = property(lambda self: self.claim.run_id)
 
 
-def boot_dsn() -> str:
-    """The database a boot's lock connection uses, in libpq form.
-
-    ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
-    goes through a pooler), else the app's database.
-    """
-    return libpq_url(current_app.config.get("POIMEN_LOCK_DATABASE_URL")
-                     or current_app.config["SQLALCHEMY_DATABASE_URI"])
-
-
-def execute_run(run_id: str) -> Claim:
-    """Execute run ``run_id`` if this delivery wins its claim; return the claim outcome.
-
-    A claim that was executed carries how the execution ended (``claim.ended``).
-    """
+def execute_run(run_id: str) -> Execution:
+    """Execute run ``run_id`` if this delivery wins its claim; say what it did."""
     run_uuid = uuid.UUID(run_id)
     _watch_boots()
     claim = _claim(run_uuid)
@@ -134,7 +86,7 @@ def execute_run(run_id: str) -> Claim:
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
                 claim.holder)
-        return claim
+        return Execution(claim)
     if claim.outcome == ClaimOutcome.TAKEN_OVER:
         log.warning("run %s: took over from dead boot %s (attempt %s)", run_id, claim.holder,
                     claim.attempt)
@@ -153,7 +105,7 @@ def execute_run(run_id: str) -> Claim:
         # "running" under a live boot.
         log.exception("run %s: could not record its outcome; ending boot %s", run_id,
                       claim.boot_id)
-        _rollback()
+        rollback()
         end_current_boot()
         raise
     finally:
@@ -161,7 +113,7 @@ def execute_run(run_id: str) -> Claim:
     RUN_DURATION_SECONDS.labels(claim.run.workflow_name,
                                 getattr(ended, "status", "unknown")).observe(
         time.monotonic() - started)
-    return dataclasses.replace(claim, ended=ended)
+    return Execution(claim, ended)
 
 
 def observe_claim(claim: Claim) -> None:
@@ -187,7 +139,8 @@ def _claim(run_id: uuid.UUID) -> Claim:
             # claim runs in autocommit: one round trip instead of BEGIN,
             # statement, COMMIT. Its commit is still inside this try.
             autocommit_next(session)
-            claim = claim_run(session, run_id, boot.boot_id)
+            claim = claim_run(session, run_id, boot.boot_id,
+                              max_takeovers=registry.max_takeovers_of)
             session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied
@@ -196,7 +149,7 @@ def _claim(run_id: uuid.UUID) -> Claim:
             # over) instead of a run stranded under a live boot that answers
             # "duplicate" forever.
             log.exception("run %s: claim outcome unknown; ending boot %s", run_id, boot.boot_id)
-            _rollback()
+            rollback()
             end_current_boot()
             raise
         if claim.outcome != ClaimOutcome.CLAIMER_DEAD:
@@ -206,115 +159,6 @@ def _claim(run_id: uuid.UUID) -> Claim:
                     boot.boot_id)
         boot.mark_lost()
     return claim
-
-
-def _rollback() -> None:
-    try:
-        db.session.rollback()
-    except Exception:  # noqa: BLE001 - a dead connection may refuse even this
-        db.session.remove()
-
-
-def _retryable(err: Exception) -> bool:
-    """A database error that says the connection or server went away, not the statement."""
-    return isinstance(err, (OperationalError, InterfaceError)) or bool(
-        getattr(err, "connection_invalidated", False))
-
-
-def commit_fenced(run_id: uuid.UUID,
-                  write: Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]) -> Any:
-    """Make fenced writes for ``run_id`` in one transaction; return what ``write`` says.
-
-    ``write(session, ours, retrying)`` returns ``(commit, value)``: the
-    transaction is committed or rolled back accordingly. The fence ``ours`` is
-    every boot of this process that held the run (a lost boot's run adopted
-    by our new boot stays ours). While the database is unreachable (a restart,
-    a failover) the write is retried for POIMEN_RECORD_RETRY_SECONDS: a
-    finished run must not be executed again because a pooled connection was
-    stale. ``retrying`` tells ``write`` that an earlier try's commit may have
-    applied with its reply lost, so it can recognise its own write.
-    """
-    deadline = time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
-    retrying = False
-    delay = 0.2
-    while True:
-        session = db.session
-        try:
-            commit, value = write(session, boots.holders(run_id), retrying)
-            if commit:
-                session.commit()
-            else:
-                session.rollback()
-            return value
-        except Exception as err:
-            _rollback()
-            if not _retryable(err) or time.monotonic() > deadline:
-                raise
-            retrying = True
-            log.warning("run %s: database unreachable while recording (%s); retrying",
-                        run_id, type(err).__name__)
-            time.sleep(delay)
-            delay = min(2.0, delay * 2)
-
-
-def _record(run_id: uuid.UUID, write: Callable[[Session, list[uuid.UUID]], bool],
-            already_done: Callable[[Any], bool]) -> bool:
-    """Make one fenced write for ``run_id`` and commit it; False if the claim was lost.
-
-    When an earlier try's commit may have applied with its reply lost,
-    ``already_done(row)`` recognises our own write.
-    """
-    def attempt(session: Session, ours: list[uuid.UUID], retrying: bool) -> tuple[bool, bool]:
-        if write(session, ours):
-            return True, True
-        row = session.execute(
-            text("SELECT status, claimed_by FROM runs WHERE id = :run"), {"run": run_id}
-        ).one_or_none()
-        now_ours = boots.holders(run_id)
-        if (row is not None and row.status == RunStatus.RUNNING
-                and row.claimed_by in now_ours and row.claimed_by not in ours):
-            # Our watchdog adopted the run for a new boot while we wrote: write again.
-            return (True, True) if write(session, now_ours) else (False, False)
-        return False, retrying and row is not None and already_done(row)
-
-    return commit_fenced(run_id, attempt)
-
-
-def _await_new_boot(run_id: uuid.UUID, dead: uuid.UUID) -> uuid.UUID:
-    """Return the live boot that adopted ``run_id`` after this process's boot ``dead`` died.
-
-    The boot watchdog notices the loss and adopts the run (``_adopt_runs``), or
-    the process exits because another worker took the run over; wait for that.
-    """
-    deadline = time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
-    while True:
-        try:
-            current = current_boot(boot_dsn)
-        except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
-            if not _retryable(err) and not isinstance(err, psycopg_errors):
-                raise
-            current = None
-        if current is not None and current.boot_id != dead \
-                and current.boot_id in boots.holders(run_id):
-            return current.boot_id
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"run {run_id}: no live boot adopted it after boot {dead} died")
-        time.sleep(0.1)
-
-
-FENCING = ledger.Fencing(
-    commit=commit_fenced,
-    claimer=lambda: current_boot(boot_dsn).boot_id,
-    await_new_boot=_await_new_boot,
-)
-
-
-def _finished_by_us(run_id: uuid.UUID) -> Callable[[Any], bool]:
-    return lambda row: row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(run_id)
-
-
-def _requeued(row) -> bool:
-    return row.status == RunStatus.QUEUED
 
 
 def _run_claimed(claim: Claim) -> Ended:
@@ -328,9 +172,9 @@ def _run_claimed(claim: Claim) -> Ended:
         # A rolling deploy: the run is pinned to a version this worker does not
         # have (yet, or any more). Give it back, uncounted, and send it again a
         # little later for a worker that has it.
-        _rollback()
+        rollback()
         ref = f"{row.workflow_name}@{row.workflow_version}"
-        if _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued):
+        if Fence(run_id, row.tenant_id).release():
             delay = random.uniform(1.0, 3.0)
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
@@ -338,17 +182,18 @@ def _run_claimed(claim: Claim) -> Ended:
             return Ended(RunEnding.RELEASED, delay=delay)
         return Ended(RunEnding.LOST)
     except Exception as err:
-        _rollback()
-        released = _record(run_id, lambda s, ours: release_claim(s, run_id, ours), _requeued)
+        rollback()
+        released = Fence(run_id, row.tenant_id).release()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
-                     _cancelled=row.cancel_requested, failures=row.failures)
+                     cancel_requested=row.cancel_requested, failures=row.failures)
+    fence = Fence(run_id, row.tenant_id, row.goal_id)
 
     # The ledger dispatcher executes the steps; the last entry is closed here,
     # in the transaction that finishes (or retries) the run.
-    outcome = ledger.dispatch(ctx, row, FENCING)
-    _rollback()
+    outcome = ledger.dispatch(ctx, row, fence)
+    rollback()
     if outcome.ending == ledger.Ending.WAITING:
         log.info("run %s: waiting for its children (attempt %s)", run_id, claim.attempt)
         return Ended(RunEnding.WAITING)
@@ -358,26 +203,23 @@ def _run_claimed(claim: Claim) -> Ended:
     close = outcome.close
     if outcome.ending == ledger.Ending.FAILED:
         if outcome.exc is not None:
-            return _record_failure(ctx, row.failures, outcome.exc, close, outcome.error)
-        return _finish_failed(ctx, outcome.error, close)
+            return _record_failure(ctx, fence, row.failures, outcome.exc, close, outcome.error)
+        return _finish_failed(ctx, fence, outcome.error, close)
 
-    status = RunStatus.CANCELLED if ctx._cancelled else RunStatus.SUCCEEDED
-    result = outcome.result
+    status = RunStatus.CANCELLED if ctx.cancel_requested else RunStatus.SUCCEEDED
     try:
-        finished = _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
-            s, run_id, ours, status=status, result=result), _finished_by_us(run_id))
+        finished = fence.finish(close, status=status, result=outcome.result)
     except DataError as err:
         # The result itself cannot be stored (jsonb refuses it): a workflow bug,
         # recorded as a failure instead of retried forever.
-        _rollback()
+        rollback()
         error = {
             "type": "poimen.ResultNotStorable",
             "message": f"the workflow's result could not be stored: {err.orig}",
             "traceback": "",
         }
         bare = close.without_outputs(error) if close is not None else None
-        finished = _record(run_id, lambda s, ours: _closed(s, ours, bare) and finish_run(
-            s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id))
+        finished = fence.finish(bare, status=RunStatus.FAILED, error=error)
         status = RunStatus.FAILED
     if not finished:
         log.warning("run %s: claim lost before finishing; result discarded", run_id)
@@ -388,16 +230,11 @@ def _run_claimed(claim: Claim) -> Ended:
     return Ended(RunEnding(str(status)))
 
 
-def _closed(session: Session, ours: list[uuid.UUID], close) -> bool:
-    """Close the run's last step entry in the caller's transaction (True if none to close)."""
-    return close is None or close(session, ours)
-
-
-def _finish_failed(ctx: RunContext, error: dict, close) -> Ended:
+def _finish_failed(ctx: RunContext, fence: Fence, error: dict, close: EntryClose | None
+                   ) -> Ended:
     run_id = ctx.run_id
     code = error.get("code", error.get("type"))
-    if _record(run_id, lambda s, ours: _closed(s, ours, close) and finish_run(
-            s, run_id, ours, status=RunStatus.FAILED, error=error), _finished_by_us(run_id)):
+    if fence.finish(close, status=RunStatus.FAILED, error=error):
         # The error's type, not its message: a message may quote the run's input
         # (GET /v1/runs/<id> shows the whole error to the tenant).
         log.error("run %s: failed: %s", run_id, code)
@@ -406,9 +243,9 @@ def _finish_failed(ctx: RunContext, error: dict, close) -> Ended:
     return Ended(RunEnding.LOST)
 
 
-def _record_failure(ctx: RunContext, failures: int, err: Exception, close=None,
-                    error: dict | None = None) -> Ended:
-    error = error or ledger.error_info(err)
+def _record_failure(ctx: RunContext, fence: Fence, failures: int, err: Exception,
+                    close: EntryClose | None = None, error: dict | None = None) -> Ended:
+    error = error or error_info(err)
     workflow = ctx.workflow
     run_id = ctx.run_id
     retryable = isinstance(err, workflow.retry_on) and failures + 1 < workflow.max_attempts
@@ -418,15 +255,14 @@ def _record_failure(ctx: RunContext, failures: int, err: Exception, close=None,
             run_id, ctx.attempt, error["type"], extra={"traceback": quiet_traceback(err)})
     if retryable:
         delay = _retry_delay(workflow, failures, err)
-        if _record(run_id, lambda s, ours: _closed(s, ours, close) and schedule_retry(
-                s, run_id, ours, delay=delay, error=error), _requeued):
+        if fence.retry(close, delay=delay, error=error):
             log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
             send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay)
             return Ended(RunEnding.RETRYING, delay=delay)
         log.warning("run %s: claim lost before recording failure", run_id)
         return Ended(RunEnding.LOST)
-    return _finish_failed(ctx, error, close)
+    return _finish_failed(ctx, fence, error, close)
 
 
 def _retry_delay(workflow: registry.Workflow, failures: int, err: Exception) -> float:
@@ -469,8 +305,8 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
     runs = boots.runs_held_by(lost.boot_id)
     if not runs:
         return
-    deadline = time.monotonic() + flask_app.config["POIMEN_RECORD_RETRY_SECONDS"]
     with flask_app.app_context():
+        deadline = record_deadline()
         while True:
             try:
                 new = current_boot(boot_dsn)
@@ -486,7 +322,7 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
                 db.session.commit()
                 break
             except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
-                _rollback()
+                rollback()
                 if time.monotonic() > deadline and boots.still_held(runs):
                     log.error("runs %s: no new boot within the retry window (%s); stopping",
                               [str(r) for r in runs], err)

@@ -45,7 +45,7 @@ class DatabaseGate(bootsteps.StartStopStep):
         self._timer = None
 
     def start(self, c) -> None:
-        from .execution import boot_dsn
+        from .fence import boot_dsn
 
         with c.app.flask_app.app_context():
             dsn = boot_dsn()

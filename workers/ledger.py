@@ -23,9 +23,12 @@ declared-position order:
   enters the step's ``on_failure``. A failing non-marker action is recorded
   and the sequence continues.
 
-Every ledger write is fenced by the run's claim (``runs.claimed_by`` is one of
-this process's boots, locked ``FOR SHARE`` in the statement), like every other
-write a worker makes for a run it holds.
+The dispatcher decides; it records nothing itself. Every write goes through
+the run's ``Fence`` (``workers/fence.py``), fenced by the run's claim
+(``runs.claimed_by`` is one of this process's boots, locked ``FOR SHARE`` in
+the statement: ``app/state/ledger.py``), like every other write a worker makes
+for a run it holds. The kinds of action and their effects are
+``workers/actions.py``; what an action's ``ctx`` is, ``workers/context.py``.
 
 Entries of steps without marker-bearing actions or a join are written when
 they end (nothing in them needs a row before: a crash re-runs them from the
@@ -35,395 +38,24 @@ top), so a one-function workflow costs one more statement in its finish.
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 import logging
-import traceback
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flask import current_app
-from sqlalchemy import Row, text
+from sqlalchemy import Row
 from sqlalchemy.exc import DataError
-from sqlalchemy.orm import Session
 
-from app.admission import AdmissionConflict, admit_run
-from app.events import outbox_rows, record_event
-from app.liveness import LIVE_BOOTS_SQL
-from app.models import AdmissionOrigin
+from app.admission import AdmissionConflict
+from app.state.ledger import EntryClose, EntryStatus, MarkerClaim, MarkerOutcome
 
-from . import registry
+from . import actions, registry
+from .actions import error_info, idempotency_key
+from .context import RunContext, StepContext
+from .fence import ClaimLost, Fence
 from .registry import Action, Step, Workflow
 
-if TYPE_CHECKING:
-    from .execution import RunContext
-
 log = logging.getLogger(__name__)
-
-TRACEBACK_LIMIT = 4000
-MAX_DISPATCH_KEY = 255
-
-
-class EntryStatus(enum.StrEnum):
-    RUNNING = "running"
-    WAITING = "waiting"  # a join entry whose actions are done, waiting for its children
-    COMPLETED = "completed"
-    FAILED = "failed"  # a marker-bearing action failed, or (the last entry) a non-marker one
-    ABANDONED = "abandoned"  # a marker claim was lost: the remainder never ran
-
-
-class MarkerOutcome(enum.StrEnum):
-    CLAIMED = "claimed"  # ours: execute it
-    TAKEN_OVER = "taken_over"  # a dead boot's unfinished claim is ours now: execute it again
-    COMPLETED = "completed"  # done before: skip it, use the recorded result
-    FAILED = "failed"  # failed before: the stop rule applies
-    DUPLICATE = "duplicate"  # claimed by this very boot: never executed twice
-    HELD = "held"  # claimed by a live boot elsewhere: a lost claim
-    CLAIMER_DEAD = "claimer_dead"  # the claiming boot lost its lock: it claims nothing
-    FENCED = "fenced"  # the run is not held by this process: nothing may be written
-
-    @property
-    def execute(self) -> bool:
-        return self in (MarkerOutcome.CLAIMED, MarkerOutcome.TAKEN_OVER)
-
-
-@dataclass(frozen=True)
-class MarkerClaim:
-    outcome: MarkerOutcome
-    claims: int = 0
-    holder: uuid.UUID | None = None
-    result: Any = None
-    error: dict | None = None
-
-
-# -- keys ------------------------------------------------------------------------------------
-
-def idempotency_key(run_id: uuid.UUID, step_id: str, entry_no: int, position: int) -> str:
-    """The key of one marker-bearing action's effect: (run, step, entry, position).
-
-    Its inputs come from the declaration (step id, declared position) and the
-    entry's number, never from whether a ledger row happens to exist, so a
-    resumed entry derives the same key and another entry a different one.
-    """
-    return f"{run_id}/{step_id}/{entry_no}/{position}"
-
-
-def item_key(item: Any, index: int, key: str | Callable[[Any], Any] | None) -> str:
-    """The key of one fan-out item: ``item[key]``, ``key(item)``, or the item's index."""
-    if key is None:
-        value: Any = index
-    elif callable(key):
-        value = key(item)
-    else:
-        value = item[key]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return str(value)
-
-
-def fanout_key(idem_key: str, item: str) -> str:
-    """The ``dispatch_key`` of one child: the action's idempotency key and the item key.
-
-    The item key comes last, so no item can make two keys collide; a key too
-    long for the column ends in the item key's SHA-256 instead.
-    """
-    key = f"{idem_key}/{item}"
-    if len(key) > MAX_DISPATCH_KEY:
-        key = f"{idem_key}/sha256:{hashlib.sha256(item.encode()).hexdigest()}"
-    return key
-
-
-def error_info(err: BaseException, **extra: Any) -> dict[str, Any]:
-    """An exception as stored in ``runs.error`` and the ledger (type, message, traceback)."""
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    return {**extra, "type": f"{type(err).__module__}.{type(err).__qualname__}",
-            "message": str(err), "traceback": tb[-TRACEBACK_LIMIT:]}
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, default=str)
-
-
-# -- statements -------------------------------------------------------------------------------
-
-# The fence of every ledger write: the run is held by one of this process's
-# boots. FOR SHARE makes a takeover (an UPDATE of this row) wait for this
-# transaction, or this statement see the takeover and write nothing.
-_FENCE = """
-    run AS (SELECT id, tenant_id, cancel_requested FROM runs
-             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-"""
-# The claimer's liveness, evaluated in the claim statement itself.
-_LIVE = f"live AS (SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :claimer) AS ok)"
-
-_ENTRY_FIELDS = ("jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, "
-                 "'entry_id', entry.id)")
-
-_ENTER = text(f"""
-    WITH {_FENCE},
-    entry AS (
-        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions)
-        SELECT id, :entry_no, :step, 'running', CAST(:actions AS jsonb) FROM run
-        RETURNING id, run_id, entry_no, step_id, children_total, children_done
-    ),
-    event AS ({outbox_rows("entry JOIN run ON run.id = entry.run_id", "'step.entered'",
-                           _ENTRY_FIELDS, "CAST(:events AS boolean)", run_id="entry.run_id",
-                           tenant_id="run.tenant_id")})
-    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id
-""")
-
-_CLAIM_MARKER = text(f"""
-    WITH {_FENCE}, {_LIVE},
-    claimed AS (
-        INSERT INTO step_markers (entry_id, position, run_id, claimed_by, status)
-        SELECT :entry, :position, run.id, :claimer, 'claimed' FROM run, live WHERE live.ok
-        ON CONFLICT (entry_id, position) DO NOTHING
-        RETURNING claims
-    )
-    SELECT EXISTS (SELECT 1 FROM run) AS held, (SELECT ok FROM live) AS claimer_live,
-           (SELECT claims FROM claimed) AS claims
-""")
-
-_MARKER_STATE = text(f"""
-    SELECT m.status, m.claimed_by, m.claims, m.result, m.error,
-           EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = m.claimed_by) AS holder_live
-      FROM step_markers m WHERE m.entry_id = :entry AND m.position = :position
-""")
-
-# Wreckage: the holder is dead (its lock is gone, and a dead boot never comes
-# back). A compare-and-set on its id, so of two rescuers exactly one wins.
-_TAKE_OVER_MARKER = text(f"""
-    WITH {_FENCE}, {_LIVE}
-    UPDATE step_markers m SET claimed_by = :claimer, claims = m.claims + 1, claimed_at = now()
-      FROM run, live
-     WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-       AND m.claimed_by = :dead AND live.ok
-    RETURNING m.claims
-""")
-
-_ACTION_FIELDS = ("jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), "
-                  "'position', done.position, 'action', CAST(:name AS text), "
-                  "'idempotency_key', CAST(:key AS text)) || "
-                  "CASE WHEN done.error IS NULL THEN '{}'::jsonb "
-                  "ELSE jsonb_build_object('error', done.error - 'traceback') END")
-
-
-def _complete_marker_sql(spawned: bool) -> str:
-    # A fan-out links its children to the entry (for the join) in the statement
-    # that completes its marker, in the transaction that admitted them.
-    link = """,
-    linked AS (
-        INSERT INTO step_children (child_run_id, entry_id, position, ordinal, item_key)
-        SELECT c.child, :entry, :position, c.ordinal, c.item_key
-          FROM done, unnest(CAST(:children AS uuid[]), CAST(:ordinals AS int[]),
-                            CAST(:item_keys AS text[])) AS c(child, ordinal, item_key)
-        ON CONFLICT (child_run_id) DO NOTHING
-        RETURNING child_run_id
-    ),
-    counted AS (
-        UPDATE step_entries e
-           SET children_total = e.children_total + (SELECT count(*) FROM linked),
-               children_done = e.children_done + (
-                   SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
-                    WHERE r.status IN ('succeeded', 'failed', 'cancelled'))
-         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
-    )""" if spawned else ""
-    return f"""
-    WITH {_FENCE},
-    done AS (
-        UPDATE step_markers m
-           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-               finished_at = now()
-          FROM run
-         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-           AND m.claimed_by = ANY(:boots)
-        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
-    ){link},
-    event AS ({outbox_rows("done", "CAST(:event_type AS text)", _ACTION_FIELDS,
-                           run_id="done.run_id")})
-    SELECT count(*) AS completed FROM done
-    """
-
-
-_COMPLETE_MARKER = text(_complete_marker_sql(spawned=False))
-_COMPLETE_SPAWN = text(_complete_marker_sql(spawned=True))
-
-_CLOSE_FIELDS = (f"{_ENTRY_FIELDS} || jsonb_build_object('next_step', entry.next_step) || "
-                 "CASE WHEN entry.error IS NULL THEN '{}'::jsonb "
-                 "ELSE jsonb_build_object('error', entry.error - 'traceback') END")
-
-_CLOSE_ENTRY = text(f"""
-    WITH {_FENCE},
-    entry AS (
-        UPDATE step_entries e
-           SET status = :status, actions = CAST(:actions AS jsonb),
-               outputs = CAST(:outputs AS jsonb), error = CAST(:error AS jsonb),
-               next_step = :next_step, finished_at = now()
-          FROM run
-         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error, run.tenant_id,
-                  run.cancel_requested
-    ),
-    event AS ({outbox_rows("entry", "CAST(:event_type AS text)", _CLOSE_FIELDS,
-                           "CAST(:events AS boolean)", run_id="entry.run_id",
-                           tenant_id="entry.tenant_id")})
-    SELECT id, cancel_requested FROM entry
-""")
-
-# An entry that needed no row while it ran is written when it ends (its
-# step.entered and step.<status> events in that order, in one INSERT).
-_INSERT_CLOSED = text(f"""
-    WITH {_FENCE},
-    entry AS (
-        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
-                                  next_step, finished_at)
-        SELECT id, :entry_no, :step, :status, CAST(:actions AS jsonb), CAST(:outputs AS jsonb),
-               CAST(:error AS jsonb), :next_step, now()
-          FROM run
-        RETURNING id, run_id, entry_no, step_id, next_step, error
-    ),
-    event AS ({outbox_rows(
-        "entry JOIN run ON run.id = entry.run_id, (VALUES (1, 'step.entered'), "
-        "(2, CAST(:event_type AS text))) AS t(ord, type)", "t.type",
-        f"CASE t.ord WHEN 1 THEN {_ENTRY_FIELDS} ELSE {_CLOSE_FIELDS} END",
-        "CAST(:events AS boolean)", run_id="entry.run_id", tenant_id="run.tenant_id",
-        order_by="t.ord")})
-    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id
-""")
-
-# A join releases its worker: the entry waits (only while some child is still
-# running: its counters are on this row, which every child's end locks too,
-# see app/runs.py JOIN_RELEASE) and the run becomes 'waiting', unclaimed.
-_WAIT = text(f"""
-    WITH entry AS (
-        UPDATE step_entries e
-           SET status = 'waiting', actions = CAST(:actions AS jsonb),
-               outputs = CAST(:outputs AS jsonb)
-         WHERE e.id = :entry AND e.status = 'running' AND e.children_done < e.children_total
-           AND EXISTS (SELECT 1 FROM runs WHERE id = :run AND claimed_by = ANY(:boots))
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
-    ),
-    waited AS (
-        UPDATE runs r SET status = 'waiting', claimed_by = NULL, updated_at = now()
-          FROM entry
-         WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
-        RETURNING r.id, r.tenant_id, r.attempt, entry.step_id, entry.entry_no,
-                  entry.children_total, entry.children_done
-    ),
-    event AS ({outbox_rows("waited", "'run.waiting'",
-                           "jsonb_build_object('attempt', attempt, 'step', step_id, "
-                           "'entry', entry_no, 'children', children_total, "
-                           "'children_done', children_done)")})
-    SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits
-""")
-
-_CHILDREN = text("""
-    SELECT c.child_run_id, c.position, c.item_key, r.status, r.result, r.error, r.dispatch_key
-      FROM step_children c JOIN runs r ON r.id = c.child_run_id
-     WHERE c.entry_id = :entry
-     ORDER BY c.position, c.ordinal
-""")
-
-_HISTORY = text("""
-    SELECT id, entry_no, step_id, status, outputs, next_step
-      FROM step_entries WHERE run_id = :run AND entry_no < :entry_no ORDER BY entry_no
-""")
-
-
-# -- ledger writes (each in the caller's transaction) -------------------------------------------
-
-def enter_step(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], step: Step,
-               entry_no: int, *, events: bool = True) -> Row | None:
-    """Append entry ``entry_no`` into ``step`` (fenced); None if the run is not ours."""
-    return session.execute(_ENTER, {
-        "run": run_id, "boots": ours, "entry_no": entry_no, "step": step.id,
-        "actions": _json(_declared(step)), "events": events,
-    }).one_or_none()
-
-
-def claim_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
-                 position: int, claimer: uuid.UUID, *, retrying: bool = False) -> MarkerClaim:
-    """Claim marker ``(entry_id, position)`` for boot ``claimer`` (which must be live).
-
-    ``retrying``: an earlier try of this very claim may have committed with its
-    acknowledgement lost, so a marker held by ``claimer`` is this claim's own.
-    """
-    params = {"run": run_id, "boots": ours, "entry": entry_id, "position": position,
-              "claimer": claimer}
-    row = session.execute(_CLAIM_MARKER, params).one()
-    if row.claims is not None:
-        return MarkerClaim(MarkerOutcome.CLAIMED, claims=row.claims, holder=claimer)
-    if not row.held:
-        return MarkerClaim(MarkerOutcome.FENCED)
-    if not row.claimer_live:
-        return MarkerClaim(MarkerOutcome.CLAIMER_DEAD)
-    state = session.execute(_MARKER_STATE, params).one()
-    if state.status == "completed":
-        return MarkerClaim(MarkerOutcome.COMPLETED, state.claims, state.claimed_by, state.result)
-    if state.status == "failed":
-        return MarkerClaim(MarkerOutcome.FAILED, state.claims, state.claimed_by,
-                           error=state.error)
-    if state.claimed_by == claimer:
-        outcome = MarkerOutcome.CLAIMED if retrying else MarkerOutcome.DUPLICATE
-        return MarkerClaim(outcome, state.claims, claimer)
-    if state.holder_live:
-        return MarkerClaim(MarkerOutcome.HELD, state.claims, state.claimed_by)
-    taken = session.execute(_TAKE_OVER_MARKER, {**params, "dead": state.claimed_by}
-                            ).one_or_none()
-    if taken is None:
-        # Another rescuer won the compare-and-set (or our fence went): not ours.
-        return MarkerClaim(MarkerOutcome.HELD, state.claims, state.claimed_by)
-    return MarkerClaim(MarkerOutcome.TAKEN_OVER, taken.claims, state.claimed_by)
-
-
-def finish_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
-                  position: int, *, step_id: str, entry_no: int, name: str, key: str,
-                  result: Any = None, error: dict | None = None,
-                  children: list[tuple[uuid.UUID, int, str]] | None = None) -> bool:
-    """Complete (or, with ``error``, fail) a marker this process holds; False if it does not.
-
-    ``children``: (child run id, ordinal, item key) a fan-out admitted in this
-    transaction, linked to the entry in the same statement.
-    """
-    status = "failed" if error is not None else "completed"
-    params = {"run": run_id, "boots": ours, "entry": entry_id, "position": position,
-              "status": status, "result": _json(result), "error": _json(error),
-              "event_type": f"action.{status}", "step": step_id, "entry_no": entry_no,
-              "name": name, "key": key}
-    statement = _COMPLETE_MARKER
-    if children is not None:
-        statement = _COMPLETE_SPAWN
-        params.update(children=[c[0] for c in children], ordinals=[c[1] for c in children],
-                      item_keys=[c[2] for c in children])
-    return session.execute(statement, params).scalar_one() == 1
-
-
-def marker_state(session: Session, entry_id: int, position: int) -> Row | None:
-    return session.execute(_MARKER_STATE, {"entry": entry_id, "position": position}
-                           ).one_or_none()
-
-
-# -- the dispatcher ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Fencing:
-    """What the dispatcher needs from the execution of the run (``workers/execution.py``).
-
-    ``commit(run_id, write)``: run ``write(session, ours, retrying) -> (commit, value)``
-    and commit it (or roll back), retrying while the database is unreachable;
-    return ``value``. ``claimer()``: this process's live boot. ``await_new_boot(
-    run_id, dead)``: once the boot ``dead`` lost its lock, the boot that adopted
-    the run (the process exits if another worker took it over).
-    """
-
-    commit: Callable[[uuid.UUID, Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]],
-                     Any]
-    claimer: Callable[[], uuid.UUID]
-    await_new_boot: Callable[[uuid.UUID, uuid.UUID], uuid.UUID]
 
 
 class Ending(enum.StrEnum):
@@ -434,14 +66,14 @@ class Ending(enum.StrEnum):
     LOST = "lost"  # the run's claim is not ours any more: nothing was or may be recorded
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
-    """How a dispatch ended, and the write that closes the last entry.
+    """How a dispatch ended, and how its last entry ends (``close``).
 
-    ``close(session, ours)`` is made by the caller in the transaction that
-    finishes (or retries) the run, so the ledger and the run never disagree.
-    ``exc``: the workflow exception of a failed non-marker action (the
-    workflow's retry policy applies to it); None for ledger failures.
+    The caller writes ``close`` in the transaction that finishes (or retries)
+    the run, so the ledger and the run never disagree. ``exc``: the workflow
+    exception of a failed non-marker action (the workflow's retry policy
+    applies to it); None for ledger failures.
     """
 
     ending: Ending
@@ -449,10 +81,6 @@ class Outcome:
     error: dict | None = None
     exc: Exception | None = None
     close: EntryClose | None = None
-
-
-class ClaimLost(RuntimeError):
-    """A fenced ledger write was refused: another worker holds the run now."""
 
 
 @dataclass
@@ -475,99 +103,28 @@ class Entry:
             return self.outputs
         return {**self.outputs, "children": self.children}
 
-
-@dataclass
-class EntryClose:
-    """The write that ends an entry (made in the caller's transaction); False if refused."""
-
-    dispatcher: Dispatcher
-    entry: Entry
-    status: str
-    error: dict | None
-    next_step: str | None
-
-    def __call__(self, session: Session, ours: list[uuid.UUID]) -> bool:
-        return self.dispatcher._close(session, ours, self.entry, self.status, self.error,
-                                      self.next_step) is not None
-
-    def without_outputs(self, error: dict) -> EntryClose:
-        """The same end, failed with ``error`` and no outputs (Postgres refused them)."""
-        bare = Entry(self.entry.step, self.entry.entry_no, id=self.entry.id, outcomes={
-            p: {"status": o["status"]} for p, o in self.entry.outcomes.items()})
-        return EntryClose(self.dispatcher, bare, EntryStatus.FAILED, error, self.next_step)
+    def close(self, status: str, error: dict | None, next_step: str | None, *,
+              events: bool) -> EntryClose:
+        """This entry's end, as the store writes it."""
+        return EntryClose(entry_id=self.id, entry_no=self.entry_no, step_id=self.step.id,
+                          status=status, actions=self.actions_record(),
+                          outputs=self.outputs_record(), error=error, next_step=next_step,
+                          events=events)
 
 
-def _declared(step: Step) -> list[dict[str, Any]]:
-    return [{"position": a.position, "name": a.name, "marker": a.marker, "status": "pending"}
-            for a in step.actions]
-
-
-class StepContext:
-    """What an action (and a step's ``next``) gets besides the run's input.
-
-    Everything a one-function workflow's ``ctx`` had (``run_id``, ``tenant_id``,
-    ``attempt``, ``cancelled``, ``shutting_down``), plus the step, the entry
-    and the action being executed.
-    """
-
-    def __init__(self, run: RunContext, dispatcher: Dispatcher, entry: Entry):
-        self._run = run
-        self._dispatcher = dispatcher
-        self._entry = entry
-        self.position: int | None = None
-        # Set for marker-bearing actions only: (run, step, entry, position).
-        self.idempotency_key: str | None = None
-
-    run_id = property(lambda self: self._run.run_id)
-    tenant_id = property(lambda self: self._run.tenant_id)
-    attempt = property(lambda self: self._run.attempt)
-    workflow = property(lambda self: self._run.workflow)
-    boot_id = property(lambda self: self._run.boot_id)
-    cancelled = property(lambda self: self._run.cancelled)
-    shutting_down = property(lambda self: self._run.shutting_down)
-
-    @property
-    def input(self) -> dict[str, Any]:
-        return self._dispatcher.input
-
-    @property
-    def step(self) -> str:
-        return self._entry.step.id
-
-    @property
-    def entry(self) -> int:
-        """This entry's number in the run (1, 2, ...)."""
-        return self._entry.entry_no
-
-    @property
-    def outputs(self) -> dict[str, Any]:
-        """The outputs of this entry's completed actions so far, by action name."""
-        return self._entry.outputs
-
-    @property
-    def children(self) -> list[dict[str, Any]]:
-        """A join entry's children once they all finished: run_id, key, status, result, error."""
-        return self._entry.children or []
-
-    @property
-    def visit(self) -> int:
-        """How many times the run has entered this step, this entry included."""
-        return 1 + sum(1 for e in self.history() if e["step"] == self.step)
-
-    def history(self, step: str | None = None) -> list[dict[str, Any]]:
-        """Earlier entries of the run (of ``step`` only, if given), oldest first."""
-        return [e for e in self._dispatcher.history(self._entry.entry_no)
-                if step is None or e["step"] == step]
+class _Cancelled(Exception):
+    def __init__(self, entry: Entry):
+        self.entry = entry
 
 
 class Dispatcher:
     """Executes one claimed run's entries, from where its ledger says it is."""
 
-    def __init__(self, run: RunContext, row: Row, fencing: Fencing):
+    def __init__(self, run: RunContext, row: Row, fence: Fence):
         self.run = run
         self.row = row
         self.workflow: Workflow = run.workflow
-        self.fencing = fencing
+        self.fence = fence
         self.input: dict[str, Any] = row.input
         self.events = len(self.workflow.steps) > 1
         self._history: list[dict[str, Any]] | None = None
@@ -580,6 +137,15 @@ class Dispatcher:
         except ClaimLost as lost:
             log.warning("run %s: %s; stopping", self.run.run_id, lost)
             return Outcome(Ending.LOST)
+        except _Cancelled as cancelled:
+            # Cancellation was requested: no further entry; the one just entered
+            # (if written) is closed as abandoned with the run.
+            entry = cancelled.entry
+            for act in entry.step.actions:
+                entry.outcomes[act.position] = {"status": "abandoned"}
+            close = self._close(entry, EntryStatus.ABANDONED, None, None) \
+                if entry.id is not None else None
+            return Outcome(Ending.CANCELLED, result=None, close=close)
 
     def _dispatch(self) -> Outcome:
         wf = self.workflow
@@ -655,7 +221,7 @@ class Dispatcher:
                     continue
                 ctx.position, ctx.idempotency_key = act.position, None
                 try:
-                    output = self._call(ctx, act)
+                    output = actions.call(ctx, act, self.input)
                 except Exception as err:  # noqa: BLE001 - recorded; the sequence continues
                     log.info("run %s: action %s/%s failed (not marker-bearing; continuing): %s",
                              self.run.run_id, step.id, act.name, type(err).__name__)
@@ -676,7 +242,7 @@ class Dispatcher:
             target = step.on_failure
             if target is None:
                 return Outcome(Ending.FAILED, error=stop,
-                               close=self._closer(entry, stop_status, stop, None))
+                               close=self._close(entry, stop_status, stop, None))
             return self._advance(entry, stop_status, stop, target)
 
         ctx.position, ctx.idempotency_key = None, None
@@ -685,7 +251,7 @@ class Dispatcher:
         except Exception as err:  # noqa: BLE001 - a bug in `next` fails the run
             error = error_info(err, code="next_failed")
             return Outcome(Ending.FAILED, error=error, exc=err,
-                           close=self._closer(entry, EntryStatus.FAILED, error, None))
+                           close=self._close(entry, EntryStatus.FAILED, error, None))
         failures = [o["error"] for _, o in sorted(entry.outcomes.items())
                     if o["status"] == "failed"]
         status = EntryStatus.FAILED if failures else EntryStatus.COMPLETED
@@ -695,26 +261,16 @@ class Dispatcher:
             # The last entry recorded a failed action: the run fails with it (and
             # the workflow's retry policy applies to the exception, if it is ours).
             return Outcome(Ending.FAILED, error=failures[0], exc=first_failure,
-                           close=self._closer(entry, status, failures[0], None))
+                           close=self._close(entry, status, failures[0], None))
         try:
             result = (self.workflow.result(ctx) if self.workflow.result is not None
                       else self._result_of(step, entry.outputs))
         except Exception as err:  # noqa: BLE001 - a bug in `result` fails the run
             error = error_info(err, code="result_failed")
             return Outcome(Ending.FAILED, error=error, exc=err,
-                           close=self._closer(entry, EntryStatus.FAILED, error, None))
+                           close=self._close(entry, EntryStatus.FAILED, error, None))
         return Outcome(Ending.SUCCEEDED, result=result,
-                       close=self._closer(entry, status, None, None))
-
-    def _call(self, ctx: StepContext, act: Action) -> Any:
-        if act.kind == "call":
-            return act.fn(ctx, self.input)
-        if act.kind == "task":
-            celery_task = current_app.extensions["celery"].tasks[act.params["task"]]
-            kwargs = act.params["kwargs"]
-            # The task's own function, in this worker: no message, no second queue.
-            return celery_task.run(**(kwargs(ctx, self.input) if kwargs else self.input))
-        raise registry.InvalidDefinition(f"action kind {act.kind!r} is not callable directly")
+                       close=self._close(entry, status, None, None))
 
     def _next_of(self, ctx: StepContext, step: Step) -> str | None:
         target = step.next(ctx) if callable(step.next) else step.next
@@ -760,13 +316,14 @@ class Dispatcher:
 
         ctx.position, ctx.idempotency_key = act.position, key
         try:
-            effect = self._prepare(ctx, act, key)
+            effect = actions.prepare(ctx, act, key, self.input)
         except Exception as err:  # noqa: BLE001 - the stop rule
             return self._fail_marker(entry, act, key, error_info(err, **where)), \
                 EntryStatus.FAILED
         try:
-            output = self.fencing.commit(run_id, lambda s, ours, retrying: self._complete(
-                s, ours, retrying, entry, act, key, effect))
+            output = self.fence.complete_marker(
+                entry.id, act.position, step_id=entry.step.id, entry_no=entry.entry_no,
+                name=act.name, key=key, effect=effect)
         except (AdmissionConflict, registry.UnknownWorkflow, DataError) as err:
             return self._fail_marker(entry, act, key, error_info(err, **where)), \
                 EntryStatus.FAILED
@@ -776,11 +333,9 @@ class Dispatcher:
 
     def _claim(self, entry: Entry, act: Action) -> MarkerClaim:
         run_id = self.run.run_id
-        claimer = self.fencing.claimer()
+        claimer = self.fence.claimer()
         for _ in range(3):
-            claim = self.fencing.commit(run_id, lambda s, ours, retrying, boot=claimer: (
-                True, claim_marker(s, run_id, ours, entry.id, act.position, boot,
-                                   retrying=retrying)))
+            claim = self.fence.claim_marker(entry.id, act.position, claimer)
             if claim.outcome == MarkerOutcome.FENCED:
                 raise ClaimLost("marker claim refused: the run is not held by this process")
             if claim.outcome != MarkerOutcome.CLAIMER_DEAD:
@@ -790,221 +345,64 @@ class Dispatcher:
             # exits if another worker took the run over.
             log.warning("run %s: boot %s lost its lock at a marker claim; waiting for the run "
                         "to be adopted", run_id, claimer)
-            claimer = self.fencing.await_new_boot(run_id, claimer)
+            claimer = self.fence.await_new_boot(claimer)
         raise ClaimLost("no live boot to claim markers with")
 
-    def _prepare(self, ctx: StepContext, act: Action, key: str) -> Any:
-        """Run the action's own code; for a built-in, compute what it will write."""
-        if act.kind in ("call", "task"):
-            return ("output", self._call(ctx, act))
-        if act.kind == "emit":
-            data = act.params["data"]
-            data = data(ctx, self.input) if callable(data) else dict(data or {})
-            return ("emit", act.params["type"], data)
-        if act.kind == "spawn_each":
-            return ("spawn", self._fanout(ctx, act, key))
-        raise registry.InvalidDefinition(f"unknown action kind {act.kind!r}")
-
-    def _fanout(self, ctx: StepContext, act: Action, key: str
-                ) -> list[tuple[str, str, dict[str, Any]]]:
-        over, make_input = act.params["over"], act.params["input"]
-        items = list(over(ctx, self.input) if callable(over) else _path(ctx, over))
-        children, seen = [], set()
-        for index, item in enumerate(items):
-            ikey = item_key(item, index, act.params["key"])
-            if ikey in seen:
-                raise ValueError(f"spawn_each: two items have the key {ikey!r}")
-            seen.add(ikey)
-            child_input = (make_input(ctx, item) if make_input is not None
-                           else item if isinstance(item, Mapping) else {"item": item})
-            children.append((ikey, fanout_key(key, ikey), dict(child_input)))
-        return children
-
-    def _complete(self, session: Session, ours: list[uuid.UUID], retrying: bool, entry: Entry,
-                  act: Action, key: str, effect: tuple) -> tuple[bool, Any]:
-        run_id = self.run.run_id
-        common = dict(step_id=entry.step.id, entry_no=entry.entry_no, name=act.name, key=key)
-        kind = effect[0]
-        children = None
-        if kind == "output":
-            output = effect[1]
-        elif kind == "emit":
-            _, event_type, data = effect
-            record_event(session, tenant_id=self.run.tenant_id, run_id=run_id,
-                         event_type=event_type, idempotency_key=key, step=entry.step.id,
-                         entry=entry.entry_no, data=data)
-            output = {"event": event_type}
-        else:
-            children, admitted, replayed = [], [], 0
-            for ordinal, (ikey, dispatch_key, child_input) in enumerate(effect[1]):
-                admission = admit_run(
-                    session, tenant_id=self.run.tenant_id,
-                    workflow_ref=act.params["workflow_ref"], input=child_input,
-                    goal_id=self.row.goal_id, dispatch_key=dispatch_key,
-                    origin=AdmissionOrigin.FANOUT, origin_detail=f"spawn_each {key}"[:255],
-                    parent_run_id=run_id)
-                children.append((admission.run.id, ordinal, ikey))
-                admitted.append(str(admission.run.id))
-                replayed += not admission.created
-            output = {"children": admitted, "replayed": replayed}
-        if finish_marker(session, run_id, ours, entry.id, act.position, result=output,
-                         children=children, **common):
-            return True, output
-        # Refused. After an uncertain commit the marker may be completed already by us.
-        if retrying:
-            state = marker_state(session, entry.id, act.position)
-            if state is not None and state.status == "completed" and state.claimed_by in ours:
-                return False, state.result
-        raise ClaimLost(f"completing marker {entry.step.id}/{entry.entry_no}/{act.position} "
-                        "was refused: the run or the marker is not ours any more")
-
     def _fail_marker(self, entry: Entry, act: Action, key: str, error: dict) -> dict:
-        run_id = self.run.run_id
         log.warning("run %s: marker-bearing action %s/%s failed: %s; abandoning the rest of "
-                    "entry %s", run_id, entry.step.id, act.name, error.get("message"),
+                    "entry %s", self.run.run_id, entry.step.id, act.name, error.get("message"),
                     entry.entry_no)
-
-        def write(session: Session, ours: list[uuid.UUID], retrying: bool) -> tuple[bool, bool]:
-            if finish_marker(session, run_id, ours, entry.id, act.position, error=error,
-                             step_id=entry.step.id, entry_no=entry.entry_no, name=act.name,
-                             key=key):
-                return True, True
-            state = marker_state(session, entry.id, act.position) if retrying else None
-            return False, state is not None and state.status == "failed"
-
-        if not self.fencing.commit(run_id, write):
-            raise ClaimLost("recording a failed marker was refused")
+        self.fence.fail_marker(entry.id, act.position, step_id=entry.step.id,
+                               entry_no=entry.entry_no, name=act.name, key=key, error=error)
         entry.outcomes[act.position] = {"status": "failed", "error": error}
         return {**error, "code": "action_failed"}
 
     # -- entries ------------------------------------------------------------------------------
 
     def _enter(self, entry: Entry) -> None:
-        run_id = self.run.run_id
-
-        def write(session: Session, ours: list[uuid.UUID], retrying: bool):
-            row = enter_step(session, run_id, ours, entry.step, entry.entry_no,
-                             events=self.events)
-            return row is not None, row
-
-        row = self.fencing.commit(run_id, write)
-        if row is None:
-            raise ClaimLost(f"entering step {entry.step.id} was refused")
+        row = self.fence.enter(entry.step, entry.entry_no, events=self.events)
         entry.id = row.id
         if row.cancel_requested:
-            self.run._cancelled = True
+            self.run.note_cancel_requested()
 
-    def _close(self, session: Session, ours: list[uuid.UUID], entry: Entry, status: str,
-               error: dict | None, next_step: str | None) -> Row | None:
-        params = {"run": self.run.run_id, "boots": ours, "status": status,
-                  "actions": _json(entry.actions_record()),
-                  "outputs": _json(entry.outputs_record()), "error": _json(error),
-                  "next_step": next_step, "events": self.events,
-                  "event_type": f"step.{status}"}
-        if entry.id is None:
-            return session.execute(_INSERT_CLOSED, {
-                **params, "entry_no": entry.entry_no, "step": entry.step.id}).one_or_none()
-        return session.execute(_CLOSE_ENTRY, {**params, "entry": entry.id}).one_or_none()
-
-    def _closer(self, entry: Entry, status: str, error: dict | None,
-                next_step: str | None) -> EntryClose:
-        return EntryClose(self, entry, status, error, next_step)
+    def _close(self, entry: Entry, status: str, error: dict | None,
+               next_step: str | None) -> EntryClose:
+        return entry.close(status, error, next_step, events=self.events)
 
     def _advance(self, entry: Entry, status: str, error: dict | None, target: str) -> Entry:
         """Close ``entry`` and enter ``target`` in one transaction; return the new entry."""
-        run_id = self.run.run_id
         nxt = Entry(self.workflow.step(target), entry.entry_no + 1)
-
-        def write(session: Session, ours: list[uuid.UUID], retrying: bool):
-            closed = self._close(session, ours, entry, status, error, target)
-            if closed is None:
-                return False, None
-            if nxt.step.has_marker or nxt.step.join:
-                entered = enter_step(session, run_id, ours, nxt.step, nxt.entry_no,
-                                     events=self.events)
-                if entered is None:
-                    return False, None
-                return True, (closed.cancel_requested, entered.id)
-            return True, (closed.cancel_requested, None)
-
-        done = self.fencing.commit(run_id, write)
-        if done is None:
-            raise ClaimLost(f"closing entry {entry.entry_no} ({entry.step.id}) was refused")
+        cancel_requested, nxt.id = self.fence.advance(
+            self._close(entry, status, error, target), nxt.step, nxt.entry_no,
+            enter=nxt.step.has_marker or nxt.step.join)
         self._history = None
-        cancel_requested, nxt.id = done
-        if cancel_requested or self.run._cancelled:
-            self.run._cancelled = True
+        if cancel_requested or self.run.cancel_requested:
+            self.run.note_cancel_requested()
             raise _Cancelled(nxt)
         return nxt
 
     def _wait(self, entry: Entry) -> bool:
         """Release the worker until the entry's children have finished; False if they have."""
-        run_id = self.run.run_id
-
-        def write(session: Session, ours: list[uuid.UUID], retrying: bool):
-            row = session.execute(_WAIT, {
-                "run": run_id, "boots": ours, "entry": entry.id,
-                "actions": _json(entry.actions_record()),
-                "outputs": _json(entry.outputs)}).one()
-            if row.entry_waits and not row.run_waits:
-                return False, None  # the entry would wait for a run that is not ours
-            return True, bool(row.run_waits)
-
-        waited = self.fencing.commit(run_id, write)
-        if waited is None:
-            raise ClaimLost(f"waiting for the children of entry {entry.entry_no} was refused")
+        waited = self.fence.wait(entry.id, entry.entry_no, actions=entry.actions_record(),
+                                 outputs=entry.outputs)
         if waited:
-            log.info("run %s: entry %s (%s) waits for its children; worker released", run_id,
-                     entry.entry_no, entry.step.id)
+            log.info("run %s: entry %s (%s) waits for its children; worker released",
+                     self.run.run_id, entry.entry_no, entry.step.id)
         return waited
 
     def _children(self, entry_id: int) -> list[dict[str, Any]]:
-        rows = self._read(_CHILDREN, {"entry": entry_id})
         return [{"run_id": str(r.child_run_id), "key": r.item_key, "position": r.position,
                  "status": r.status, "result": r.result, "error": r.error,
-                 "dispatch_key": r.dispatch_key} for r in rows]
+                 "dispatch_key": r.dispatch_key} for r in self.fence.children(entry_id)]
 
     def history(self, before_entry: int) -> list[dict[str, Any]]:
         if self._history is None:
-            rows = self._read(_HISTORY, {"run": self.run.run_id, "entry_no": 1 << 30})
             self._history = [{"entry": r.entry_no, "step": r.step_id, "status": r.status,
-                              "outputs": r.outputs, "next_step": r.next_step} for r in rows]
+                              "outputs": r.outputs, "next_step": r.next_step}
+                             for r in self.fence.history()]
         return [e for e in self._history if e["entry"] < before_entry]
 
-    def _read(self, statement, params: dict) -> list[Row]:
-        return self.fencing.commit(self.run.run_id, lambda s, ours, retrying: (
-            False, s.execute(statement, params).all()))
 
-
-class _Cancelled(Exception):
-    def __init__(self, entry: Entry):
-        self.entry = entry
-
-
-def _path(ctx: StepContext, path: str) -> Any:
-    head, *rest = path.split(".")
-    if head == "input":
-        value: Any = ctx.input
-    elif head == "outputs":
-        value = ctx.outputs
-    else:
-        raise registry.InvalidDefinition(f"path {path!r} must start with 'input.' or 'outputs.'")
-    for part in rest:
-        value = value[int(part)] if isinstance(value, list) else value[part]
-    return value
-
-
-def dispatch(run: RunContext, row: Row, fencing: Fencing) -> Outcome:
+def dispatch(run: RunContext, row: Row, fence: Fence) -> Outcome:
     """Execute the claimed run ``row`` from where its ledger says it is."""
-    dispatcher = Dispatcher(run, row, fencing)
-    try:
-        return dispatcher.dispatch()
-    except _Cancelled as cancelled:
-        # Cancellation was requested: no further entry; the one just entered
-        # (if written) is closed as abandoned with the run.
-        entry = cancelled.entry
-        for act in entry.step.actions:
-            entry.outcomes[act.position] = {"status": "abandoned"}
-        close = dispatcher._closer(entry, EntryStatus.ABANDONED, None, None) \
-            if entry.id is not None else None
-        return Outcome(Ending.CANCELLED, result=None, close=close)
+    return Dispatcher(run, row, fence).dispatch()

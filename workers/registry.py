@@ -40,6 +40,8 @@ REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Z
 STEP_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 EVENT_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
 MAX_POSITION = 1_000_000
+# How many dead workers a run may outlive before it fails with worker_lost.
+DEFAULT_MAX_TAKEOVERS = 5
 # ctx.outputs of a join entry holds its children's outcomes under this name.
 RESERVED_OUTPUT_NAMES = frozenset({"children"})
 
@@ -182,7 +184,7 @@ class Workflow:
     steps: Sequence[Step]
     max_attempts: int = 1
     # Lost workers (OOM, segfault, kill -9) a run may outlive; then it fails worker_lost.
-    max_takeovers: int = 5
+    max_takeovers: int = DEFAULT_MAX_TAKEOVERS
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
     retry_on: tuple[type[BaseException], ...] = field(default=(Exception,))
@@ -310,7 +312,7 @@ def workflow(
     version: str = "1",
     *,
     max_attempts: int = 1,
-    max_takeovers: int = 5,
+    max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
     backoff_seconds: float = 1.0,
     backoff_max_seconds: float = 60.0,
     retry_on: Iterable[type[BaseException]] = (Exception,),
@@ -376,6 +378,14 @@ def resolve(ref: str) -> Workflow:
 def get(name: str, version: str) -> Workflow:
     """Return the exact pinned workflow a run was admitted with."""
     return resolve(f"{name}@{version}")
+
+
+def max_takeovers_of(name: str, version: str) -> int:
+    """How many lost workers a run of ``name@version`` may outlive (the default if unknown)."""
+    try:
+        return get(name, version).max_takeovers
+    except UnknownWorkflow:
+        return DEFAULT_MAX_TAKEOVERS
 
 
 def registered() -> list[Workflow]:

@@ -19,8 +19,8 @@ from celery.signals import (
 from flask import current_app
 
 from app.extensions import db
-from app.liveness import prune_dead_boots
 from app.runs import redrive_stranded_runs
+from app.state.boots import prune_dead_boots
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 from lease import LeaseOrderingError
 
@@ -33,7 +33,8 @@ from .boots import (
     current_boot,
     end_current_boot,
 )
-from .execution import ClaimReleased, boot_dsn, execute_run
+from .execution import ClaimReleased, execute_run
+from .fence import boot_dsn
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,12 @@ def execute(self, run_id: str) -> str:
     only for a run this delivery finished ``succeeded``.
     """
     try:
-        claim = execute_run(run_id)
+        execution = execute_run(run_id)
     except ClaimReleased:
         # Back to queued before its workflow started; beat re-sends it.
         raise Retry(f"run {run_id} released before start",
                     exc=celery_native.RunRetrying("released before start")) from None
-    return celery_native.report(self, claim)
+    return celery_native.report(self, execution)
 
 
 @shared_task(name=REPAIR_RUNS)

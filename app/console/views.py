@@ -1,7 +1,7 @@
 """The console's pages: sign-in, the runs list, a run's page, cancel and re-drive.
 
 Views hold no SQL: runs, steps and children come from ``app/runs.py``,
-cancel is ``runs.cancel_run`` (the API's), re-drive is ``admission.admit_run``
+cancel is ``app.state.runs.cancel_run`` (the API's), re-drive is ``admission.admit_run``
 with a key derived from the failed run, and the rest is ``reads.py``.
 """
 
@@ -35,6 +35,7 @@ from ..auth import ADMIT
 from ..errors import ApiError
 from ..extensions import db
 from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus
+from ..state import runs as state_runs
 from . import reads
 from .session import (
     CSRF_FIELD,
@@ -265,7 +266,7 @@ def cancel(run_id: str):
         raise ConsoleError(403, "forbidden", "this token may not cancel runs")
     run = _load_run(run_id)
     # The API's cancel: one statement, its run.cancelled event, a waiting parent woken.
-    changed = run_service.cancel_run(db.session, run.tenant_id, run.id)
+    changed = state_runs.cancel_run(db.session, run.tenant_id, run.id)
     db.session.commit()
     if changed is None:
         flash("The run had already finished; nothing to cancel.", "info")

@@ -15,7 +15,7 @@ def test_cancel_racing_a_release_still_cancels(app, admit, pg, database_url):
     one-statement cancel re-checks the new version and cancels it outright.
     """
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.state.runs import cancel_run
 
     run_id = admit("echo", {})
     pg.execute("UPDATE runs SET status = 'running' WHERE id = %s", [run_id])
@@ -51,7 +51,7 @@ def test_cancel_racing_a_release_still_cancels(app, admit, pg, database_url):
 
 def test_cancel_of_a_finished_run_changes_nothing(app, admit, pg):
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.state.runs import cancel_run
 
     run_id = admit("echo", {})
     pg.execute("UPDATE runs SET status = 'succeeded' WHERE id = %s", [run_id])

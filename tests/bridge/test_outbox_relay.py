@@ -638,11 +638,13 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
 
 
 def test_the_bridge_imports_nothing_from_app_or_workers_but_its_settings():
+    """Of app/: its settings, and the run-state store's outbox statements (the relay's marks
+    write the outbox, which the store owns)."""
     code = ("import sys, bridge.outbox, bridge.inbox, bridge.topics, bridge.kafka; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=60)
-    assert out.stdout.strip() == "['app', 'app.config']"
+    assert out.stdout.strip() == "['app', 'app.config', 'app.state', 'app.state.outbox']"
 
 
 # -- shutdown, retention -------------------------------------------------------------------------

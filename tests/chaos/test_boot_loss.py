@@ -98,7 +98,7 @@ def test_a_cancelled_run_whose_worker_dies_ends_cancelled(app, admit, side_effec
     """Cancel while running (the workflow has no checkpoint), then kill -9 the worker:
     the takeover ends the run cancelled instead of executing it again."""
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.state.runs import cancel_run
 
     env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
     run_id = admit("blind", {"seconds": 30})

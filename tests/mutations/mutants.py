@@ -25,7 +25,7 @@ class Mutant:
     ci: bool = True  # part of the subset .ci/run runs
 
 
-CLAIMS = "workers/claims.py"
+CLAIMS = "app/state/claims.py"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 
 MUTANTS: list[Mutant] = [
@@ -44,7 +44,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "admission_check_then_insert",
         "the index decides a key: admission never reads before it inserts",
-        "app/admission.py",
+        "app/state/runs.py",
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
         "            :origin_detail, :parent_run_id, :definition_hash)\n"
@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "replay_input_compared_loosely",
         "a replay is the same request as stored (jsonb equality, decided by Postgres)",
-        "app/admission.py",
+        "app/state/runs.py",
         "input = CAST(:input AS jsonb) AS same_input",
         "input::text::numeric IS NULL OR true AS same_input",
         ("tests/app/test_hostile_input.py::test_true_and_1_under_one_key_are_a_conflict",),
@@ -196,14 +196,14 @@ MUTANTS: list[Mutant] = [
         "unrecordable_outcome_keeps_the_boot",
         "a claim whose outcome cannot be recorded ends the boot (the run becomes wreckage)",
         "workers/execution.py",
-        "        _rollback()\n        end_current_boot()\n        raise\n    finally:",
-        "        _rollback()\n        raise\n    finally:",
+        "        rollback()\n        end_current_boot()\n        raise\n    finally:",
+        "        rollback()\n        raise\n    finally:",
         (f"{CLAIM_TESTS}::test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot",),
     ),
     Mutant(
         "finish_refused_by_its_own_adoption",
         "a fenced write racing this process's own adoption is recorded under the new boot",
-        "workers/execution.py",
+        "workers/fence.py",
         "            return (True, True) if write(session, now_ours) else (False, False)\n",
         "            pass\n",
         (f"{CLAIM_TESTS}::"
@@ -294,9 +294,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "time_limit_fenced_by_host_and_pid",
         "the hard-time-limit write applies only to the run held by this worker's pool process",
-        "workers/celery_native.py",
-        "                               WHERE node = :node AND pid = :pid)\n",
-        "                               WHERE pid = :pid)\n",
+        "app/state/runs.py",
+        "                           WHERE node = :node AND pid = :pid)\n",
+        "                           WHERE pid = :pid)\n",
         ("tests/workers/test_time_limit_fence.py",),
     ),
     # -- the step-entry ledger ----------------------------------------------------------------
@@ -312,7 +312,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "marker_claim_without_claimer_liveness",
         "a marker is claimed only by a live boot",
-        "workers/ledger.py",
+        "app/state/ledger.py",
         "FROM run, live WHERE live.ok",
         "FROM run, live",
         ("tests/workers/test_step_entry_dispatch.py::"
@@ -321,7 +321,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "marker_takeover_without_compare_and_set",
         "a dead boot's marker is taken over with a compare-and-set on the dead boot id",
-        "workers/ledger.py",
+        "app/state/ledger.py",
         "       AND m.claimed_by = :dead AND live.ok",
         "       AND live.ok",
         ("tests/workers/test_step_entry_dispatch.py::"
@@ -331,7 +331,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cancel_misses_a_requeued_run",
         "cancel is one statement: a run requeued under it is still cancelled",
-        "app/runs.py",
+        "app/state/runs.py",
         "AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),

@@ -2,8 +2,8 @@
 
 tests/workers/test_claims.py witnesses who may claim, take over and write; these
 witness what each path leaves behind — the Claim a worker acts on, the row and
-the event — where mutmut over workers/claims.py found no in-process test
-looking (docs/internals/testing.md, "mutmut over workers/claims.py").
+the event — where mutmut over the claims module (now app/state/claims.py) found no
+in-process test looking (docs/internals/testing.md, "mutmut over workers/claims.py").
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from workers.claims import (
+from app.state.claims import (
     Adoption,
     Claim,
     ClaimOutcome,
@@ -21,7 +21,7 @@ from workers.claims import (
     finish_run,
     schedule_retry,
 )
-from workers.registry import workflow
+from workers.registry import max_takeovers_of, workflow
 
 
 @workflow("fragile", version="1", max_takeovers=1)
@@ -39,7 +39,7 @@ def session(app):
 
 
 def claim(session, run_id, boot_id) -> Claim:
-    result = claim_run(session, run_id, boot_id)
+    result = claim_run(session, run_id, boot_id, max_takeovers=max_takeovers_of)
     session.commit()
     return result
 

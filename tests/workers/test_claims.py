@@ -7,7 +7,8 @@ import time
 import psycopg
 import pytest
 
-from workers.claims import ClaimOutcome, claim_run, finish_run, release_claim
+from app.state.claims import ClaimOutcome, claim_run, finish_run, release_claim
+from workers.registry import max_takeovers_of
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def session(app):
 
 
 def claim(session, run_id, boot_id):
-    result = claim_run(session, run_id, boot_id)
+    result = claim_run(session, run_id, boot_id, max_takeovers=max_takeovers_of)
     session.commit()
     return result
 
@@ -199,7 +200,8 @@ def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app
     """The worker cannot load the run's workflow (a rolling deploy): back to queued, the
     attempt given back, the boot kept."""
     from workers.boots import current_boot
-    from workers.execution import boot_dsn, execute_run
+    from workers.execution import execute_run
+    from workers.fence import boot_dsn
 
     run_id = admit("echo")
     pg.execute("UPDATE runs SET workflow_version = '999' WHERE id = %s", [run_id])
@@ -248,13 +250,13 @@ def test_the_takeover_statement_itself_requires_the_claimers_lock(session, admit
                                                                    dead_boot, pg):
     """``claim_run`` checks liveness before it tries a takeover, but the lock can go
     between that read and the UPDATE: the UPDATE must refuse on its own."""
-    from workers.claims import _TAKE_OVER
+    from app.state.claims import TAKE_OVER
 
     run_id, dead = admit(), dead_boot()
     hold_as(pg, run_id, dead)
     rescuer = boot_factory()
     terminate_lock_backend(pg, rescuer)  # ... after claim_run's read saw it live
-    row = session.execute(_TAKE_OVER, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
+    row = session.execute(TAKE_OVER, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
                                        "max_takeovers": 5}).one_or_none()
     session.commit()
     assert row is None
@@ -335,7 +337,7 @@ def test_taking_over_a_cancelled_run_ends_it_cancelled(session, admit, boot_fact
 # Adoption: the process that lost its lock keeps its run only by a compare-and-set ---------
 
 def test_adoption_moves_the_claim_to_the_new_boot(session, admit, boot_factory, dead_boot, pg):
-    from workers.claims import Adoption, adopt_run
+    from app.state.claims import Adoption, adopt_run
 
     run_id, lost = admit(), dead_boot()
     hold_as(pg, run_id, lost)
@@ -348,7 +350,7 @@ def test_adoption_moves_the_claim_to_the_new_boot(session, admit, boot_factory, 
 
 
 def test_adoption_after_a_takeover_is_refused(session, admit, boot_factory, dead_boot, pg):
-    from workers.claims import Adoption, adopt_run
+    from app.state.claims import Adoption, adopt_run
 
     run_id, lost = admit(), dead_boot()
     hold_as(pg, run_id, lost)
@@ -377,7 +379,7 @@ def _blocked_claim(app, run_id, boot_id, pg):
     def deliver():
         with app.app_context():
             db.session.execute(db.text("SET application_name = 'test-second-claimer'"))
-            outcome["claim"] = claim_run(db.session, run_id, boot_id)
+            outcome["claim"] = claim_run(db.session, run_id, boot_id, max_takeovers=max_takeovers_of)
             db.session.commit()
 
     thread = threading.Thread(target=deliver)
@@ -398,7 +400,7 @@ def test_a_claim_waiting_on_an_uncommitted_claim_does_not_claim_again(app, admit
 
     run_id, a, b = admit(), boot_factory(), boot_factory()
     with app.app_context():
-        first = claim_run(db.session, run_id, a.boot_id)  # not committed yet
+        first = claim_run(db.session, run_id, a.boot_id, max_takeovers=max_takeovers_of)  # not committed yet
         assert first.outcome == ClaimOutcome.CLAIMED
         thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
         db.session.commit()
@@ -418,7 +420,7 @@ def test_two_rescuers_of_one_dead_boots_run_take_it_over_once(app, admit, boot_f
     hold_as(pg, run_id, dead)
     a, b = boot_factory(), boot_factory()
     with app.app_context():
-        assert claim_run(db.session, run_id, a.boot_id).outcome == ClaimOutcome.TAKEN_OVER
+        assert claim_run(db.session, run_id, a.boot_id, max_takeovers=max_takeovers_of).outcome == ClaimOutcome.TAKEN_OVER
         thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
         db.session.commit()
     thread.join(10)
@@ -430,7 +432,7 @@ def test_two_rescuers_of_one_dead_boots_run_take_it_over_once(app, admit, boot_f
 @pytest.mark.parametrize("write", ["retry", "release", "finish"])
 def test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused(session, admit,
                                                                      boot_factory, pg, write):
-    from workers.claims import schedule_retry
+    from app.state.claims import schedule_retry
 
     run_id, first, second = admit(), boot_factory(), boot_factory()
     hold_as(pg, run_id, second.boot_id)  # taken over by ``second`` while ``first`` was cut off
@@ -452,12 +454,12 @@ def test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot(app, admit, pg, ds
     'running' under a live boot forever."""
     from sqlalchemy.exc import ProgrammingError
 
-    from workers import boots, execution
+    from workers import boots, execution, fence
 
     def broken_finish(*args, **kwargs):
         raise ProgrammingError("UPDATE runs ...", {}, Exception("permission denied"))
 
-    monkeypatch.setattr(execution, "finish_run", broken_finish)
+    monkeypatch.setattr(fence, "finish_run", broken_finish)
     boots.end_current_boot()
     run_id = admit("echo", {})
     try:
@@ -475,7 +477,7 @@ def test_a_run_whose_outcome_cannot_be_recorded_ends_the_boot(app, admit, pg, ds
 
 def test_repair_prunes_dead_boots_that_no_run_refers_to(session, admit, boot_factory,
                                                         dead_boot, pg):
-    from app.liveness import prune_dead_boots
+    from app.state.boots import prune_dead_boots
 
     pg.execute("INSERT INTO worker_boots (boot_id, hostname, pid) "
                "SELECT gen_random_uuid(), 'gone', 1 FROM generate_series(1, 1000)")
@@ -504,9 +506,9 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
     """The watchdog adopts the run for a new boot between the finish's read of the fence
     and its UPDATE: the finish must not report the claim lost (the run would stay
     running, though it completed); it writes again under the adopted boot."""
+    from app.state.claims import adopt_run
     from workers import boots
-    from workers.claims import adopt_run
-    from workers.execution import _finished_by_us, _record
+    from workers.fence import Fence
 
     run_id, lost = admit(), dead_boot()
     hold_as(pg, run_id, lost)
@@ -529,7 +531,8 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
 
     try:
         with app.app_context():
-            assert _record(run_id, finish_while_adopted, _finished_by_us(run_id)) is True
+            fence = Fence(run_id, tenant_id=0)
+            assert fence._end(finish_while_adopted, fence._finished_by_us) is True
     finally:
         boots.let_go([run_id])
     assert status_of(pg, run_id)[:2] == ("succeeded", new.boot_id)

@@ -16,7 +16,8 @@ import pytest
 
 import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
 from tests.processes import start_beat, start_worker, wait_until
-from workers.ledger import fanout_key, idempotency_key
+from workers.actions import fanout_key, idempotency_key
+from workers.registry import max_takeovers_of
 
 PARTICIPANTS = ["ana", "bo", "cy"]
 
@@ -222,13 +223,13 @@ def test_a_failed_plain_action_at_position_1_still_lets_the_fanout_run(admit, ru
 def hold_marker(app, run_id, boot, position: int, *, complete: bool = False) -> int:
     """As ``boot``: claim ``run_id``, enter its first step, claim the marker at ``position``."""
     from app.extensions import db
+    from app.state.claims import ClaimOutcome, claim_run
+    from app.state.ledger import MarkerOutcome, claim_marker, enter_step, finish_marker
     from workers import registry
-    from workers.claims import ClaimOutcome, claim_run
-    from workers.ledger import MarkerOutcome, claim_marker, enter_step, finish_marker
 
     with app.app_context():
         session = db.session
-        claim = claim_run(session, run_id, boot)
+        claim = claim_run(session, run_id, boot, max_takeovers=max_takeovers_of)
         assert claim.outcome == ClaimOutcome.CLAIMED
         session.commit()
         wf = registry.get(claim.run.workflow_name, claim.run.workflow_version)
@@ -245,7 +246,7 @@ def hold_marker(app, run_id, boot, position: int, *, complete: bool = False) -> 
 def test_a_marker_held_by_a_live_boot_elsewhere_abandons_the_rest_of_the_entry(
         app, admit, boot_factory, run_here, side_effects, pg):
     from app.extensions import db
-    from workers.claims import release_claim
+    from app.state.claims import release_claim
 
     run_id, elsewhere = admit("ledger-probe"), boot_factory()
     hold_marker(app, run_id, elsewhere.boot_id, 0)
@@ -312,14 +313,14 @@ def two_sessions(app):
 def entry_held_by(app, admit):
     """A ledger-probe run held by a boot, with its entry written; return (run id, entry id)."""
     from app.extensions import db
+    from app.state.claims import claim_run
+    from app.state.ledger import enter_step
     from workers import registry
-    from workers.claims import claim_run
-    from workers.ledger import enter_step
 
     def make(boot) -> tuple[uuid.UUID, int]:
         run_id = admit("ledger-probe")
         with app.app_context():
-            claim_run(db.session, run_id, boot)
+            claim_run(db.session, run_id, boot, max_takeovers=max_takeovers_of)
             entry = enter_step(db.session, run_id, [boot],
                                registry.get("ledger-probe", "1").first_step, 1)
             db.session.commit()
@@ -329,7 +330,7 @@ def entry_held_by(app, admit):
 
 
 def claim(session, run_id, ours, entry_id, position, claimer, **kwargs):
-    from workers.ledger import claim_marker
+    from app.state.ledger import claim_marker
 
     result = claim_marker(session, run_id, ours, entry_id, position, claimer, **kwargs)
     session.commit()
@@ -338,7 +339,7 @@ def claim(session, run_id, ours, entry_id, position, claimer, **kwargs):
 
 def test_witness_a_same_boot_marker_claim_is_a_duplicate(two_sessions, boot_factory,
                                                         entry_held_by, pg):
-    from workers.ledger import MarkerOutcome
+    from app.state.ledger import MarkerOutcome
 
     first, second = two_sessions
     boot = boot_factory().boot_id
@@ -354,7 +355,7 @@ def test_witness_a_same_boot_marker_claim_is_a_duplicate(two_sessions, boot_fact
 
 def test_witness_a_marker_held_by_another_live_boot_is_held(two_sessions, boot_factory,
                                                             entry_held_by, pg):
-    from workers.ledger import MarkerOutcome
+    from app.state.ledger import MarkerOutcome
 
     first, second = two_sessions
     holder, other = boot_factory().boot_id, boot_factory().boot_id
@@ -367,7 +368,7 @@ def test_witness_a_marker_held_by_another_live_boot_is_held(two_sessions, boot_f
 
 def test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set(
         two_sessions, boot_factory, entry_held_by, pg):
-    from workers.ledger import _TAKE_OVER_MARKER, MarkerOutcome
+    from app.state.ledger import TAKE_OVER_MARKER, MarkerOutcome
 
     first, second = two_sessions
     dead = boot_factory()
@@ -383,7 +384,7 @@ def test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set(
                                                            dead.boot_id)
     # A second rescuer that also saw the dead holder: its compare-and-set on the
     # dead id changes nothing now.
-    stale = second.execute(_TAKE_OVER_MARKER, {
+    stale = second.execute(TAKE_OVER_MARKER, {
         "run": run_id, "boots": [rescuer, late], "entry": entry, "position": 0,
         "claimer": late, "dead": dead.boot_id}).all()
     second.commit()
@@ -393,7 +394,7 @@ def test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set(
 
 def test_witness_a_completed_marker_is_skipped_and_a_failed_one_stops(
         two_sessions, boot_factory, entry_held_by, pg):
-    from workers.ledger import MarkerOutcome, finish_marker
+    from app.state.ledger import MarkerOutcome, finish_marker
 
     first, second = two_sessions
     boot = boot_factory().boot_id
@@ -418,8 +419,8 @@ def test_witness_a_completed_marker_is_skipped_and_a_failed_one_stops(
 def test_witness_a_marker_claim_requires_a_live_claimer(two_sessions, boot_factory,
                                                        entry_held_by, pg):
     """The claimer's lock is cut server-side; the process has not noticed. Postgres refuses."""
+    from app.state.ledger import MarkerOutcome
     from tests.workers.test_claims import terminate_lock_backend
-    from workers.ledger import MarkerOutcome
 
     first, _ = two_sessions
     boot = boot_factory()
@@ -432,7 +433,7 @@ def test_witness_a_marker_claim_requires_a_live_claimer(two_sessions, boot_facto
 
 def test_witness_a_marker_claim_is_fenced_by_the_run_claim(two_sessions, boot_factory,
                                                            entry_held_by, pg):
-    from workers.ledger import MarkerOutcome, finish_marker
+    from app.state.ledger import MarkerOutcome, finish_marker
 
     first, second = two_sessions
     holder, stranger = boot_factory().boot_id, boot_factory().boot_id
@@ -713,15 +714,15 @@ def join_world(app, admit, boot_factory, pg):
     """A doc-review parent in its review entry with two linked children, the parent held by
     one boot and each child claimed by another; the parent has not started waiting yet."""
     from app.extensions import db
+    from app.state.claims import claim_run
+    from app.state.ledger import claim_marker, enter_step, finish_marker
     from workers import registry
-    from workers.claims import claim_run
-    from workers.ledger import claim_marker, enter_step, finish_marker
 
     parent_boot, child_boot = boot_factory().boot_id, boot_factory().boot_id
     parent = admit("doc-review", {"participants": ["ana", "bo"]})
     with app.app_context():
         s = db.session
-        claim_run(s, parent, parent_boot)
+        claim_run(s, parent, parent_boot, max_takeovers=max_takeovers_of)
         s.commit()
         review = registry.get("doc-review", "1").step("review")
         entry = enter_step(s, parent, [parent_boot], review, 1).id
@@ -734,21 +735,21 @@ def join_world(app, admit, boot_factory, pg):
                              children=[(c, n, str(n)) for n, c in enumerate(children)])
         s.commit()
         for child in children:
-            claim_run(s, child, child_boot)
+            claim_run(s, child, child_boot, max_takeovers=max_takeovers_of)
         s.commit()
     return parent, parent_boot, entry, children, child_boot
 
 
 def _finish_child(session, child, boot):
-    from workers.claims import finish_run
+    from app.state.claims import finish_run
 
     assert finish_run(session, child, [boot], status="succeeded", result={"decision": "approve"})
 
 
 def _wait(session, parent, boot, entry):
-    from workers.ledger import _WAIT
+    from app.state.ledger import WAIT
 
-    return session.execute(_WAIT, {"run": parent, "boots": [boot], "entry": entry,
+    return session.execute(WAIT, {"run": parent, "boots": [boot], "entry": entry,
                                    "actions": "[]", "outputs": "{}"}).one()
 
 
@@ -820,7 +821,7 @@ def test_join_a_parent_going_waiting_after_its_last_child_finished_does_not_wait
 def test_join_a_cancelled_child_counts_and_a_cancelled_waiting_parent_stays_cancelled(
         app, admit, run_here, tenant, pg, queue):
     from app.extensions import db
-    from app.runs import cancel_run
+    from app.state.runs import cancel_run
 
     parent = admit("doc-review", {"participants": ["ana", "bo"]})
     run_here(parent)

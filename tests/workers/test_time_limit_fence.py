@@ -13,7 +13,7 @@ import json
 import socket
 import uuid
 
-from workers.celery_native import _TIME_LIMIT
+from app.state.runs import TIME_LIMIT
 
 ERROR = json.dumps({"code": "time_limit"})
 
@@ -32,7 +32,7 @@ def fail_for(app, run_id, node: uuid.UUID, pid: int):
     from app.extensions import db
 
     with app.app_context():
-        row = db.session.execute(_TIME_LIMIT(), {"run": run_id, "pid": pid, "node": node,
+        row = db.session.execute(TIME_LIMIT, {"run": run_id, "pid": pid, "node": node,
                                                  "error": ERROR}).one_or_none()
         db.session.commit()
         return row

@@ -12,8 +12,8 @@ by time:
 * ``waiting`` (a join step waits for its children): WAITING, nothing to do;
   the last child's finish re-queues it.
 
-This module holds only the fenced transitions, the ones a worker makes under
-its claim; unfenced ones (cancel, repair) are in ``app/runs.py``.
+This module holds the fenced transitions, the ones a worker makes under its
+claim; unfenced ones (admission, cancel, repair) are in ``runs.py`` beside it.
 
 Every later write for the run (release, retry, finish) is fenced by the claim:
 ``WHERE claimed_by = <this boot>``. A worker that lost its claim (it was cut
@@ -25,19 +25,18 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.events import with_event
 from app.liveness import LIVE_BOOTS_SQL, boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
-from app.runs import JOIN_RELEASE, WITH_WOKEN, finish_requested_cancel, send_woken
 
-from . import registry
+from .compose import JOIN_RELEASE, WITH_WOKEN, send_woken, with_event
+from .runs import finish_requested_cancel
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -63,7 +62,6 @@ class Claim:
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
     run: Row | None = None  # the claimed run's row (see _RUN_COLUMNS), when claimed
-    ended: Any = None  # how an executed claim's execution ended (workers/execution.py: Ended)
 
 
 # What a claim returns: everything the worker needs to run the workflow, so
@@ -83,11 +81,7 @@ _CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, created_at, start
 # connection was cut) may not know yet; Postgres does, and refuses.
 _CLAIMER_LIVE = f"EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot)"
 
-# How many dead workers a run may outlive before it fails with worker_lost.
-DEFAULT_MAX_TAKEOVERS = 5
-
-
-_CLAIM_QUEUED = with_event(
+CLAIM_QUEUED = with_event(
     f"""
     UPDATE runs
        SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
@@ -104,7 +98,7 @@ _CLAIM_QUEUED = with_event(
 # Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
 # resumed; a run that has already outlived max_takeovers workers fails with
 # worker_lost (it is probably what kills them: OOM, a segfault); else resume it.
-_TAKE_OVER = with_event(
+TAKE_OVER = with_event(
     f"""
     UPDATE runs
        SET status = CASE WHEN cancel_requested THEN 'cancelled'
@@ -137,7 +131,7 @@ _TAKE_OVER = with_event(
 
 # The process that lost its lock is still executing the run and registered a
 # new boot: it moves its own claim over, unless someone took the run over first.
-_ADOPT = with_event(
+ADOPT = with_event(
     f"""
     UPDATE runs SET claimed_by = :boot, updated_at = now()
      WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
@@ -147,7 +141,7 @@ _ADOPT = with_event(
     "jsonb_build_object('previous_boot', CAST(:dead AS text))",
 )
 
-_FINISH = with_event(
+FINISH = with_event(
     """
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
@@ -163,7 +157,7 @@ _FINISH = with_event(
     select=WITH_WOKEN,
 )
 
-_RELEASE = with_event(
+RELEASE = with_event(
     """
     UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
            attempt = attempt - 1
@@ -173,7 +167,7 @@ _RELEASE = with_event(
     "'run.released'",
 )
 
-_RETRY = with_event(
+RETRY = with_event(
     """
     UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
            error = CAST(:error AS jsonb), updated_at = now(),
@@ -187,17 +181,25 @@ _RETRY = with_event(
 )
 
 
-def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
-    """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits."""
-    row = session.execute(_CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
+# A claim that changed nothing reads why: the run's state and the claimer's liveness.
+CLAIM_STATE = text(
+    "SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, "
+    f"{_CLAIMER_LIVE} AS claimer_live FROM runs WHERE id = :run")
+HOLDER = text("SELECT claimed_by FROM runs WHERE id = :run")
+
+
+def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+              max_takeovers: Callable[[str, str], int]) -> Claim:
+    """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits.
+
+    ``max_takeovers(name, version)``: how many dead workers a run of that
+    workflow may outlive (``workers.registry.max_takeovers_of``).
+    """
+    row = session.execute(CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
     if row is not None:
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
 
-    current = session.execute(
-        text(f"SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, "
-             f"{_CLAIMER_LIVE} AS claimer_live FROM runs WHERE id = :run"),
-        {"run": run_id, "boot": boot_id},
-    ).one_or_none()
+    current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
     if current is None:
         return Claim(ClaimOutcome.MISSING, run_id, boot_id)
     if current.status in TERMINAL_STATUSES:
@@ -221,9 +223,9 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
 
     # The holder is dead (its lock is gone, and a dead boot never comes back):
     # take the wreckage over, unless another delivery beat us to it.
-    row = session.execute(_TAKE_OVER, {
+    row = session.execute(TAKE_OVER, {
         "run": run_id, "boot": boot_id, "dead": holder,
-        "max_takeovers": _max_takeovers(current.workflow_name, current.workflow_version),
+        "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
     if row is None:
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
@@ -232,13 +234,6 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID) -> Claim:
         # Cancelled while its worker was lost, or too many workers lost: ended, not resumed.
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder)
     return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row)
-
-
-def _max_takeovers(name: str, version: str) -> int:
-    try:
-        return registry.get(name, version).max_takeovers
-    except registry.UnknownWorkflow:
-        return DEFAULT_MAX_TAKEOVERS
 
 
 class Adoption(enum.StrEnum):
@@ -254,11 +249,10 @@ def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uui
     A compare-and-set on the dead boot, like any takeover, and only for a live
     ``boot_id``: if someone else took the run over meanwhile, it is theirs.
     """
-    row = session.execute(_ADOPT, {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
+    row = session.execute(ADOPT, {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
     if row is not None:
         return Adoption.ADOPTED
-    holder = session.execute(text("SELECT claimed_by FROM runs WHERE id = :run"),
-                             {"run": run_id}).scalar_one_or_none()
+    holder = session.execute(HOLDER, {"run": run_id}).scalar_one_or_none()
     return Adoption.OURS if holder in set(ours) else Adoption.LOST
 
 
@@ -277,7 +271,7 @@ def release_claim(session: Session, run_id: uuid.UUID,
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.
     """
-    return session.execute(_RELEASE, {"run": run_id, "boots": _fence(boot_id)}
+    return session.execute(RELEASE, {"run": run_id, "boots": _fence(boot_id)}
                            ).one_or_none() is not None
 
 
@@ -292,7 +286,7 @@ def finish_run(
 ) -> bool:
     """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
     assert status in TERMINAL_STATUSES
-    row = session.execute(_FINISH, {
+    row = session.execute(FINISH, {
         "run": run_id, "boots": _fence(boot_id), "status": status, "result": _json(result),
         "error": _json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
@@ -306,7 +300,7 @@ def schedule_retry(session: Session, run_id: uuid.UUID,
                    delay: float, error: dict) -> bool:
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
-        _RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
+        RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
                  "error": _json(error)},
     ).one_or_none()
     return row is not None

@@ -1,0 +1,123 @@
+"""The two pieces many store statements share, and how a transition asks for a send.
+
+* ``with_event`` / ``outbox_rows``: a change of a run writes its event row in the
+  same statement, so an event exists exactly when its change committed;
+* ``JOIN_RELEASE`` / ``WITH_WOKEN``: every statement that ends a run counts the
+  end for its parent's join and re-queues the parent whose last child it was.
+
+Every statement built from these is printed whole, as Postgres receives it, in
+``app/state/rendered.sql``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import Row, TextClause, text
+from sqlalchemy.orm import Session
+
+from app.models import RunStatus
+
+# The statuses a run never leaves.
+ENDED = "('succeeded', 'failed', 'cancelled')"
+
+# Where a transition leaves the runs to send once its transaction commits
+# (``{run_id: workflow_ref}`` on ``session.info``): ``app/enqueue.py`` hands them
+# to the sender after commit and forgets them on rollback.
+PENDING_SENDS = "poimen_pending_enqueue"
+
+
+def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str) -> None:
+    """Send ``run_id`` to the workers once ``session``'s transaction commits."""
+    session.info.setdefault(PENDING_SENDS, {})[run_id] = workflow_ref
+
+
+def send_woken(session: Session, row: Row | None) -> None:
+    """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
+    for parent in (row.woken if row is not None else None) or ():
+        send_after_commit(session, uuid.UUID(parent["id"]), parent["ref"])
+
+
+def outbox_rows(source: str, event_type: str, fields: str = "'{}'::jsonb",
+                only_if: str = "true", *, run_id: str = "id",
+                tenant_id: str = "tenant_id", order_by: str = "") -> str:
+    """SQL that appends one event per row of ``source`` (a CTE name) to the outbox.
+
+    For statements that compose several changes in one round trip (the step
+    ledger's): put it in a ``WITH`` as ``name AS (<this>)``. ``run_id`` and
+    ``tenant_id`` are SQL expressions over ``source``'s columns; ``event_type``
+    and ``fields`` as in ``with_event``; ``order_by`` orders several events of
+    one statement (their ids follow it).
+    """
+    return f"""
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT {tenant_id}, {run_id}, {event_type},
+               jsonb_build_object('run_id', ({run_id})::text, 'type', {event_type}) || {fields}
+          FROM {source}
+         WHERE {only_if}
+         {f"ORDER BY {order_by}" if order_by else ""}
+    """
+
+
+def with_event(change: str, returning: str, event_type: str, fields: str = "'{}'::jsonb",
+               only_if: str = "true", *, before: str = "", then: str = "",
+               select: str = "*") -> TextClause:
+    """Wrap ``change`` (an INSERT or UPDATE of ``runs``) so it writes its event too.
+
+    ``returning`` is the change's RETURNING list and must include ``id`` and
+    ``tenant_id``; ``event_type`` and ``fields`` are SQL expressions over those
+    rows (``fields`` a jsonb object); ``only_if`` selects the rows that get an
+    event. One statement, one round trip: the event exists iff the change does.
+    ``before`` and ``then`` are further CTEs (each ending in a comma / starting
+    with one) around ``changed``; ``select`` is the final select list over it.
+    """
+    return text(
+        f"""
+        WITH {before} changed AS ({change} RETURNING {returning}),
+        event AS ({outbox_rows("changed", event_type, fields, only_if)})
+        {then}
+        SELECT {select} FROM changed
+        """
+    )
+
+
+# Joins. A join entry's counters live on its step_entries row, and both sides
+# of the race lock that row: the parent going ``waiting`` (ledger.WAIT, only
+# while children_done < children_total) and each child's end (below,
+# children_done + 1). Whichever comes second sees the other's commit, so the
+# parent either never waits or is re-queued by exactly one child: the one
+# whose increment makes children_done equal children_total while the entry
+# waits. No timer polls for it.
+#
+# The parent's runs row is updated only for that child. Its WHERE must accept
+# the snapshot's version ('running' if the parent went waiting while this
+# statement waited on the entry row): Postgres re-checks it on the newest
+# version, which is 'waiting', or 'cancelled' (then it is left alone).
+JOIN_RELEASE = f""",
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN {ENDED}
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = '{RunStatus.WAITING}' THEN '{RunStatus.QUEUED}'
+                             ELSE p.status END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN {ENDED}
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    ),
+    woken_event AS ({outbox_rows("woken", "'run.joined'",
+                                 "jsonb_build_object('entry_id', entry_id)",
+                                 f"status = '{RunStatus.QUEUED}'")})
+"""
+
+# The select list of a statement with JOIN_RELEASE: its rows, plus the parents it re-queued.
+WITH_WOKEN = (
+    "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
+    "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) "
+    f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
+)

@@ -1,0 +1,314 @@
+"""The fence: every write a worker makes for a run it holds, in one object.
+
+The dispatcher (``workers/ledger.py``) and the execution of a run
+(``workers/execution.py``) decide *what* to record; a ``Fence`` records it
+through the run-state store (``app/state/``), and nothing else writes for a
+held run. Each write is fenced by the run's claim: the store's statements
+accept it only while ``runs.claimed_by`` is one of this process's boots (a
+lost boot's run adopted by our new boot stays ours). A refused write raises
+``ClaimLost`` (ledger writes) or returns False (the run's own end).
+
+While the database is unreachable (a restart, a failover) a write is retried
+for ``POIMEN_RECORD_RETRY_SECONDS``: a finished run must not be executed again
+because a pooled connection was stale. A retry knows an earlier try's commit
+may have applied with its reply lost, and recognises its own write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from flask import current_app
+from psycopg import Error as PsycopgError
+from sqlalchemy import Row, text
+from sqlalchemy.orm import Session
+
+from app.admission import admit_run
+from app.config import libpq_url
+from app.extensions import db
+from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
+from app.state import ledger as ledger_store
+from app.state.claims import finish_run, release_claim, schedule_retry
+from app.state.ledger import EntryClose, MarkerClaim
+from app.state.outbox import record_event
+
+from . import boots
+from .actions import Emit, Output, Spawn
+from .boots import current_boot
+from .dberrors import retryable, rollback
+
+log = logging.getLogger(__name__)
+
+_RUN_HOLDER = text("SELECT status, claimed_by FROM runs WHERE id = :run")
+
+# write(session, ours, retrying) -> (commit, value): one transaction's worth of fenced writes.
+Write = Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]
+
+
+class ClaimLost(RuntimeError):
+    """A fenced ledger write was refused: another worker holds the run now."""
+
+
+def boot_dsn() -> str:
+    """The database a boot's lock connection uses, in libpq form.
+
+    ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
+    goes through a pooler), else the app's database.
+    """
+    return libpq_url(current_app.config.get("POIMEN_LOCK_DATABASE_URL")
+                     or current_app.config["SQLALCHEMY_DATABASE_URI"])
+
+
+def record_deadline() -> float:
+    """When a write that keeps meeting an unreachable database gives up (monotonic)."""
+    return time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
+
+
+class Fence:
+    """Records what one held run's execution decided, fenced by this process's boots."""
+
+    def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None):
+        self.run_id = run_id
+        self.tenant_id = tenant_id
+        self.goal_id = goal_id  # its fan-out's children inherit it
+
+    # -- the transaction -------------------------------------------------------------------
+
+    def _commit(self, write: Write) -> Any:
+        """Run ``write`` in one transaction, committed or rolled back as it says; retried
+        while the database is unreachable. Return its value."""
+        deadline = record_deadline()
+        retrying = False
+        delay = 0.2
+        while True:
+            session = db.session
+            try:
+                commit, value = write(session, boots.holders(self.run_id), retrying)
+                if commit:
+                    session.commit()
+                else:
+                    session.rollback()
+                return value
+            except Exception as err:
+                rollback()
+                if not retryable(err) or time.monotonic() > deadline:
+                    raise
+                retrying = True
+                log.warning("run %s: database unreachable while recording (%s); retrying",
+                            self.run_id, type(err).__name__)
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    def _end(self, write: Callable[[Session, list[uuid.UUID]], bool],
+             already_done: Callable[[Row], bool]) -> bool:
+        """One fenced write that ends the run's hold; False if the claim was lost.
+
+        When an earlier try's commit may have applied with its reply lost,
+        ``already_done(row)`` recognises our own write.
+        """
+        def attempt(session: Session, ours: list[uuid.UUID], retrying: bool
+                    ) -> tuple[bool, bool]:
+            if write(session, ours):
+                return True, True
+            row = session.execute(_RUN_HOLDER, {"run": self.run_id}).one_or_none()
+            now_ours = boots.holders(self.run_id)
+            if (row is not None and row.status == RunStatus.RUNNING
+                    and row.claimed_by in now_ours and row.claimed_by not in ours):
+                # Our watchdog adopted the run for a new boot while we wrote: write again.
+                return (True, True) if write(session, now_ours) else (False, False)
+            return False, retrying and row is not None and already_done(row)
+
+        return self._commit(attempt)
+
+    def _finished_by_us(self, row: Row) -> bool:
+        return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)
+
+    @staticmethod
+    def _requeued(row: Row) -> bool:
+        return row.status == RunStatus.QUEUED
+
+    # -- boots ------------------------------------------------------------------------------
+
+    @staticmethod
+    def claimer() -> uuid.UUID:
+        """This process's live boot (a marker's claimer)."""
+        return current_boot(boot_dsn).boot_id
+
+    def await_new_boot(self, dead: uuid.UUID) -> uuid.UUID:
+        """Return the live boot that adopted the run after this process's boot ``dead`` died.
+
+        The boot watchdog notices the loss and adopts the run
+        (``execution._adopt_runs``), or the process exits because another worker
+        took the run over; wait for that.
+        """
+        deadline = record_deadline()
+        while True:
+            try:
+                current = current_boot(boot_dsn)
+            except Exception as err:  # noqa: BLE001 - Postgres may still be restarting
+                if not retryable(err) and not isinstance(err, PsycopgError):
+                    raise
+                current = None
+            if current is not None and current.boot_id != dead \
+                    and current.boot_id in boots.holders(self.run_id):
+                return current.boot_id
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run {self.run_id}: no live boot adopted it after boot "
+                                   f"{dead} died")
+            time.sleep(0.1)
+
+    # -- the ledger ---------------------------------------------------------------------------
+
+    def enter(self, step, entry_no: int, *, events: bool) -> Row:
+        """Append entry ``entry_no`` into ``step``; its row (``id``, ``cancel_requested``)."""
+        def write(session, ours, retrying):
+            row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
+                                          events=events)
+            return row is not None, row
+
+        row = self._commit(write)
+        if row is None:
+            raise ClaimLost(f"entering step {step.id} was refused")
+        return row
+
+    def claim_marker(self, entry_id: int, position: int, claimer: uuid.UUID) -> MarkerClaim:
+        """Claim marker ``(entry_id, position)`` for boot ``claimer``."""
+        return self._commit(lambda session, ours, retrying: (True, ledger_store.claim_marker(
+            session, self.run_id, ours, entry_id, position, claimer, retrying=retrying)))
+
+    def complete_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
+                        name: str, key: str, effect: Output | Emit | Spawn) -> Any:
+        """Complete a marker this process holds, writing a built-in's effect in the same
+        transaction; return the action's recorded output.
+
+        Raises what admission raises for a child it refuses (``AdmissionConflict``,
+        ``UnknownWorkflow``) and ``DataError`` for an output Postgres refuses.
+        """
+        common = dict(step_id=step_id, entry_no=entry_no, name=name, key=key)
+
+        def write(session, ours, retrying):
+            output, children = self._write_effect(session, effect, key, step_id, entry_no)
+            if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
+                                          result=output, children=children, **common):
+                return True, output
+            # Refused. After an uncertain commit the marker may be completed already by us.
+            if retrying:
+                state = ledger_store.marker_state(session, entry_id, position)
+                if state is not None and state.status == "completed" \
+                        and state.claimed_by in ours:
+                    return False, state.result
+            raise ClaimLost(f"completing marker {step_id}/{entry_no}/{position} was refused: "
+                            "the run or the marker is not ours any more")
+
+        return self._commit(write)
+
+    def _write_effect(self, session: Session, effect: Output | Emit | Spawn, key: str,
+                      step_id: str, entry_no: int) -> tuple[Any, list | None]:
+        if isinstance(effect, Output):
+            return effect.value, None
+        if isinstance(effect, Emit):
+            record_event(session, tenant_id=self.tenant_id, run_id=self.run_id,
+                         event_type=effect.event_type, idempotency_key=key, step=step_id,
+                         entry=entry_no, data=effect.data)
+            return {"event": effect.event_type}, None
+        children, admitted, replayed = [], [], 0
+        for ordinal, (ikey, dispatch_key, child_input) in enumerate(effect.children):
+            admission = admit_run(
+                session, tenant_id=self.tenant_id, workflow_ref=effect.workflow_ref,
+                input=child_input, goal_id=self.goal_id, dispatch_key=dispatch_key,
+                origin=AdmissionOrigin.FANOUT, origin_detail=f"spawn_each {key}"[:255],
+                parent_run_id=self.run_id)
+            children.append((admission.run.id, ordinal, ikey))
+            admitted.append(str(admission.run.id))
+            replayed += not admission.created
+        return {"children": admitted, "replayed": replayed}, children
+
+    def fail_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
+                    name: str, key: str, error: dict) -> None:
+        """Record a marker-bearing action's failure (the stop rule follows)."""
+        def write(session, ours, retrying):
+            if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
+                                          error=error, step_id=step_id, entry_no=entry_no,
+                                          name=name, key=key):
+                return True, True
+            state = ledger_store.marker_state(session, entry_id, position) if retrying else None
+            return False, state is not None and state.status == "failed"
+
+        if not self._commit(write):
+            raise ClaimLost("recording a failed marker was refused")
+
+    def advance(self, close: EntryClose, step, entry_no: int, *, enter: bool
+                ) -> tuple[bool, int | None]:
+        """Close an entry and (``enter``) write the next one in one transaction.
+
+        Return (cancel requested, the new entry's id or None).
+        """
+        def write(session, ours, retrying):
+            closed = ledger_store.close_entry(session, self.run_id, ours, close)
+            if closed is None:
+                return False, None
+            if enter:
+                entered = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
+                                                  events=close.events)
+                if entered is None:
+                    return False, None
+                return True, (closed.cancel_requested, entered.id)
+            return True, (closed.cancel_requested, None)
+
+        done = self._commit(write)
+        if done is None:
+            raise ClaimLost(f"closing entry {close.entry_no} ({close.step_id}) was refused")
+        return done
+
+    def wait(self, entry_id: int, entry_no: int, *, actions: list[dict[str, Any]],
+             outputs: Any) -> bool:
+        """Release the worker until the entry's children have finished; False if they have."""
+        def write(session, ours, retrying):
+            row = ledger_store.wait_for_children(session, self.run_id, ours, entry_id=entry_id,
+                                                 actions=actions, outputs=outputs)
+            if row.entry_waits and not row.run_waits:
+                return False, None  # the entry would wait for a run that is not ours
+            return True, bool(row.run_waits)
+
+        waited = self._commit(write)
+        if waited is None:
+            raise ClaimLost(f"waiting for the children of entry {entry_no} was refused")
+        return waited
+
+    def children(self, entry_id: int) -> list[Row]:
+        return self._commit(lambda session, ours, retrying: (
+            False, ledger_store.children(session, entry_id)))
+
+    def history(self) -> list[Row]:
+        return self._commit(lambda session, ours, retrying: (
+            False, ledger_store.history(session, self.run_id, 1 << 30)))
+
+    # -- the run's own end --------------------------------------------------------------------
+
+    def release(self) -> bool:
+        """Give the run back to ``queued`` before its workflow started; False if not ours."""
+        return self._end(lambda session, ours: release_claim(session, self.run_id, ours),
+                         self._requeued)
+
+    def finish(self, close: EntryClose | None, *, status: str, result: Any = None,
+               error: dict | None = None) -> bool:
+        """Close the last entry and end the run in one transaction; False if not ours."""
+        return self._end(lambda session, ours: self._closed(session, ours, close) and finish_run(
+            session, self.run_id, ours, status=status, result=result, error=error),
+            self._finished_by_us)
+
+    def retry(self, close: EntryClose | None, *, delay: float, error: dict) -> bool:
+        """Close the last entry and queue the run again after ``delay`` s; False if not ours."""
+        return self._end(lambda session, ours: self._closed(session, ours, close)
+                         and schedule_retry(session, self.run_id, ours, delay=delay,
+                                            error=error),
+                         self._requeued)
+
+    def _closed(self, session: Session, ours: list[uuid.UUID], close: EntryClose | None) -> bool:
+        """Close the run's last step entry in this transaction (True if none to close)."""
+        return close is None or ledger_store.close_entry(
+            session, self.run_id, ours, close) is not None
