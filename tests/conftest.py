@@ -22,6 +22,10 @@ from app.config import libpq_url
 from poimen_dev.scratch import scratch_database
 from tests.processes import start_web
 
+# The `processes` mark and its guard (make check leaves marked tests out); pytester
+# runs the guard's own wiring test.
+pytest_plugins = ("tests.process_guard", "pytester")
+
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
 TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")
 

@@ -73,6 +73,7 @@ BREAKS_THE_ORDERING = {"POIMEN_LEASE_CLIENT_SECONDS": "25", "POIMEN_LEASE_SERVER
                        "POIMEN_TAKEOVER_DELAY": "2"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("start", [start_worker, start_beat], ids=["worker", "beat"])
 def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         start, test_env, tmp_path):
@@ -90,6 +91,7 @@ def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         [line for line in lines if not line.startswith("{")][:3]
 
 
+@pytest.mark.processes
 def test_the_outbox_relay_refuses_to_start_with_settings_that_break_the_ordering(test_env):
     done = subprocess.run([sys.executable, "-m", "bridge.outbox"], cwd=ROOT, timeout=60,
                           env={**test_env, **BREAKS_THE_ORDERING, "METRICS_PORT": "0"},
@@ -217,6 +219,7 @@ def start_fenced_child(dsn: str, env: dict, **lease: str) -> tuple[subprocess.Po
     return child, int(line.split()[1])
 
 
+@pytest.mark.processes
 def test_a_process_whose_lease_is_not_confirmed_within_t_c_is_killed(proxy, dsn, test_env):
     """The path goes silent while a busy body runs: the kernel kills the process T_c after
     the last confirmed probe, without reaching Postgres (test_the_fence_kills_at_its_deadline
@@ -238,6 +241,7 @@ def test_a_process_whose_lease_is_not_confirmed_within_t_c_is_killed(proxy, dsn,
             child.kill()
 
 
+@pytest.mark.processes
 def test_a_process_whose_lock_was_cut_and_not_adopted_is_killed_at_t_c(dsn, pg, test_env):
     """The server let go early (pg_terminate_backend): nothing adopts the run in this
     process, so the fence still ends the body T_c after the last confirmation."""
@@ -254,6 +258,7 @@ def test_a_process_whose_lock_was_cut_and_not_adopted_is_killed_at_t_c(dsn, pg, 
             child.kill()
 
 
+@pytest.mark.processes
 def test_the_fence_kills_at_its_deadline_and_a_disarmed_fence_does_not():
     code = textwrap.dedent("""
         import re, sys, time

@@ -75,6 +75,7 @@ def proxy(base_env):
     proxy.close()
 
 
+@pytest.mark.processes
 def test_a_black_holed_broker_does_not_slow_admission_and_the_run_runs_after(
         proxy, test_env, tenant, tmp_path, pg, redis_client, queue_name):
     real = urlparse(test_env["REDIS_URL"])

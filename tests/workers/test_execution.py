@@ -42,6 +42,7 @@ def log_dir(tmp_path):
 RACE_ROUNDS = 30
 
 
+@pytest.mark.processes
 def test_racing_deliveries_execute_each_run_once(admit, side_effects, test_env, pg):
     """6: two processes deliver the same run at the same instant, 30 times."""
     run_ids = [str(admit("effect", {"seconds": 0.05})) for _ in range(RACE_ROUNDS)]
