@@ -20,7 +20,13 @@ import uuid
 import psycopg
 import pytest
 
-from lease import KILL_SECONDS, LeaseOrderingError, LeaseSettings, probe_lock
+from lease import (
+    DEFAULT_TAKEOVER_DELAY,
+    KILL_SECONDS,
+    LeaseOrderingError,
+    LeaseSettings,
+    probe_lock,
+)
 from tests.conftest import libpq_url
 from tests.processes import ROOT, start_beat, start_worker, wait_until
 from tests.proxy import StallingProxy
@@ -54,6 +60,16 @@ def test_the_default_lease_keeps_its_ordering():
     # No stranded run: the server lets go within T_s, beat's repair notices on its next tick
     # (10 s), and the rescuer's delivery comes POIMEN_TAKEOVER_DELAY later: under 60 s.
     assert settings.server_seconds + 10 + settings.takeover_delay < 60
+
+
+def test_the_fast_test_timings_keep_the_ordering():
+    """Process tests run workers under ``fast_env``: they must start (a worker refuses a
+    lease that breaks the ordering) and keep the rule the defaults keep."""
+    from tests.conftest import FAST_TIMINGS
+
+    settings = LeaseSettings.from_env(FAST_TIMINGS)
+    assert settings.problems() == []
+    assert settings.probe_interval < 1 and settings.takeover_delay < DEFAULT_TAKEOVER_DELAY
 
 
 @pytest.mark.parametrize("env, named", [
