@@ -98,3 +98,14 @@ def test_every_process_fixture_the_guard_names_exists():
     source = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
     for name in PROCESS_FIXTURES | INFRASTRUCTURE:
         assert re.search(rf"@pytest\.fixture[^\n]*\n(?:@[^\n]*\n)*def {name}\(", source), name
+
+
+def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite():
+    makefile = (ROOT / "Makefile").read_text()
+    check = re.search(r"^check:([^\n]*)\n((?:\t[^\n]*\n)+)", makefile, re.M)
+    test = re.search(r"^test:([^\n]*)\n((?:\t[^\n]*\n)+)", makefile, re.M)
+    assert check and "services" in check.group(1).split()
+    assert '-m "not processes"' in check.group(2) and "pytest" in check.group(2)
+    assert test and "services" in test.group(1).split()
+    assert not re.search(r"pytest[^\n]*\s-m\s", test.group(2)), "make test selects no marks"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
