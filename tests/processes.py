@@ -70,8 +70,12 @@ class Process:
 
     def start(self) -> Process:
         log = open(self.log_path, "ab")
+        # Temporary files (web's and the worker's metrics directories) under the test's
+        # own directory: a SIGKILLed process cannot remove them, pytest's tmp_path does.
+        tmp = self.log_path.with_name(f"{self.name}-tmp")
+        tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         return self

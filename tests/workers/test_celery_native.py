@@ -433,7 +433,7 @@ def test_beat_keeps_a_queue_no_worker_consumes_within_a_page(
         wait_until(lambda: slow_depth() >= 900, timeout=60, what="repair to fill the room")
         depths = []
         for _ in range(12):  # a dozen more ticks
-            time.sleep(1)
+            time.sleep(float(env["POIMEN_REPAIR_INTERVAL"]))
             depths.append(slow_depth())
         assert max(depths) <= 1000, depths
     finally:
