@@ -75,8 +75,8 @@ class Process:
         tmp = self.log_path.with_name(f"{self.name}-tmp")
         tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         return self
 
@@ -118,7 +118,7 @@ class Process:
             self.proc.wait(10)
 
     def teardown(self) -> None:
-        """End the process after a test: :meth:`stop` if ``graceful``, else :meth:`kill`."""
+        """End the process after a test: :meth:`stop` if ``graceful``, else SIGKILL its group."""
         if self.graceful:
             self.stop()
             return
