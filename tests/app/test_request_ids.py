@@ -52,6 +52,7 @@ def test_a_record_logged_while_serving_a_request_carries_its_id(app):
     assert seen and seen[0]["request_id"] == "rid-7"
 
 
+@pytest.mark.processes
 def test_gunicorns_access_line_names_the_request_id(test_env, tenant, tmp_path):
     web, url = start_web({**test_env, "LOG_FORMAT": "json"}, tmp_path, workers=1, threads=2)
     try:
