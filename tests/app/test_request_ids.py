@@ -66,6 +66,7 @@ def test_gunicorns_access_line_names_the_request_id(test_env, tenant, tmp_path):
     assert any("request_id=access-9" in r["message"] for r in access), access[-3:]
 
 
+@pytest.mark.processes  # a real gunicorn writes the access line
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_an_admissions_access_line_names_its_tenant_run_and_request(test_env, tenant, tmp_path,
                                                                        log_format):
