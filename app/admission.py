@@ -154,13 +154,17 @@ def admit_run(
     origin: AdmissionOrigin = AdmissionOrigin.INTERNAL,
     origin_detail: str | None = None,
     parent_run_id: uuid.UUID | None = None,
+    concurrency_key: str | None = None,
 ) -> Admission:
     """Admit one run in ``session``'s transaction; the caller commits.
 
     Without ``dispatch_key`` every call creates a run. With one, the first call
     creates and later identical calls return the same run (re-sending it to
     the workers if it is still queued); a call that differs raises
-    ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref.
+    ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref,
+    ``registry.InvalidConcurrencyKey`` for a key that cannot be stored or derived.
+    ``concurrency_key`` (else the workflow's ``concurrency_key(input)``) names the
+    run's concurrency group; a replay keeps the stored run's.
     The run is sent to Celery only after the caller's commit succeeds.
     """
     input_json = dumps(input)
@@ -175,6 +179,7 @@ def admit_run(
         if replay is None:
             raise
         return replay
+    key, limit = registry.concurrency_of(workflow, input, concurrency_key)
     run_id = uuid.uuid4()
     origin_value = AdmissionOrigin(origin).value
     values = dict(
@@ -191,6 +196,8 @@ def admit_run(
         # The resolved definition is pinned with the version: a worker that
         # resolves another one for this version refuses the run (definition_changed).
         definition_hash=workflow.definition_hash,
+        concurrency_key=key,
+        concurrency_limit=limit,
     )
     event_fields = {
         "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import RunStatus
+from .models import RunStatus, WaitReason
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
 
 RUN_FIELDS = [
     "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key", "status",
-    "attempt", "cancel_requested", "result", "error", "origin", "parent_run_id", "created_at",
+    "wait_reason", "concurrency_key", "attempt", "cancel_requested", "result", "error", "origin", "parent_run_id", "created_at",
     "updated_at", "started_at", "finished_at",
 ]
 
@@ -203,6 +203,13 @@ def openapi_document() -> dict[str, Any]:
                                     "nullable": True},
                         "dispatch_key": {"type": "string", "minLength": 1, "maxLength": 255,
                                          "nullable": True},
+                        "concurrency_key": {
+                            "type": "string", "minLength": 1, "maxLength": 255,
+                            "nullable": True,
+                            "description": "The run's concurrency group within its workflow "
+                                           "(default: the workflow's concurrency_key(input), "
+                                           "else none); a workflow with a concurrency_limit "
+                                           "runs at most that many runs of one key at once"},
                     },
                 },
                 "Run": {
@@ -219,6 +226,10 @@ def openapi_document() -> dict[str, Any]:
                         "goal_id": {"type": "string", "nullable": True},
                         "dispatch_key": {"type": "string", "nullable": True},
                         "status": {"type": "string", "enum": [s.value for s in RunStatus]},
+                        "wait_reason": {"type": "string", "nullable": True,
+                                        "enum": [*(r.value for r in WaitReason), None],
+                                        "description": "What a waiting run waits for"},
+                        "concurrency_key": {"type": "string", "nullable": True},
                         "attempt": {"type": "integer"},
                         "cancel_requested": {"type": "boolean"},
                         "result": {"nullable": True},

@@ -27,6 +27,7 @@ from app.state.claims import (
     ClaimOutcome,
     adopt_run,
     claim_run,
+    claim_slot,
 )
 from app.state.ledger import EntryClose
 from logconfig import quiet_traceback
@@ -83,6 +84,10 @@ def execute_run(run_id: str) -> Execution:
     claim = _claim(run_uuid)
     observe_claim(claim)
     if not claim.outcome.execute:
+        if claim.outcome == ClaimOutcome.SLOT_WAIT:
+            log.info("run %s: waiting for a slot (%s); no worker held", run_id,
+                     claim.wait_reason)
+            return Execution(claim)
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
                 claim.holder)
@@ -140,8 +145,14 @@ def _claim(run_id: uuid.UUID) -> Claim:
             # statement, COMMIT. Its commit is still inside this try.
             autocommit_next(session)
             claim = claim_run(session, run_id, boot.boot_id,
-                              max_takeovers=registry.max_takeovers_of)
+                              max_takeovers=registry.max_takeovers_of, transaction=False)
             session.commit()
+            if claim.outcome == ClaimOutcome.SLOTS:
+                # A limited group: its slot locks and the claim that counts the
+                # slots need a transaction of their own (the locks last until commit).
+                claim = claim_slot(session, run_id, boot.boot_id,
+                                   max_takeovers=registry.max_takeovers_of)
+                session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied
             # with the acknowledgement lost. Ending the boot makes any claim it
@@ -174,7 +185,7 @@ def _run_claimed(claim: Claim) -> Ended:
         # little later for a worker that has it.
         rollback()
         ref = f"{row.workflow_name}@{row.workflow_version}"
-        if Fence(run_id, row.tenant_id).release():
+        if Fence(run_id, row.tenant_id, slots=claim.slots).release():
             delay = random.uniform(1.0, 3.0)
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
@@ -183,12 +194,12 @@ def _run_claimed(claim: Claim) -> Ended:
         return Ended(RunEnding.LOST)
     except Exception as err:
         rollback()
-        released = Fence(run_id, row.tenant_id).release()
+        released = Fence(run_id, row.tenant_id, slots=claim.slots).release()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
                      cancel_requested=row.cancel_requested, failures=row.failures)
-    fence = Fence(run_id, row.tenant_id, row.goal_id)
+    fence = Fence(run_id, row.tenant_id, row.goal_id, slots=claim.slots)
 
     # The ledger dispatcher executes the steps; the last entry is closed here,
     # in the transaction that finishes (or retries) the run.
