@@ -187,6 +187,25 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims",),
     ),
     Mutant(
+        "concurrency_check_then_claim",
+        "a limited group's claim counts its slots in the claim statement, after the group's "
+        "lock: never a count its snapshot took before another claim committed",
+        CLAIMS,
+        "    lock_slots(session, run_id)\n    row = session.execute(CLAIM_SLOT,",
+        "    row = session.execute(CLAIM_SLOT,",
+        ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
+    ),
+    Mutant(
+        "slot_end_without_lock",
+        "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
+        "that went waiting a moment before (no lost wake-up)",
+        "workers/fence.py",
+        "        if self.slots:\n            lock_slots(session, self.run_id)\n",
+        "        pass\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
+    ),
+    Mutant(
         "claim_in_a_transaction",
         "a claim is one round trip: its one statement runs in autocommit (issue 10)",
         "workers/execution.py",
