@@ -336,9 +336,11 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
     current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
     if current is not None and current.slots and current.claimer_live and (
-            current.status == RunStatus.RUNNING
+            (current.status == RunStatus.RUNNING and current.claimed_by != boot_id
+             and not boot_alive(session, current.claimed_by))
             or (current.status == RunStatus.QUEUED and current.due
                 and not current.cancel_requested)):
+        # A queued run to claim, or a dead holder's run to take over: under the locks.
         if not transaction:
             return Claim(ClaimOutcome.SLOTS, run_id, boot_id)
         return claim_slot(session, run_id, boot_id, max_takeovers=max_takeovers)

@@ -396,3 +396,24 @@ def test_the_waiting_gauge_counts_by_reason(app, session, admit, boot_factory, p
     for _ in range(3):
         claim(session, keyed(admit), boot.boot_id)
     assert waiting_by_reason(session) == {"concurrency": 2}
+
+
+def test_the_console_says_what_a_waiting_run_waits_for(database_url, tenant, admit,
+                                                       boot_factory, session):
+    import re
+
+    from app import create_app
+
+    first, second = keyed(admit, "acme"), keyed(admit, "acme")
+    boot = boot_factory()
+    claim(session, first, boot.boot_id)
+    claim(session, second, boot.boot_id)
+    client = create_app({"POIMEN_CONSOLE_SECRET": "s" * 40, "TESTING": True}).test_client()
+    page = client.get("/console/sign-in").get_data(as_text=True)
+    csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+    client.post("/console/sign-in", data={"csrf_token": csrf, "token": tenant.token})
+    waiting = client.get(f"/console/runs/{second}").get_data(as_text=True)
+    assert 'data-reason="concurrency"' in waiting
+    assert "waits for a slot of its concurrency key" in waiting
+    assert "at most 1 of this key at once" in waiting
+    assert 'id="wait-reason"' not in client.get(f"/console/runs/{first}").get_data(as_text=True)
