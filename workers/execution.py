@@ -355,3 +355,10 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
             log.error("run %s was taken over while boot %s was cut off; stopping this "
                       "execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
             os._exit(EXIT_CLAIM_LOST)
+        elif outcome == Adoption.NO_SLOT and boots.still_held([run_id]):
+            # Its concurrency slot was free while the boot was dead, and another run
+            # has it now: running on would exceed the limit. Repair's takeover parks
+            # the run until a slot frees; it resumes from its ledger.
+            log.error("run %s lost its concurrency slot while boot %s was cut off; stopping "
+                      "this execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
+            os._exit(EXIT_CLAIM_LOST)

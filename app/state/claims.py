@@ -254,15 +254,31 @@ TAKE_OVER_SLOT = _take_over(slots=True)
 
 # The process that lost its lock is still executing the run and registered a
 # new boot: it moves its own claim over, unless someone took the run over first.
-ADOPT = with_event(
-    f"""
-    UPDATE runs SET claimed_by = :boot, updated_at = now()
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
+# A run of a limited group (after LOCK_SLOTS) keeps its slot only if it is still
+# free: while its boot was dead the slot was free, and another run may have it.
+def _adopt(slots: bool):
+    verdict = """
+      FROM verdict v""" if slots else ""
+    has_slot = " AND v.reason IS NULL" if slots else ""
+    return with_event(
+        f"""
+    UPDATE runs SET claimed_by = :boot, updated_at = now(){verdict}
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}{has_slot}
     """,
-    _RUN_COLUMNS,
-    "'run.adopted'",
-    "jsonb_build_object('previous_boot', CAST(:dead AS text))",
-)
+        _RUN_COLUMNS,
+        "'run.adopted'",
+        "jsonb_build_object('previous_boot', CAST(:dead AS text))",
+        before=f"""
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),{_verdict("me", fifo=False)}""" if slots else "",
+    )
+
+
+ADOPT = _adopt(slots=False)
+ADOPT_SLOT = _adopt(slots=True)
 
 FINISH = with_event(
     """
@@ -318,7 +334,7 @@ CLAIM_STATE = text(
     "(concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE "
     "t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots "
     "FROM runs WHERE id = :run")
-HOLDER = text("SELECT claimed_by FROM runs WHERE id = :run")
+HOLDER = text("SELECT claimed_by, status FROM runs WHERE id = :run")
 
 
 def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
@@ -414,6 +430,9 @@ class Adoption(enum.StrEnum):
     ADOPTED = "adopted"
     OURS = "ours"  # already moved, or finished, by one of this process's boots
     LOST = "lost"  # another boot took it over, or it ended elsewhere
+    # A run of a limited group whose slot another run took while this boot was dead:
+    # it stays with the dead boot (repair's takeover parks it until a slot frees).
+    NO_SLOT = "no_slot"
 
 
 def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uuid.UUID,
@@ -421,13 +440,21 @@ def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uui
     """Move ``run_id`` from this process's lost boot ``dead`` to its new boot ``boot_id``.
 
     A compare-and-set on the dead boot, like any takeover, and only for a live
-    ``boot_id``: if someone else took the run over meanwhile, it is theirs.
+    ``boot_id``: if someone else took the run over meanwhile, it is theirs. A
+    run of a limited group is adopted under its slot locks, and only into a free
+    slot (in ``session``'s transaction, never autocommit).
     """
-    row = session.execute(ADOPT, {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
+    slots = lock_slots(session, run_id) > 0
+    row = session.execute(ADOPT_SLOT if slots else ADOPT,
+                          {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
     if row is not None:
         return Adoption.ADOPTED
-    holder = session.execute(HOLDER, {"run": run_id}).scalar_one_or_none()
-    return Adoption.OURS if holder in set(ours) else Adoption.LOST
+    held = session.execute(HOLDER, {"run": run_id}).one_or_none()
+    if slots and held is not None and held.claimed_by == dead \
+            and held.status == RunStatus.RUNNING:
+        return Adoption.NO_SLOT
+    return Adoption.OURS if held is not None and held.claimed_by in set(ours) \
+        else Adoption.LOST
 
 
 def _fence(boot_id: uuid.UUID | Collection[uuid.UUID]) -> list[uuid.UUID]:

@@ -750,6 +750,75 @@ WHERE b.boot_id = :boot)
 
        SELECT * FROM changed;
 
+-- app/state/claims.py: ADOPT_SLOT
+WITH
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs SET claimed_by = :boot, updated_at = now()
+      FROM verdict v
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ WHERE b.boot_id = :boot) AND v.reason IS NULL
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.adopted',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+          FROM changed
+         WHERE true
+
+    )
+
+        SELECT * FROM changed;
+
 -- app/state/claims.py: FINISH
 WITH  changed AS (
     UPDATE runs
@@ -931,7 +1000,7 @@ SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EX
  WHERE b.boot_id = :boot) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
 
 -- app/state/claims.py: HOLDER
-SELECT claimed_by FROM runs WHERE id = :run;
+SELECT claimed_by, status FROM runs WHERE id = :run;
 
 -- app/state/ledger.py: ENTER
 WITH

@@ -417,3 +417,24 @@ def test_the_console_says_what_a_waiting_run_waits_for(database_url, tenant, adm
     assert "waits for a slot of its concurrency key" in waiting
     assert "at most 1 of this key at once" in waiting
     assert 'id="wait-reason"' not in client.get(f"/console/runs/{first}").get_data(as_text=True)
+
+
+def test_adoption_keeps_the_slot_only_if_no_run_took_it_while_the_boot_was_dead(
+        session, admit, boot_factory, dead_boot, pg):
+    """A process cut off by a Postgres restart adopts its run under a new boot. While
+    its boot was dead the slot was free: if another run took it, adopting would run
+    one more than the limit, so the adoption is refused (the process stops the run;
+    repair's takeover parks it until a slot frees)."""
+    from app.state.claims import Adoption, adopt_run
+
+    mine, other, alone = keyed(admit), keyed(admit), keyed(admit, "c2")
+    lost = dead_boot()
+    hold_as(pg, mine, lost)
+    hold_as(pg, alone, lost)
+    rival, new = boot_factory(), boot_factory()
+    assert claim(session, other, rival.boot_id).outcome == ClaimOutcome.CLAIMED
+    assert adopt_run(session, mine, lost, new.boot_id, [lost]) == Adoption.NO_SLOT
+    assert adopt_run(session, alone, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    session.commit()
+    assert state(pg, mine)[:3] == ("running", None, lost)
+    assert state(pg, alone)[:3] == ("running", None, new.boot_id)
