@@ -88,7 +88,7 @@ RUN_DURATION_SECONDS = Histogram(
 CLAIMS = Counter(
     "poimen_claims_total",
     "Deliveries of runs to workers by claim outcome (claimed, taken_over, duplicate, "
-    "finished, waiting, not_due, missing, claimer_dead).",
+    "finished, waiting, slot_wait, not_due, missing, claimer_dead).",
     ["outcome"],
 )
 REPAIRS = Counter(
