@@ -164,8 +164,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "takeovers_unbounded",
         "a run that keeps killing workers fails worker_lost after max_takeovers",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'failed'\n",
-        "",
+        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}\n",
+        "                         {park}\n",
         (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_fails_worker_lost",),
     ),
     # -- boots --------------------------------------------------------------------------------
