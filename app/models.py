@@ -36,7 +36,7 @@ class RunStatus(enum.StrEnum):
 
 
 class WaitReason(enum.StrEnum):
-    """What a ``waiting`` run waits for (``runs.wait_reason``, migration 0010)."""
+    """What a ``waiting`` run waits for (``runs.wait_reason``, migration 0012)."""
 
     JOIN = "join"  # its join step's children
     CONCURRENCY = "concurrency"  # a slot of its (tenant, workflow, concurrency_key)
@@ -119,7 +119,7 @@ class Run(db.Model):
     # When the run was last sent to Celery (admission, then repair): repair's clock.
     last_sent_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now())
-    # Concurrency (migration 0010): the run's group is (tenant, workflow name, key);
+    # Concurrency (migration 0012): the run's group is (tenant, workflow name, key);
     # at most concurrency_limit (pinned at admission; None: unlimited) run at once.
     concurrency_key: Mapped[str | None] = mapped_column(String(255))
     concurrency_limit: Mapped[int | None] = mapped_column(Integer)

@@ -1,15 +1,15 @@
 """concurrency keys and tenant caps: runs.concurrency_key/concurrency_limit/wait_reason,
 tenants.max_running
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0012
+Revises: 0011
 Create Date: 2026-12-01 16:00:00.000000
 
 """
 from alembic import op
 
-revision = '0010'
-down_revision = '0009'
+revision = '0012'
+down_revision = '0011'
 branch_labels = None
 depends_on = None
 
