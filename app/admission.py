@@ -203,6 +203,16 @@ def admit_run(
                                 event_json=json.dumps(event_fields))
     if inserted is not None:
         return Admission(run=inserted, created=True)
+    # The key is taken. A workflow whose policy lets a new request take an ended run's
+    # key (key_reuse) tries that first, in this transaction; the index still decides.
+    if state_runs.release_key(session, tenant_id=tenant_id, dispatch_key=dispatch_key,
+                              workflow_name=workflow.name,
+                              reusable=registry.KEY_REUSE_POLICIES[workflow.key_reuse],
+                              ttl=workflow.key_ttl or 0):
+        inserted = state_runs.admit(session, values, input_json=input_json,
+                                    event_json=json.dumps(event_fields))
+        if inserted is not None:
+            return Admission(run=inserted, created=True)
 
     # The key is taken. Under READ COMMITTED this statement sees the row the
     # conflicting transaction committed (ON CONFLICT waited for it).

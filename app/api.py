@@ -72,7 +72,9 @@ def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
         "workflow": {"name": run.workflow_name, "version": run.workflow_version},
         "input": run.input,
         "goal_id": run.goal_id,
-        "dispatch_key": run.dispatch_key,
+        "dispatch_key": run.dispatch_key or run.released_key,
+        # True once a newer run of the same key took it over (the workflow's key_reuse).
+        "key_released": run.released_key is not None,
         "status": run.status,
         "attempt": run.attempt,
         "cancel_requested": run.cancel_requested,

@@ -78,6 +78,8 @@ class Run(db.Model):
     input: Mapped[dict] = mapped_column(JSONB, nullable=False)
     goal_id: Mapped[str | None] = mapped_column(String(255))
     dispatch_key: Mapped[str | None] = mapped_column(String(255))
+    # The key this run held until a newer run took it (key_reuse): see migration 0010.
+    released_key: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16), nullable=False, default=RunStatus.QUEUED.value)
     # Executions started (claims and takeovers). A worker lost mid-run counts here...
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
@@ -125,6 +127,8 @@ class Run(db.Model):
         Index("ix_runs_tenant_created", "tenant_id", "created_at", "id"),
         Index("ix_runs_status_updated", "status", "updated_at"),
         Index("ix_runs_tenant_goal", "tenant_id", "goal_id"),
+        Index("ix_runs_tenant_released_key", "tenant_id", "released_key",
+              postgresql_where=text("released_key IS NOT NULL")),
     )
 
 
@@ -227,6 +231,7 @@ class AdmissionOrigin(enum.StrEnum):
     HTTP = "http"
     FANOUT = "fanout"
     INTERNAL = "internal"
+    SCHEDULE = "schedule"
 
 
 __all__ = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import RunStatus
+from .models import AdmissionOrigin, RunStatus
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -59,7 +59,8 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
 
 
 RUN_FIELDS = [
-    "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key", "status",
+    "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key",
+    "key_released", "status",
     "attempt", "cancel_requested", "result", "error", "origin", "parent_run_id", "created_at",
     "updated_at", "started_at", "finished_at",
 ]
@@ -218,12 +219,17 @@ def openapi_document() -> dict[str, Any]:
                         "input": {"type": "object"},
                         "goal_id": {"type": "string", "nullable": True},
                         "dispatch_key": {"type": "string", "nullable": True},
+                        "key_released": {
+                            "type": "boolean",
+                            "description": "true once a newer run took this run's "
+                                           "dispatch_key (the workflow's key_reuse policy); "
+                                           "a replay of the key answers with the newer run"},
                         "status": {"type": "string", "enum": [s.value for s in RunStatus]},
                         "attempt": {"type": "integer"},
                         "cancel_requested": {"type": "boolean"},
                         "result": {"nullable": True},
                         "error": {"type": "object", "nullable": True},
-                        "origin": {"type": "string", "enum": ["http", "fanout", "internal"]},
+                        "origin": {"type": "string", "enum": [o.value for o in AdmissionOrigin]},
                         "parent_run_id": {"type": "string", "format": "uuid",
                                           "nullable": True},
                         "created_at": {"type": "string", "format": "date-time"},

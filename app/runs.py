@@ -65,10 +65,14 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     query = select(Run).where(Run.tenant_id == tenant_id)
     if where.statuses is not None:
         query = query.where(Run.status.in_(where.statuses))
-    for name in ("goal_id", "workflow_ref", "dispatch_key", "parent_run_id"):
+    for name in ("goal_id", "workflow_ref", "parent_run_id"):
         value = getattr(where, name)
         if value is not None:
             query = query.where(getattr(Run, name) == value)
+    if where.dispatch_key is not None:
+        # The run that holds the key, and every earlier run a newer one took it from.
+        query = query.where(or_(Run.dispatch_key == where.dispatch_key,
+                                Run.released_key == where.dispatch_key))
     if where.before is not None:
         created, run_id = where.before
         query = query.where(
@@ -77,6 +81,17 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     return list(session.scalars(
         query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
     ))
+
+
+def last_run_keyed(session: Session, tenant_name: str, key_prefix: str) -> Run | None:
+    """The newest run of tenant ``tenant_name`` whose dispatch key starts with ``key_prefix``
+    (a schedule's last run)."""
+    return session.scalars(
+        select(Run).join(Tenant, Tenant.id == Run.tenant_id)
+        .where(Tenant.name == tenant_name,
+               Run.dispatch_key.startswith(key_prefix, autoescape=True))
+        .order_by(Run.created_at.desc()).limit(1)
+    ).one_or_none()
 
 
 _ENTRIES = text(

@@ -32,6 +32,14 @@ SELECT runs.*,
   FROM runs
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
 
+-- app/state/runs.py: RELEASE_KEY
+UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+ WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+   AND workflow_name = :workflow_name
+   AND status = ANY(CAST(:reusable AS text[]))
+   AND finished_at <= now() - make_interval(secs => :ttl)
+RETURNING id;
+
 -- app/state/runs.py: CANCEL
 WITH  changed AS (
 UPDATE runs

@@ -3,6 +3,9 @@
 * admit: ``ADMIT`` inserts a run unless its ``(tenant_id, dispatch_key)`` is
   taken, decided by the partial unique index (``ON CONFLICT DO NOTHING``); a
   miss reads the run that holds the key with ``EXISTING``. Never a read first.
+  A workflow whose ``key_reuse`` policy allows it takes an ended run's key with
+  ``RELEASE_KEY`` (conditional on the holder's status, in the statement) and
+  inserts again; the index still decides who holds the key.
 * cancel: a queued (or waiting) run becomes ``cancelled``; a running one gets
   ``cancel_requested`` and stops at its workflow's next checkpoint.
 * repair: re-sending runs whose Celery message may be lost, marked sent in the
@@ -55,6 +58,34 @@ EXISTING = text(
      WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
     """
 )
+
+
+# Key reuse: move the key off the run that holds it, if that run ended in a status the
+# policy names (and, with a ttl, long enough ago), so the next insert can take it. The
+# status is checked here, in the statement that takes the row lock, never by an earlier
+# read: of N racing re-admissions one releases the ended run and inserts; the others
+# find the key held by that new run (not ended) and replay it.
+RELEASE_KEY = text(
+    """
+    UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+     WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+       AND workflow_name = :workflow_name
+       AND status = ANY(CAST(:reusable AS text[]))
+       AND finished_at <= now() - make_interval(secs => :ttl)
+    RETURNING id
+    """
+)
+
+
+def release_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow_name: str,
+                reusable: tuple[str, ...], ttl: float) -> bool:
+    """Free ``dispatch_key`` from its run if that run (of ``workflow_name``) ended in one of
+    ``reusable`` at least ``ttl`` seconds ago; True if it did."""
+    if not reusable:
+        return False
+    return session.execute(RELEASE_KEY, {
+        "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_name": workflow_name,
+        "reusable": list(reusable), "ttl": ttl}).one_or_none() is not None
 
 
 def admit(session: Session, values: dict, *, input_json: str, event_json: str) -> Row | None:

@@ -336,6 +336,25 @@ MUTANTS: list[Mutant] = [
         "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
     ),
+    # -- key reuse and schedules ----------------------------------------------------------------
+    Mutant(
+        "key_reuse_decided_before_the_release",
+        "a key is released only by the statement that sees its run ended (never by a read "
+        "before it): a live run's key is never taken",
+        "app/state/runs.py",
+        "       AND status = ANY(CAST(:reusable AS text[]))\n",
+        "       AND true\n",
+        ("tests/app/test_key_reuse.py::test_after_failure_keeps_a_key_whose_run_did_not_fail",),
+    ),
+    Mutant(
+        "tick_key_from_the_beat_clock",
+        "a scheduled run's key is its schedule's tick, the same in every beat",
+        "workers/ticks.py",
+        "    tick = last_tick(schedule, now)\n",
+        "    tick = now.replace(microsecond=0)\n",
+        ("tests/workers/test_ticks.py::"
+         "test_two_beats_a_moment_apart_compute_one_key_for_one_tick",),
+    ),
     # -- the inbox ----------------------------------------------------------------------------
     Mutant(
         "inbox_commits_past_unfinished_work",
