@@ -96,6 +96,9 @@ class Run(db.Model):
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     # The hash of the resolved workflow definition pinned at admission (migration 0006).
     definition_hash: Mapped[str | None] = mapped_column(String(64))
+    # The W3C Trace Context the run was admitted with (migration 0010; app/tracecontext.py).
+    traceparent: Mapped[str | None] = mapped_column(String(55))
+    tracestate: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
