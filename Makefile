@@ -1,11 +1,12 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both install what they need.
+# `make check` is the fast lane to run after each change (about a minute).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: install run test mutations services down status lint docs bench clean
+.PHONY: install run check test mutations services down status lint docs bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +27,14 @@ services: install
 
 run: install
 	$(BIN)/poimen-dev run
+
+# The fast lane: every test that starts no process (tests/process_guard.py keeps the
+# `processes` mark complete) -- in-process tests on the savepoint fixture, statement
+# witnesses, pure tables, config and docs checks. Any non-zero pytest status fails it,
+# 5 (no tests collected) included.
+check: services
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
+		$(BIN)/python -m pytest -m "not processes" $(PYTEST_ARGS)
 
 # The console's browser tests drive Debian's chromium; without it they skip (and say so).
 test: services

@@ -22,6 +22,10 @@ from app.config import libpq_url
 from poimen_dev.scratch import scratch_database
 from tests.processes import start_web
 
+# The `processes` mark and its guard (make check leaves marked tests out); pytester
+# runs the guard's own wiring test.
+pytest_plugins = ("tests.process_guard", "pytester")
+
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
 TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")
 
@@ -150,11 +154,36 @@ def clean_tables(request):
 
 @pytest.fixture
 def processes():
-    """Processes a test starts (``tests.processes.Process``); stopped when it ends."""
+    """Processes a test starts (``tests.processes.Process``); ended when it ends.
+
+    SIGKILL unless the process is ``graceful`` (``Process.teardown``): a test about a
+    shutdown stops its process itself, with ``Process.stop``.
+    """
     started: list = []
     yield started
     for proc in started:
-        proc.stop()
+        proc.teardown()
+
+
+# Probes, repair and takeover in tenths of a second, for process tests that are not
+# about these timings (the lease and partition tests measure the defaults' bounds and
+# keep them; tests/test_lease.py checks that these keep the lease's ordering).
+FAST_TIMINGS = {
+    "POIMEN_BOOT_PROBE_INTERVAL": "0.3",   # 2 s: how soon a worker sees its lock gone
+    "POIMEN_LEASE_CLIENT_SECONDS": "4",    # 10 s (T_c)
+    "POIMEN_LEASE_SERVER_SECONDS": "6",    # 20 s (T_s): T_c + 3 <= T_s + takeover delay
+    "POIMEN_TAKEOVER_DELAY": "1",          # 6 s: a dead boot's run is delivered this late
+    "POIMEN_REPAIR_INTERVAL": "0.5",       # 10 s: how often beat looks for lost messages
+    "POIMEN_REPAIR_MIN_AGE": "1",          # 10 s: how old a queued run must be to re-send
+    "POIMEN_SHUTDOWN_GRACE": "5",          # 25 s
+    "POIMEN_OUTBOX_POLL_INTERVAL": "0.05",  # 0.2 s
+}
+
+
+@pytest.fixture(scope="session")
+def fast_env(test_env) -> dict[str, str]:
+    """``test_env`` with :data:`FAST_TIMINGS`: for processes whose timings a test is not about."""
+    return {**test_env, **FAST_TIMINGS}
 
 
 @pytest.fixture
@@ -275,4 +304,4 @@ def live_api(test_env, tmp_path_factory):
     """gunicorn serving the app over real HTTP, as the Procfile's ``web`` does."""
     proc, url = start_web(test_env, tmp_path_factory.mktemp("web"))
     yield url
-    proc.stop()
+    proc.teardown()

@@ -50,20 +50,33 @@ def wait_until(check, timeout: float = 30.0, interval: float = 0.1, what: str = 
 
 
 class Process:
-    """One child process with its output in a log file under ``log_dir``."""
+    """One child process with its output in a log file under ``log_dir``.
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path):
+    ``graceful``: what :meth:`teardown` does after a test that was not about its
+    shutdown. By default it is SIGKILL (a worker's warm shutdown, gunicorn's
+    graceful stop cost seconds per test and prove nothing there: the shutdown
+    tests call :meth:`stop` themselves). A Kafka consumer is stopped gracefully,
+    so it leaves its group and no later consumer waits out a rebalance.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path,
+                 graceful: bool = False):
         self.name = name
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.graceful = graceful
 
     def start(self) -> Process:
         log = open(self.log_path, "ab")
+        # Temporary files (web's and the worker's metrics directories) under the test's
+        # own directory: a SIGKILLed process cannot remove them, pytest's tmp_path does.
+        tmp = self.log_path.with_name(f"{self.name}-tmp")
+        tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         return self
 
@@ -103,6 +116,19 @@ class Process:
         self.signal_group(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(10)
+
+    def teardown(self) -> None:
+        """End the process after a test: :meth:`stop` if ``graceful``, else SIGKILL its group."""
+        if self.graceful:
+            self.stop()
+            return
+        if self.proc is None:
+            return
+        try:  # the whole group, even when its leader is gone (a pool process outlived it)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(10)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -151,7 +177,7 @@ def start_inbox(env: Mapping[str, str], log_dir: Path, name: str = "inbox",
     """Start ``python -m bridge.inbox`` as the Procfile does; return it and its metrics URL."""
     port = metrics_port or free_port()
     proc = Process(name, [sys.executable, "-m", "bridge.inbox"],
-                   {**env, "METRICS_PORT": str(port)}, log_dir).start()
+                   {**env, "METRICS_PORT": str(port)}, log_dir, graceful=True).start()
     url = f"http://127.0.0.1:{port}/metrics"
 
     def answering() -> bool:

@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import psycopg
+import pytest
 import redis
 
 from tests.processes import ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def poimen_dev(*args: str, state_dir) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import uuid
 import psycopg
 import pytest
 
-from app.config import lease_settings
+from app.config import DEFAULT_TAKEOVER_DELAY, lease_settings
 from lease import KILL_SECONDS, LeaseOrderingError, LeaseSettings, check_ordering, probe_lock
 from lease import problems as lease_problems
 from tests.conftest import libpq_url
@@ -58,6 +58,16 @@ def test_the_default_lease_keeps_its_ordering():
     assert settings.server_seconds + 10 + settings.takeover_delay < 60
 
 
+def test_the_fast_test_timings_keep_the_ordering():
+    """Process tests run workers under ``fast_env``: they must start (a worker refuses a
+    lease that breaks the ordering) and keep the rule the defaults keep."""
+    from tests.conftest import FAST_TIMINGS
+
+    settings = lease_settings(FAST_TIMINGS)
+    assert lease_problems(settings) == []
+    assert settings.probe_interval < 1 and settings.takeover_delay < DEFAULT_TAKEOVER_DELAY
+
+
 @pytest.mark.parametrize("env, named", [
     ({"POIMEN_LEASE_CLIENT_SECONDS": "30"}, "POIMEN_LEASE_CLIENT_SECONDS (30)"),
     ({"POIMEN_LEASE_SERVER_SECONDS": "3", "POIMEN_TAKEOVER_DELAY": "0"},
@@ -75,6 +85,7 @@ BREAKS_THE_ORDERING = {"POIMEN_LEASE_CLIENT_SECONDS": "25", "POIMEN_LEASE_SERVER
                        "POIMEN_TAKEOVER_DELAY": "2"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("start", [start_worker, start_beat], ids=["worker", "beat"])
 def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         start, test_env, tmp_path):
@@ -92,6 +103,7 @@ def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         [line for line in lines if not line.startswith("{")][:3]
 
 
+@pytest.mark.processes
 def test_the_outbox_relay_refuses_to_start_with_settings_that_break_the_ordering(test_env):
     done = subprocess.run([sys.executable, "-m", "bridge.outbox"], cwd=ROOT, timeout=60,
                           env={**test_env, **BREAKS_THE_ORDERING, "METRICS_PORT": "0"},
@@ -219,6 +231,7 @@ def start_fenced_child(dsn: str, env: dict, **lease: str) -> tuple[subprocess.Po
     return child, int(line.split()[1])
 
 
+@pytest.mark.processes
 def test_a_process_whose_lease_is_not_confirmed_within_t_c_is_killed(proxy, dsn, test_env):
     """The path goes silent while a busy body runs: the kernel kills the process T_c after
     the last confirmed probe, without reaching Postgres (test_the_fence_kills_at_its_deadline
@@ -240,6 +253,7 @@ def test_a_process_whose_lease_is_not_confirmed_within_t_c_is_killed(proxy, dsn,
             child.kill()
 
 
+@pytest.mark.processes
 def test_a_process_whose_lock_was_cut_and_not_adopted_is_killed_at_t_c(dsn, pg, test_env):
     """The server let go early (pg_terminate_backend): nothing adopts the run in this
     process, so the fence still ends the body T_c after the last confirmation."""
@@ -256,6 +270,7 @@ def test_a_process_whose_lock_was_cut_and_not_adopted_is_killed_at_t_c(dsn, pg, 
             child.kill()
 
 
+@pytest.mark.processes
 def test_the_fence_kills_at_its_deadline_and_a_disarmed_fence_does_not():
     code = textwrap.dedent("""
         import re, sys, time

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from poimen_dev.platform import procfile_commands
 from tests.processes import ROOT
 
@@ -68,6 +70,7 @@ def test_app_imports_nothing_from_workers_but_the_registry():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+@pytest.mark.processes  # a fresh interpreter: what importing loads
 def test_importing_app_loads_no_worker_module():
     modules = [p.stem for p in (ROOT / "app").glob("*.py") if p.stem != "__init__"]
     code = (
@@ -108,6 +111,7 @@ def test_heroku_postgres_urls_are_accepted():
     assert broker_url({"REDIS_URL": "redis://a"}) == "redis://a"
 
 
+@pytest.mark.processes  # a fresh interpreter: what importing loads
 def test_importing_the_packages_reads_no_settings():
     """Config is read by the factory, never at import: imports work with an empty env."""
     code = ("import app, app.api, app.admission, app.runs, app.tenants, workers, app.state.claims, "
@@ -124,6 +128,7 @@ def test_importing_the_packages_reads_no_settings():
 BRIDGE_MAY_IMPORT_FROM_APP = {"app", "app.config", "app.state", "app.state.outbox"}
 
 
+@pytest.mark.processes  # a fresh interpreter: what importing loads
 def test_bridge_imports_nothing_from_app_or_workers_but_its_settings():
     modules = [p.stem for p in (ROOT / "bridge").glob("*.py") if p.stem != "__init__"]
     code = (

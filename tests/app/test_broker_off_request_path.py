@@ -75,6 +75,7 @@ def proxy(base_env):
     proxy.close()
 
 
+@pytest.mark.processes
 def test_a_black_holed_broker_does_not_slow_admission_and_the_run_runs_after(
         proxy, test_env, tenant, tmp_path, pg, redis_client, queue_name):
     real = urlparse(test_env["REDIS_URL"])
@@ -103,9 +104,9 @@ def test_a_black_holed_broker_does_not_slow_admission_and_the_run_runs_after(
                 [run_ids]).fetchone()[0] == len(run_ids), timeout=60,
                 what="every run to be sent and executed once the broker is back")
         finally:
-            worker.stop()
+            worker.teardown()  # SIGKILL: what this test is about happened before
     finally:
-        web.stop()
+        web.teardown()
 
 
 def test_a_committed_run_reaches_the_queue_within_50_ms(live_api, tenant, redis_client,

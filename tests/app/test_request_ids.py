@@ -52,6 +52,7 @@ def test_a_record_logged_while_serving_a_request_carries_its_id(app):
     assert seen and seen[0]["request_id"] == "rid-7"
 
 
+@pytest.mark.processes
 def test_gunicorns_access_line_names_the_request_id(test_env, tenant, tmp_path):
     web, url = start_web({**test_env, "LOG_FORMAT": "json"}, tmp_path, workers=1, threads=2)
     try:
@@ -65,6 +66,7 @@ def test_gunicorns_access_line_names_the_request_id(test_env, tenant, tmp_path):
     assert any("request_id=access-9" in r["message"] for r in access), access[-3:]
 
 
+@pytest.mark.processes  # a real gunicorn writes the access line
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_an_admissions_access_line_names_its_tenant_run_and_request(test_env, tenant, tmp_path,
                                                                        log_format):

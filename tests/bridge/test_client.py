@@ -218,7 +218,7 @@ def test_wait_returns_the_run_a_real_worker_finished(proxies, tenant, test_env, 
             run = runs.admit("echo", {"hello": "client"})
             done = runs.wait(run.id, timeout=90)
     finally:
-        worker.stop()
+        worker.teardown()  # SIGKILL: the worker's shutdown is not what this tests
     assert done.id == run.id
     assert done.status == "succeeded" and done.finished
     assert done.result == {"hello": "client"}

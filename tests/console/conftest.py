@@ -46,7 +46,7 @@ def console_url(console_env, tmp_path_factory) -> str:
     proc, url = start_web(console_env, tmp_path_factory.mktemp("console-web"), workers=2,
                           threads=4, name="console-web")
     yield url
-    proc.stop()
+    proc.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def worker(test_env, tmp_path_factory):
     proc = start_worker(test_env, tmp_path_factory.mktemp("console-worker"), name="console-worker",
                         concurrency=2)
     yield proc
-    proc.stop()
+    proc.teardown()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from poimen_dev.platform import procfile_commands
@@ -85,6 +86,7 @@ def _argv_through(argv: list[str], tmp_path: Path, env: dict[str, str]) -> list[
     return proc.stdout.splitlines()
 
 
+@pytest.mark.processes
 def test_the_entrypoint_runs_each_procfile_command_as_written(tmp_path):
     env = {"PORT": "8123", "WEB_CONCURRENCY": "3", "WORKER_CONCURRENCY": "5"}
     for name, command in procfile_commands().items():
@@ -117,6 +119,7 @@ def test_app_json_declares_the_add_ons_and_every_long_running_process():
     assert procfile_commands()["release"] == "flask --app app db upgrade"
 
 
+@pytest.mark.processes
 def test_make_refreshes_empty_package_lists_before_giving_up_on_a_package():
     """A fresh machine's apt lists may be empty: `apt-get install` alone then fails and the
     console's browser tests skip. `make -n` shows what make would run."""

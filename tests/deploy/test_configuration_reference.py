@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from app import settings_reference
 from tests.processes import ROOT
 
@@ -162,6 +164,7 @@ def test_the_reference_lists_each_variable_once_with_its_processes():
         assert setting.meaning.strip(), setting
 
 
+@pytest.mark.processes
 def test_docs_configuration_md_is_generated_from_the_reference():
     proc = subprocess.run([sys.executable, "-m", "app.settings_reference", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)

@@ -112,6 +112,7 @@ def tls_redis(base_env, openssl, tmp_path):
     plain.close()
 
 
+@pytest.mark.processes  # openssl makes its certificates
 def test_rediss_with_a_self_signed_certificate_works_for_celery_and_redis_py(
         tls_redis, app, monkeypatch):
     url, cert, plain = tls_redis
@@ -161,6 +162,7 @@ def heroku_kafka_env(openssl, tmp_path) -> dict[str, str]:
     }
 
 
+@pytest.mark.processes  # openssl makes its certificates
 def test_heroku_kafka_variables_become_librdkafka_settings(heroku_kafka_env):
     from confluent_kafka import Consumer, Producer
 
@@ -196,6 +198,7 @@ def test_heroku_kafka_variables_become_librdkafka_settings(heroku_kafka_env):
         kafka_client_settings({})
 
 
+@pytest.mark.processes  # openssl makes its certificates
 def test_kafka_prefix_is_applied_to_topics_and_groups(heroku_kafka_env):
     env = {**heroku_kafka_env, "POIMEN_API_URL": "http://web", "POIMEN_API_TOKEN": "pmn_x",
            "DATABASE_URL": "postgres://u@h/d"}

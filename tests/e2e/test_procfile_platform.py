@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import requests
 
 from tests.processes import free_port, start_procfile_process, wait_until
+
+pytestmark = pytest.mark.processes
 
 
 def test_curl_created_echo_run_succeeds_and_shows_in_flower(test_env, tenant, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
 import requests
 
 from tests.ops.platform import start_platform
@@ -36,6 +37,7 @@ def records(text: str, name: str) -> list[dict]:
     return parsed
 
 
+@pytest.mark.processes
 def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
         test_env, make_tenant, pg, tmp_path):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
@@ -106,6 +108,7 @@ def test_every_line_of_every_process_is_json_with_run_fields_and_no_input(
         assert {"time", "level", "logger", "message"} <= set(parsed[0]), name
 
 
+@pytest.mark.processes
 def test_log_level_is_honoured_by_every_process(test_env, make_tenant, tmp_path):
     platform = start_platform(test_env, make_tenant, tmp_path, LOG_FORMAT="json",
                               LOG_LEVEL="WARNING")
@@ -129,6 +132,7 @@ def test_log_level_is_honoured_by_every_process(test_env, make_tenant, tmp_path)
                for r in records(platform.procs["worker"].log(), "worker"))
 
 
+@pytest.mark.processes
 def test_librdkafka_lines_are_json_too_when_the_broker_is_down(test_env, tmp_path):
     import sys
 
@@ -212,6 +216,7 @@ def test_tracebacks_keep_frames_and_types_but_never_messages():
     assert json.loads(line)["exc_type"] == "builtins.ValueError"
 
 
+@pytest.mark.processes
 def test_the_release_phase_logs_json_too(test_env, tmp_path):
     from tests.processes import start_procfile_process
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import requests
 
 from tests.ops.platform import METRICS_TOKEN, Platform, platform_env
 from tests.processes import metrics, wait_until
+
+pytestmark = pytest.mark.processes
+
 
 GLOBAL_GAUGES = ("poimen_runs", "poimen_live_boots", "poimen_boot_probe_age_seconds",
                  "poimen_boot_probe_age_max_seconds", "poimen_outbox_unpublished",

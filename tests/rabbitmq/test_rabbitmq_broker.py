@@ -76,7 +76,7 @@ def test_beat_re_sends_a_run_whose_message_rabbitmq_lost(amqp_env, amqp_url, que
                                                          pg, tmp_path, processes):
     """Admit with no worker, purge the queue (the message is lost), then start a worker and
     beat: beat's repair finds the queued run over amqp and re-sends it; it runs once."""
-    env = {**amqp_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "2"}
+    env = {**amqp_env, "POIMEN_REPAIR_MIN_AGE": "2"}
     url = start_api(env, tmp_path, processes)
     with Runs(url, tenant.token) as runs:
         run = runs.admit("echo", {"lost": True})
@@ -95,7 +95,7 @@ def test_kill_9_of_a_worker_mid_run_resumes_the_run_exactly_once(amqp_env, tenan
                                                                  pg, tmp_path, processes):
     """SIGKILL the worker running a run: RabbitMQ re-delivers the unacked message, the
     rescuer takes the dead boot's claim over and finishes the run: one resume, one finish."""
-    env = {**amqp_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    env = {**amqp_env, "POIMEN_REPAIR_MIN_AGE": "30"}
     url = start_api(env, tmp_path, processes)
     victim = start_worker(env, tmp_path, "amqp-victim")
     processes.append(victim)
@@ -141,7 +141,8 @@ def test_beats_queue_depth_gauge_answers_on_rabbitmq(amqp_env, amqp_url, queue_n
 
 
 
-@pytest.mark.parametrize("broker", ["redis", "amqp"])
+# amqp: the session's vhost is made by rabbitmqctl (amqp_url), so that case starts processes.
+@pytest.mark.parametrize("broker", ["redis", pytest.param("amqp", marks=pytest.mark.processes)])
 def test_queue_depth_answers_on_both_brokers(broker, base_env, request):
     """What the queue-depth gauge reads (``workers.metrics.queue_depths``), on each broker:
     0 for a queue nobody declared yet, then the messages waiting, with no consumer."""

@@ -41,9 +41,10 @@ def celery_tasks(app):
 
 
 @pytest.fixture
-def env(test_env, celery_tasks, side_effects):
-    """Child processes' environment (the test workflows record into side_effects)."""
-    return {**test_env, "POIMEN_WORKFLOW_MODULES": MODULES}
+def env(fast_env, celery_tasks, side_effects):
+    """Child processes' environment (the test workflows record into side_effects), with
+    fast probes and repair (``FAST_TIMINGS``): these tests are not about the timings."""
+    return {**fast_env, "POIMEN_WORKFLOW_MODULES": MODULES}
 
 
 def run_row(pg, run_id):
@@ -244,9 +245,8 @@ def test_revoke_of_a_queued_run_cancels_it_and_it_never_runs(admit, env, pg, tmp
                                                              task_events, client, tenant):
     worker = start_worker(env, tmp_path, "revw", concurrency=1)
     processes.append(worker)
-    # Beat re-sends queued runs every second: a revoked run left queued would be re-sent.
-    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
-                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    # Beat re-sends queued runs twice a second: a revoked run left queued would be re-sent.
+    processes.append(start_beat(env, tmp_path))
     wait_ready(worker)
     # The worker's one process is busy, so the next run waits in the queue.
     blocker = admit("effect", {"seconds": 120})
@@ -308,10 +308,8 @@ def test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed(admit, env
                                                                      task_events):
     worker = start_worker(env, tmp_path, "termw", concurrency=1)
     processes.append(worker)
-    # Beat re-sends runs of dead boots every second: a resumable run would be resumed.
-    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
-                                 "POIMEN_REPAIR_MIN_AGE": "1", "POIMEN_TAKEOVER_DELAY": "0"},
-                                tmp_path))
+    # Beat re-sends runs of dead boots twice a second: a resumable run would be resumed.
+    processes.append(start_beat({**env, "POIMEN_TAKEOVER_DELAY": "0"}, tmp_path))
     run_id = admit("blind", {"seconds": 60})  # no checkpoint: only killing it stops it
     wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
 
@@ -348,8 +346,7 @@ def test_purge_deletes_messages_not_runs_and_beat_sends_them_again(admit, env, p
     assert run_row(pg, run_id)[0] == "queued"  # the run lives in Postgres
 
     processes.append(start_worker(env, tmp_path, "purgew", concurrency=1))
-    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
-                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    processes.append(start_beat(env, tmp_path))
     status, attempt, *_ = wait_status(pg, run_id, {"succeeded", "failed"}, timeout=90)
     assert (status, attempt) == ("succeeded", 1)
 
@@ -429,15 +426,14 @@ def test_beat_keeps_a_queue_no_worker_consumes_within_a_page(
     for key in redis_client.keys(f"{slow}*"):
         redis_client.delete(key)
     processes.append(start_worker(env, tmp_path, "pagew", concurrency=1))
-    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
-                                 "POIMEN_REPAIR_MIN_AGE": "1"}, tmp_path))
+    processes.append(start_beat(env, tmp_path))
     for n in range(300):
         admit("routed-slow", {"n": n})
     try:
         wait_until(lambda: slow_depth() >= 900, timeout=60, what="repair to fill the room")
         depths = []
         for _ in range(12):  # a dozen more ticks
-            time.sleep(1)
+            time.sleep(float(env["POIMEN_REPAIR_INTERVAL"]))
             depths.append(slow_depth())
         assert max(depths) <= 1000, depths
     finally:
@@ -450,9 +446,7 @@ def test_a_run_past_its_hard_time_limit_fails_and_is_not_resumed(admit, env, pg,
                                                                 task_events):
     worker = start_worker(env, tmp_path, "limitw", concurrency=1)
     processes.append(worker)
-    processes.append(start_beat({**env, "POIMEN_REPAIR_INTERVAL": "1",
-                                 "POIMEN_REPAIR_MIN_AGE": "1", "POIMEN_TAKEOVER_DELAY": "0"},
-                                tmp_path))
+    processes.append(start_beat({**env, "POIMEN_TAKEOVER_DELAY": "0"}, tmp_path))
     run_id = admit("over-time", {"seconds": 60})
 
     status, attempt, failures, result, error, _ = wait_status(

@@ -42,6 +42,7 @@ def log_dir(tmp_path):
 RACE_ROUNDS = 30
 
 
+@pytest.mark.processes
 def test_racing_deliveries_execute_each_run_once(admit, side_effects, test_env, pg):
     """6: two processes deliver the same run at the same instant, 30 times."""
     run_ids = [str(admit("effect", {"seconds": 0.05})) for _ in range(RACE_ROUNDS)]
@@ -78,7 +79,7 @@ def _race_entry(barrier, run_ids, outcomes):
     race(barrier, run_ids, outcomes)
 
 
-def test_duplicate_messages_to_real_workers_execute_once(admit, side_effects, test_env, pg,
+def test_duplicate_messages_to_real_workers_execute_once(admit, side_effects, fast_env, pg,
                                                           log_dir, processes, app,
                                                           redis_client, queue_name):
     """Every run sent 4 times to two real Celery workers runs exactly once."""
@@ -90,8 +91,8 @@ def test_duplicate_messages_to_real_workers_execute_once(admit, side_effects, te
         for _ in range(3):  # admission already sent each once
             for run_id in run_ids:
                 send_run(celery_app, run_id, "effect@1")
-    processes.append(start_worker(test_env, log_dir, "w1", concurrency=2))
-    processes.append(start_worker(test_env, log_dir, "w2", concurrency=2))
+    processes.append(start_worker(fast_env, log_dir, "w1", concurrency=2))
+    processes.append(start_worker(fast_env, log_dir, "w2", concurrency=2))
     for run_id in run_ids:
         wait_status(pg, run_id, {"succeeded"})
     # Every copy has left the queue (handed to a worker): a deterministic point. Their
@@ -112,10 +113,10 @@ def test_duplicate_messages_to_real_workers_execute_once(admit, side_effects, te
         assert side_effects(run_id, "finish") == 1, run_id
 
 
-def test_kill_9_mid_run_is_resumed_by_another_worker(admit, side_effects, test_env, pg,
+def test_kill_9_mid_run_is_resumed_by_another_worker(admit, side_effects, fast_env, pg,
                                                       log_dir, processes):
     """7: SIGKILL a worker mid-run; beat finds the dead boot's run, another worker resumes."""
-    env = {**test_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    env = {**fast_env, "POIMEN_REPAIR_MIN_AGE": "30"}  # queued runs: not re-sent
     run_id = admit("effect", {"seconds": 3})
     victim = start_worker(env, log_dir, "victim")
     processes.append(victim)
@@ -139,10 +140,10 @@ def test_kill_9_mid_run_is_resumed_by_another_worker(admit, side_effects, test_e
     assert holder is not None and holder != victim_boot
 
 
-def test_redelivery_while_running_executes_once(admit, side_effects, test_env, pg, log_dir,
+def test_redelivery_while_running_executes_once(admit, side_effects, fast_env, pg, log_dir,
                                                 processes):
     """8: a Redis visibility_timeout shorter than the run redelivers it mid-run."""
-    env = {**test_env, "POIMEN_VISIBILITY_TIMEOUT": "1", "POIMEN_UNACKED_RESTORE_INTERVAL": "1",
+    env = {**fast_env, "POIMEN_VISIBILITY_TIMEOUT": "1", "POIMEN_UNACKED_RESTORE_INTERVAL": "1",
            "POIMEN_UNACKED_RESTORE_THROTTLE": "1"}
     run_id = admit("effect", {"seconds": 5})
     workers = [start_worker(env, log_dir, f"vt{i}", concurrency=2) for i in range(2)]
@@ -154,23 +155,23 @@ def test_redelivery_while_running_executes_once(admit, side_effects, test_env, p
     assert "duplicate" in logs, "the message was never redelivered; the test proved nothing"
 
 
-def test_cancel_before_start_never_runs(admit, side_effects, test_env, pg, log_dir, processes,
+def test_cancel_before_start_never_runs(admit, side_effects, fast_env, pg, log_dir, processes,
                                         client, tenant, redis_client, queue_name):
     """9: cancelled while queued; the worker consumes the message and does nothing."""
     run_id = admit("effect", {"seconds": 0})
     r = client.post(f"/v1/runs/{run_id}/cancel", headers=tenant.headers)
     assert r.json["status"] == "cancelled"
-    processes.append(start_worker(test_env, log_dir))
+    processes.append(start_worker(fast_env, log_dir))
     wait_until(lambda: redis_client.llen(queue_name) == 0 and "finished" in processes[0].log(),
                timeout=60, what="the message to be consumed")
     assert run_row(pg, run_id)[0] == "cancelled"
     assert side_effects(run_id) == 0
 
 
-def test_cancel_while_running_stops_at_the_next_checkpoint(admit, side_effects, test_env, pg,
+def test_cancel_while_running_stops_at_the_next_checkpoint(admit, side_effects, fast_env, pg,
                                                            log_dir, processes, client, tenant):
     run_id = admit("effect", {"seconds": 30})
-    processes.append(start_worker(test_env, log_dir))
+    processes.append(start_worker(fast_env, log_dir))
     wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="start")
     r = client.post(f"/v1/runs/{run_id}/cancel", headers=tenant.headers)
     assert r.status_code == 202 and r.json["cancel_requested"] is True
@@ -180,11 +181,11 @@ def test_cancel_while_running_stops_at_the_next_checkpoint(admit, side_effects, 
     assert side_effects(run_id, "finish") == 0
 
 
-def test_workflow_retries_then_fails_or_succeeds(admit, side_effects, test_env, pg, log_dir,
+def test_workflow_retries_then_fails_or_succeeds(admit, side_effects, fast_env, pg, log_dir,
                                                  processes):
     recovers = admit("flaky", {"failures": 2})      # max_attempts=3: succeeds on the 3rd try
     gives_up = admit("flaky", {"failures": 5})      # fails 3 times: failed
-    processes.append(start_worker(test_env, log_dir, concurrency=2))
+    processes.append(start_worker(fast_env, log_dir, concurrency=2))
     status, attempt, _, result, error, failures = wait_status(pg, recovers, {"succeeded",
                                                                             "failed"})
     assert (status, attempt, failures, result) == ("succeeded", 3, 2,
@@ -198,9 +199,9 @@ def test_workflow_retries_then_fails_or_succeeds(admit, side_effects, test_env, 
     assert side_effects(gives_up, "try") == 3
 
 
-def test_http_run_reaches_succeeded_with_its_result(live_api, tenant, test_env, log_dir,
+def test_http_run_reaches_succeeded_with_its_result(live_api, tenant, fast_env, log_dir,
                                                     processes):
-    processes.append(start_worker(test_env, log_dir))
+    processes.append(start_worker(fast_env, log_dir))
     r = requests.post(f"{live_api}/v1/runs", headers=tenant.headers, timeout=10,
                       json={"workflow_ref": "echo", "input": {"hello": "world"}})
     assert r.status_code == 201
@@ -221,13 +222,13 @@ def test_http_run_reaches_succeeded_with_its_result(live_api, tenant, test_env, 
     assert run["error"]["type"] == "workers.examples.ExampleFailure"
 
 
-def test_a_run_whose_message_was_lost_is_re_sent_by_beat(admit, side_effects, test_env, pg,
+def test_a_run_whose_message_was_lost_is_re_sent_by_beat(admit, side_effects, fast_env, pg,
                                                          log_dir, processes, redis_client,
                                                          queue_name):
     """Committed, but its Celery message is gone: beat's repair re-sends it."""
     run_id = admit("effect", {"seconds": 0})
     redis_client.delete(queue_name)  # the message is lost
-    env = {**test_env, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "1"}
+    env = fast_env
     processes.append(start_worker(env, log_dir))
     processes.append(start_beat(env, log_dir))
     wait_status(pg, run_id, {"succeeded"}, timeout=60)

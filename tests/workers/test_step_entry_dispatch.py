@@ -632,12 +632,11 @@ def test_fanout_key_derivation_is_a_pure_function_of_its_inputs():
 # -- real workers --------------------------------------------------------------------------------
 
 @pytest.fixture
-def worker_env(test_env, queue_name):
+def worker_env(fast_env, queue_name):
     from tests.workflows.ledger import MODULES
 
-    return {**test_env, "POIMEN_QUEUE": queue_name, "POIMEN_WORKFLOW_MODULES": MODULES,
-            "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "5",
-            "POIMEN_BOOT_PROBE_INTERVAL": "0.5"}
+    return {**fast_env, "POIMEN_QUEUE": queue_name, "POIMEN_WORKFLOW_MODULES": MODULES,
+            "POIMEN_REPAIR_MIN_AGE": "5"}
 
 
 def wait_terminal(pg, run_id, timeout=120):
