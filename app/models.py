@@ -78,7 +78,7 @@ class Run(db.Model):
     input: Mapped[dict] = mapped_column(JSONB, nullable=False)
     goal_id: Mapped[str | None] = mapped_column(String(255))
     dispatch_key: Mapped[str | None] = mapped_column(String(255))
-    # The key this run held until a newer run took it (key_reuse): see migration 0010.
+    # The key this run held until a newer run took it (key_reuse): see migration 0011.
     released_key: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16), nullable=False, default=RunStatus.QUEUED.value)
     # Executions started (claims and takeovers). A worker lost mid-run counts here...
@@ -98,6 +98,9 @@ class Run(db.Model):
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     # The hash of the resolved workflow definition pinned at admission (migration 0006).
     definition_hash: Mapped[str | None] = mapped_column(String(64))
+    # The W3C Trace Context the run was admitted with (migration 0010; app/tracecontext.py).
+    traceparent: Mapped[str | None] = mapped_column(String(55))
+    tracestate: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )

@@ -21,6 +21,7 @@ from . import metrics
 from .enqueue import queue_of, send_run
 from .models import Run, Tenant
 from .state import runs as state_runs
+from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,10 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     sent = 0
     for row in dead:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=takeover_delay or None)
+                         countdown=takeover_delay or None, trace=of_run(row))
     for row in queued:
-        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         trace=of_run(row))
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
     if dead or queued:

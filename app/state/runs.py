@@ -33,10 +33,12 @@ ADMIT = with_event(
     """
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id, definition_hash)
+                      origin, origin_detail, parent_run_id, definition_hash,
+                      traceparent, tracestate)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id, :definition_hash)
+            :origin_detail, :parent_run_id, :definition_hash,
+            :traceparent, :tracestate)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
     "*",
@@ -94,7 +96,8 @@ def admit(session: Session, values: dict, *, input_json: str, event_json: str) -
     row = session.execute(ADMIT, {**values, "input": input_json, "event": event_json}
                           ).one_or_none()
     if row is not None:
-        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                          row.traceparent, row.tracestate)
     return row
 
 
@@ -239,7 +242,7 @@ DEAD_BOOT_RUNS = text(
             ORDER BY r.updated_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
 
@@ -260,7 +263,7 @@ QUEUED_RUNS = text(
             ORDER BY r.last_sent_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
 

@@ -47,11 +47,13 @@ MUTANTS: list[Mutant] = [
         "app/state/runs.py",
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash)\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate)\n"
         "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
         "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
         "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
         ("tests/app/test_idempotent_admission.py::"
