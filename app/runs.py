@@ -21,6 +21,7 @@ from . import metrics
 from .enqueue import queue_of, send_run
 from .models import Run, Tenant
 from .state import runs as state_runs
+from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,14 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     query = select(Run).where(Run.tenant_id == tenant_id)
     if where.statuses is not None:
         query = query.where(Run.status.in_(where.statuses))
-    for name in ("goal_id", "workflow_ref", "dispatch_key", "parent_run_id"):
+    for name in ("goal_id", "workflow_ref", "parent_run_id"):
         value = getattr(where, name)
         if value is not None:
             query = query.where(getattr(Run, name) == value)
+    if where.dispatch_key is not None:
+        # The run that holds the key, and every earlier run a newer one took it from.
+        query = query.where(or_(Run.dispatch_key == where.dispatch_key,
+                                Run.released_key == where.dispatch_key))
     if where.before is not None:
         created, run_id = where.before
         query = query.where(
@@ -77,6 +82,17 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     return list(session.scalars(
         query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
     ))
+
+
+def last_run_keyed(session: Session, tenant_name: str, key_prefix: str) -> Run | None:
+    """The newest run of tenant ``tenant_name`` whose dispatch key starts with ``key_prefix``
+    (a schedule's last run)."""
+    return session.scalars(
+        select(Run).join(Tenant, Tenant.id == Run.tenant_id)
+        .where(Tenant.name == tenant_name,
+               Run.dispatch_key.startswith(key_prefix, autoescape=True))
+        .order_by(Run.created_at.desc()).limit(1)
+    ).one_or_none()
 
 
 _ENTRIES = text(
@@ -200,9 +216,10 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     sent = 0
     for row in dead:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=takeover_delay or None)
+                         countdown=takeover_delay or None, trace=of_run(row))
     for row in queued:
-        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         trace=of_run(row))
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
     if dead or queued:

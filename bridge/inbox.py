@@ -163,6 +163,24 @@ class Outcome:
         return self.kind is not OutcomeKind.RETRY
 
 
+# The W3C Trace Context headers a dispatch message may carry, posted on as the HTTP
+# headers of the same name. The API decides validity (a malformed one is ignored
+# there); here a value is only required to be one an HTTP header can carry.
+TRACE_HEADERS = ("traceparent", "tracestate")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,512}")
+
+
+def trace_headers(msg: Message) -> dict[str, str]:
+    """The message's ``traceparent`` and ``tracestate`` Kafka headers, fit for HTTP."""
+    found: dict[str, str] = {}
+    for name, value in msg.headers() or ():
+        if name in TRACE_HEADERS and name not in found and value:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if _HEADER_VALUE.fullmatch(text):
+                found[name] = text
+    return found
+
+
 def _where(msg: Message) -> str:
     return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
 
@@ -708,7 +726,8 @@ class Inbox:
             # Never a followed redirect (Transport follows none): a 301/302 turned the
             # POST into a GET of /v1/runs, whose 200 looked like a replay, and the
             # message was committed and lost.
-            answer = self._api.send("POST", "/v1/runs", body, {"X-Poimen-Tenant": tenant})
+            answer = self._api.send("POST", "/v1/runs", body,
+                                    {"X-Poimen-Tenant": tenant, **trace_headers(msg)})
         except TransportTimeout as err:
             return Outcome(OutcomeKind.RETRY, "timeout", detail=str(err))
         except TransportError as err:

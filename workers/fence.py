@@ -35,6 +35,7 @@ from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
 from app.state.ledger import EntryClose, MarkerClaim
 from app.state.outbox import record_event
+from app.tracecontext import TraceContext
 
 from . import boots
 from .actions import Emit, Output, Spawn
@@ -71,10 +72,12 @@ def record_deadline() -> float:
 class Fence:
     """Records what one held run's execution decided, fenced by this process's boots."""
 
-    def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None):
+    def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None,
+                 trace: TraceContext | None = None):
         self.run_id = run_id
         self.tenant_id = tenant_id
         self.goal_id = goal_id  # its fan-out's children inherit it
+        self.trace = trace  # ... and its W3C Trace Context
 
     # -- the transaction -------------------------------------------------------------------
 
@@ -221,7 +224,7 @@ class Fence:
                 session, tenant_id=self.tenant_id, workflow_ref=effect.workflow_ref,
                 input=child_input, goal_id=self.goal_id, dispatch_key=dispatch_key,
                 origin=AdmissionOrigin.FANOUT, origin_detail=f"spawn_each {key}"[:255],
-                parent_run_id=self.run_id)
+                parent_run_id=self.run_id, trace=self.trace)
             children.append((admission.run.id, ordinal, ikey))
             admitted.append(str(admission.run.id))
             replayed += not admission.created

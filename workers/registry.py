@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ticks import check_schedule
+
 BUILTIN_MODULES = ("workers.examples",)
 REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Za-z0-9_.-]{1,64}))?$")
 # Step ids appear in fan-out dispatch keys, separated by '/': no '/' in them.
@@ -199,6 +201,18 @@ class Workflow:
     time_limit: float | None = None
     soft_time_limit: float | None = None
     priority: int | None = None
+    # What a dispatch_key may do once its run ended (docs/guide/api.md, "Key reuse"):
+    # "never" (the key names that run forever), "after_failure" (a failed or
+    # cancelled run's key admits a new run), "after_end" (any ended run's); with
+    # key_ttl, only key_ttl seconds after the run ended. Admission's, not the run's:
+    # outside the definition's hash.
+    key_reuse: str = "never"
+    key_ttl: float | None = None
+    # A schedule: beat admits one run per tick, keyed by the tick (workers/schedules.py).
+    schedule: Any = field(default=None, compare=False)  # seconds, or a celery crontab
+    schedule_tenant: str | None = None
+    schedule_input: Any = field(default=None, compare=False)  # a dict, or tick -> dict
+    catch_up: str = "last"
     definition_hash: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -270,6 +284,46 @@ def _validate(wf: Workflow) -> None:
                 raise InvalidDefinition(f"{wf.ref}: step {step.id!r} goes to unknown step "
                                         f"{target!r}")
     _validate_routing(wf)
+    _validate_admission(wf)
+
+
+KEY_REUSE_POLICIES = {
+    # policy: the statuses of an ended run whose key a new admission may take
+    "never": (),
+    "after_failure": ("failed", "cancelled"),
+    "after_end": ("succeeded", "failed", "cancelled"),
+}
+CATCH_UP = ("last", "none")
+
+
+def _validate_admission(wf: Workflow) -> None:
+    if wf.key_reuse not in KEY_REUSE_POLICIES:
+        raise InvalidDefinition(f"{wf.ref}: key_reuse must be one of "
+                                f"{', '.join(KEY_REUSE_POLICIES)}, not {wf.key_reuse!r}")
+    if wf.key_ttl is not None:
+        if wf.key_reuse == "never":
+            raise InvalidDefinition(f"{wf.ref}: key_ttl needs key_reuse after_failure or "
+                                    "after_end (a key that is never reused has no ttl)")
+        if isinstance(wf.key_ttl, bool) or not isinstance(wf.key_ttl, (int, float)) \
+                or not wf.key_ttl >= 0:
+            raise InvalidDefinition(f"{wf.ref}: key_ttl must be a number of seconds >= 0")
+    if wf.schedule is None:
+        if wf.schedule_tenant is not None or wf.schedule_input is not None:
+            raise InvalidDefinition(f"{wf.ref}: schedule_tenant and schedule_input need a "
+                                    "schedule")
+        return
+    problem = check_schedule(wf.schedule)
+    if problem:
+        raise InvalidDefinition(f"{wf.ref}: {problem}")
+    if not wf.schedule_tenant:
+        raise InvalidDefinition(f"{wf.ref}: a schedule needs schedule_tenant (the tenant "
+                                "its runs are admitted for)")
+    if wf.catch_up not in CATCH_UP:
+        raise InvalidDefinition(f"{wf.ref}: catch_up must be 'last' or 'none'")
+    if wf.schedule_input is not None and not (callable(wf.schedule_input)
+                                              or isinstance(wf.schedule_input, Mapping)):
+        raise InvalidDefinition(f"{wf.ref}: schedule_input must be a dict or a function of "
+                                "the tick")
 
 
 QUEUE_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
@@ -320,13 +374,23 @@ def workflow(
     time_limit: float | None = None,
     soft_time_limit: float | None = None,
     priority: int | None = None,
+    key_reuse: str = "never",
+    key_ttl: float | None = None,
+    schedule: Any = None,
+    schedule_tenant: str | None = None,
+    schedule_input: Any = None,
+    catch_up: str = "last",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated ``(ctx, input)`` function as workflow ``name@version``.
 
     Sugar for a workflow of one step (``main``) with one action at position 0
     that is not marker-bearing: a run lost mid-way starts it again from the top.
     ``queue``, ``time_limit``, ``soft_time_limit`` and ``priority`` go to
-    Celery with every message of its runs (docs/guide/celery.md).
+    Celery with every message of its runs (docs/guide/celery.md). ``key_reuse`` /
+    ``key_ttl``: what a ``dispatch_key`` may do once its run ended; ``schedule``
+    (seconds, or a ``celery.schedules.crontab``) with ``schedule_tenant``,
+    ``schedule_input`` and ``catch_up``: beat admits one run per tick
+    (docs/guide/workflows.md).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
@@ -345,6 +409,12 @@ def workflow(
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
             priority=priority,
+            key_reuse=key_reuse,
+            key_ttl=key_ttl,
+            schedule=schedule,
+            schedule_tenant=schedule_tenant,
+            schedule_input=schedule_input,
+            catch_up=catch_up,
         ))
         return fn
 
@@ -391,6 +461,12 @@ def max_takeovers_of(name: str, version: str) -> int:
 def registered() -> list[Workflow]:
     """Return every registered workflow version."""
     return [wf for versions in _registry.values() for wf in versions.values()]
+
+
+def scheduled() -> list[Workflow]:
+    """The newest version of every registered workflow that declares a schedule."""
+    newest = [versions[max(versions, key=_version_key)] for versions in _registry.values()]
+    return sorted((wf for wf in newest if wf.schedule is not None), key=lambda wf: wf.name)
 
 
 def load_modules(modules: Iterable[str]) -> None:

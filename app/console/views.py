@@ -326,6 +326,25 @@ def _kafka() -> dict:
     return kafka
 
 
+@bp.get("/schedules")
+@signed_in
+def schedules():
+    """This tenant's schedules: each workflow beat admits on a tick, its next tick, its last run."""
+    from workers import ticks
+
+    now = datetime.now(UTC)
+    rows = []
+    for wf in registry.scheduled():
+        if wf.schedule_tenant != g.principal.tenant_name:
+            continue
+        prefix = f"{ticks.KEY_PREFIX}{wf.name}:"
+        rows.append({"workflow": wf.name, "schedule": ticks.describe(wf.schedule),
+                     "catch_up": wf.catch_up, "next": ticks.next_tick(wf.schedule, now),
+                     "prefix": prefix,
+                     "last": run_service.last_run_keyed(db.session, wf.schedule_tenant, prefix)})
+    return render_template("console/schedules.html", schedules=rows)
+
+
 @bp.get("/inbox")
 @signed_in
 def inbox():

@@ -7,10 +7,12 @@
 WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                  origin, origin_detail, parent_run_id, definition_hash)
+                  origin, origin_detail, parent_run_id, definition_hash,
+                  traceparent, tracestate)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-        :origin_detail, :parent_run_id, :definition_hash)
+        :origin_detail, :parent_run_id, :definition_hash,
+        :traceparent, :tracestate)
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
     event AS (
@@ -31,6 +33,14 @@ SELECT runs.*,
        goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
   FROM runs
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
+
+-- app/state/runs.py: RELEASE_KEY
+UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+ WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+   AND workflow_name = :workflow_name
+   AND status = ANY(CAST(:reusable AS text[]))
+   AND finished_at <= now() - make_interval(secs => :ttl)
+RETURNING id;
 
 -- app/state/runs.py: CANCEL
 WITH  changed AS (
@@ -66,7 +76,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -77,7 +88,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: CANCEL_QUEUED
 WITH  changed AS (
@@ -107,7 +118,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -118,7 +130,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: END_ABANDONED
 WITH  changed AS (
@@ -159,7 +171,8 @@ WITH  changed AS (
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -170,7 +183,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: TIME_LIMIT
 WITH  changed AS (
@@ -203,7 +216,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -214,7 +228,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: DEAD_BOOT_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -237,7 +251,7 @@ UPDATE runs SET last_sent_at = now()
             ORDER BY r.updated_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version;
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: QUEUED_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -252,7 +266,7 @@ UPDATE runs SET last_sent_at = now()
         ORDER BY r.last_sent_at
         LIMIT :limit
           FOR UPDATE OF r SKIP LOCKED)
-RETURNING id, workflow_name, workflow_version;
+RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: QUEUED_WORKFLOWS
 SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
@@ -279,7 +293,7 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, 'run.started',
@@ -323,7 +337,7 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
@@ -347,7 +361,8 @@ WHERE b.boot_id = :boot)
          FROM joined j
         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-       RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+       RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                 p.traceparent, p.tracestate
    ),
    woken_event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -358,7 +373,7 @@ WHERE b.boot_id = :boot)
 
    )
 
-       SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+       SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
@@ -416,7 +431,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -427,7 +443,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: RELEASE
 WITH  changed AS (

@@ -47,11 +47,13 @@ MUTANTS: list[Mutant] = [
         "app/state/runs.py",
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash)\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate)\n"
         "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
         "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
         "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
         ("tests/app/test_idempotent_admission.py::"
@@ -335,6 +337,25 @@ MUTANTS: list[Mutant] = [
         "AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
+    ),
+    # -- key reuse and schedules ----------------------------------------------------------------
+    Mutant(
+        "key_reuse_decided_before_the_release",
+        "a key is released only by the statement that sees its run ended (never by a read "
+        "before it): a live run's key is never taken",
+        "app/state/runs.py",
+        "       AND status = ANY(CAST(:reusable AS text[]))\n",
+        "       AND true\n",
+        ("tests/app/test_key_reuse.py::test_after_failure_keeps_a_key_whose_run_did_not_fail",),
+    ),
+    Mutant(
+        "tick_key_from_the_beat_clock",
+        "a scheduled run's key is its schedule's tick, the same in every beat",
+        "workers/ticks.py",
+        "    tick = last_tick(schedule, now)\n",
+        "    tick = now.replace(microsecond=0)\n",
+        ("tests/workers/test_ticks.py::"
+         "test_two_beats_a_moment_apart_compute_one_key_for_one_tick",),
     ),
     # -- the inbox ----------------------------------------------------------------------------
     Mutant(
