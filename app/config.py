@@ -369,6 +369,9 @@ class InboxSettings:
         return rf"^{re.escape(self.prefix)}\..+\.dispatch$"
 
 
+# The broker's default group.min.session.timeout.ms (Apache Kafka, Redpanda).
+MIN_SESSION_TIMEOUT_MS = 6000
+
 INBOX_VARIABLES = {
     "group": "POIMEN_INBOX_GROUP",
     "concurrency": "POIMEN_INBOX_CONCURRENCY",
@@ -410,6 +413,11 @@ def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
     if "metrics_port" not in values and env.get("PORT"):
         values["metrics_port"] = int(env["PORT"])
     values["group"] = consumer_group(values.get("group", defaults["group"]), env)
+    if values.get("session_timeout_ms", defaults["session_timeout_ms"]) < MIN_SESSION_TIMEOUT_MS:
+        # Kafka's group.min.session.timeout.ms (6 s) refuses a shorter one at JoinGroup,
+        # and the relay would never get a partition.
+        raise SystemExit(f"POIMEN_INBOX_SESSION_TIMEOUT_MS must be at least "
+                         f"{MIN_SESSION_TIMEOUT_MS} (brokers refuse shorter sessions)")
     return InboxSettings(api_url=env["POIMEN_API_URL"].rstrip("/"),
                          api_token=env["POIMEN_API_TOKEN"], kafka=kafka_client_settings(env),
                          prefix=topic_prefix(env), **values)

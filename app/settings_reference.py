@@ -200,7 +200,7 @@ SETTINGS: tuple[Setting, ...] = (
     _inbox("POIMEN_INBOX_BUFFER_BYTES", "67108864", INBOX,
            "Bytes of fetched messages held across partitions."),
     _inbox("POIMEN_INBOX_METADATA_REFRESH_MS", "2000", INBOX, "How soon new tenant topics are seen."),
-    _inbox("POIMEN_INBOX_SESSION_TIMEOUT_MS", "10000", INBOX, "Consumer group session timeout."),
+    _inbox("POIMEN_INBOX_SESSION_TIMEOUT_MS", "10000", INBOX, "Consumer group session timeout; at least 6000 (brokers refuse shorter)."),
     _inbox("POIMEN_INBOX_DLQ_PARTITIONS", "1", INBOX,
            "Partitions of a dead-letter topic the relay creates."),
     _inbox("POIMEN_INBOX_LAG_INTERVAL", "5", INBOX, "Seconds between lag measurements."),

@@ -371,6 +371,19 @@ MUTANTS: list[Mutant] = [
          "test_commit_waits_for_the_oldest_message_when_later_ones_finish_first",),
     ),
     Mutant(
+        "revoke_commits_past_in_flight",
+        "on revoke the inbox commits only the done prefix, never past a message in flight",
+        "bridge/inbox.py",
+        "        it would lose the message; committing less only replays.\n"
+        "        \"\"\"\n"
+        "        return self.commit_offset\n",
+        "        it would lose the message; committing less only replays.\n"
+        "        \"\"\"\n"
+        "        return self.next_offset if self.slots else self.commit_offset\n",
+        ("tests/bridge/test_partition_work.py::"
+         "test_revoke_commits_only_what_is_admitted_or_dead_lettered_in_order",),
+    ),
+    Mutant(
         "inbox_keyless_message_gets_no_key",
         "a message without dispatch_key is admitted under kafka:<topic>:<partition>:<offset>",
         "bridge/inbox_faults.py",
