@@ -195,10 +195,24 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     it as soon as it has a new boot; the delay lets it, rather than a rescuer
     that would start the run over.
 
+    One repair at a time: a second one (two beats in a deploy overlap) finds
+    the repair lock held and does nothing this tick; ``flask runs redrive``
+    waits for it instead.
+
     ``limit=None`` (``flask runs redrive``) re-sends every such run at once,
     whatever the queue holds. Commits the marks, then sends. Return
     ``(sent, found)``.
     """
+    with state_runs.repair_lock(session, wait=limit is None) as held:
+        if not held:
+            log.info("repair: another repair is running; this one does nothing")
+            return 0, 0
+        return _redrive(session, celery_app, min_age=min_age, limit=limit,
+                        takeover_delay=takeover_delay)
+
+
+def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
+             takeover_delay: float) -> tuple[int, int]:
     dead = state_runs.mark_dead_boot_runs_sent(session, min_age=min_age, limit=limit)
     queued, depths = [], {}
     # Each queue is budgeted by its own depth: a backlog on one (a queue no worker

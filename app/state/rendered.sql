@@ -275,6 +275,12 @@ SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
    AND (r.not_before IS NULL
         OR r.not_before <= now() - make_interval(secs => :min_age));
 
+-- app/state/runs.py: TRY_REPAIR_LOCK
+SELECT pg_try_advisory_xact_lock(:namespace, 0);
+
+-- app/state/runs.py: WAIT_REPAIR_LOCK
+SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
+
 -- app/state/claims.py: CLAIM_QUEUED
 WITH  changed AS (
    UPDATE runs

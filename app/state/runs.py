@@ -17,7 +17,9 @@ Every statement that ends a run counts for its parent's join (``JOIN_RELEASE``).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
@@ -279,6 +281,30 @@ QUEUED_WORKFLOWS = text(
             OR r.not_before <= now() - make_interval(secs => :min_age))
     """
 )
+
+
+# One repair at a time: two beats (a deploy overlap) would each read a queue's depth and
+# each re-send up to a page below it, twice the bound between them. A transaction-scoped
+# advisory lock, held on a connection of its own from before the marks until after the
+# sends (a lock released at the marks' commit would let a second repair read the depth
+# before the first one's sends land). Transaction-scoped: safe behind a transaction-mode
+# pooler, which pins a server connection for a transaction.
+REPAIR_LOCK_NAMESPACE = 0x52455052  # "REPR", apart from the boots' and the outbox's locks
+TRY_REPAIR_LOCK = text("SELECT pg_try_advisory_xact_lock(:namespace, 0)")
+WAIT_REPAIR_LOCK = text("SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held")
+
+
+@contextlib.contextmanager
+def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
+    """Hold the repair lock for the ``with`` block; yield whether it is held (``wait``: block
+    until it is)."""
+    conn = session.get_bind().connect()
+    try:
+        with conn.begin():
+            statement = WAIT_REPAIR_LOCK if wait else TRY_REPAIR_LOCK
+            yield bool(conn.execute(statement, {"namespace": REPAIR_LOCK_NAMESPACE}).scalar())
+    finally:
+        conn.close()
 
 
 def mark_dead_boot_runs_sent(session: Session, *, min_age: float, limit: int | None) -> list[Row]:

@@ -338,6 +338,15 @@ MUTANTS: list[Mutant] = [
         "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
     ),
+    Mutant(
+        "two_repairs_at_once",
+        "one repair at a time: a second beat's repair re-sends nothing while one runs",
+        "app/runs.py",
+        "        if not held:\n",
+        "        if False:\n",
+        ("tests/app/test_repair_queues.py::"
+         "test_a_second_repair_while_one_runs_re_sends_nothing",),
+    ),
     # -- key reuse and schedules ----------------------------------------------------------------
     Mutant(
         "key_reuse_decided_before_the_release",
