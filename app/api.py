@@ -249,11 +249,7 @@ def create_run():
 
 
 def _load_run(run_id: str) -> Run:
-    run = run_service.get_run(db.session, g.principal.tenant_id, run_id)
-    # Another tenant's run is indistinguishable from a missing one.
-    if run is None:
-        raise ApiError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
-    return run
+    return run_service.load_run(db.session, g.principal.tenant_id, run_id, ApiError)
 
 
 @bp.get("/runs/<run_id>")

@@ -43,6 +43,15 @@ def get_run(session: Session, tenant_id: int, run_id: str) -> Run | None:
     return run if run is not None and run.tenant_id == tenant_id else None
 
 
+def load_run(session: Session, tenant_id: int, run_id: str, error: type[Exception]) -> Run:
+    """``get_run``, or ``error(404, "run_not_found", ...)`` (the API's ``ApiError``, the
+    console's ``ConsoleError``): another tenant's run is indistinguishable from none."""
+    run = get_run(session, tenant_id, run_id)
+    if run is None:
+        raise error(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
+    return run
+
+
 def find_run(session: Session, run_id: uuid.UUID) -> tuple[Run, str] | None:
     """Return any tenant's run ``run_id`` and its tenant's name (for operators)."""
     row = session.execute(

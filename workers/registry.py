@@ -254,25 +254,26 @@ class Workflow:
                 "steps": [step.describe() for step in self.steps]}
 
 
+def _unique(values: list, message: str) -> None:
+    if len(set(values)) != len(values):
+        raise InvalidDefinition(message)
+
+
 def _validate(wf: Workflow) -> None:
     if not REF_PATTERN.match(f"{wf.name}@{wf.version}"):
         raise InvalidDefinition(f"invalid workflow name or version: {wf.name!r}@{wf.version!r}")
     if not wf.steps:
         raise InvalidDefinition(f"{wf.ref}: a workflow needs at least one step")
     ids = [step.id for step in wf.steps]
-    if len(set(ids)) != len(ids):
-        raise InvalidDefinition(f"{wf.ref}: step ids must be unique: {ids}")
+    _unique(ids, f"{wf.ref}: step ids must be unique: {ids}")
     for step in wf.steps:
         if not STEP_ID_PATTERN.match(step.id):
             raise InvalidDefinition(f"{wf.ref}: invalid step id {step.id!r}")
         if not step.actions:
             raise InvalidDefinition(f"{wf.ref}: step {step.id!r} has no actions")
-        positions = [a.position for a in step.actions]
-        if len(set(positions)) != len(positions):
-            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} declares a position twice")
-        names = [a.name for a in step.actions]
-        if len(set(names)) != len(names):
-            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} names an action twice")
+        _unique([a.position for a in step.actions],
+                f"{wf.ref}: step {step.id!r} declares a position twice")
+        _unique([a.name for a in step.actions], f"{wf.ref}: step {step.id!r} names an action twice")
         for a in step.actions:
             if not isinstance(a.position, int) or not 0 <= a.position <= MAX_POSITION:
                 raise InvalidDefinition(f"{wf.ref}: position {a.position!r} is not an integer "

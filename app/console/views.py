@@ -230,11 +230,7 @@ def runs():
 
 
 def _load_run(run_id: str) -> Run:
-    # The API's tenant check: another tenant's run is indistinguishable from none.
-    run = run_service.get_run(db.session, g.principal.tenant_id, run_id)
-    if run is None:
-        raise ConsoleError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
-    return run
+    return run_service.load_run(db.session, g.principal.tenant_id, run_id, ConsoleError)
 
 
 @bp.get("/runs/<run_id>")

@@ -44,6 +44,11 @@ def test_the_default_policy_replays_a_failed_run(client, tx_tenant, db_session):
 def test_after_failure_a_new_request_takes_a_failed_runs_key(client, tx_tenant, db_session):
     first = post(client, tx_tenant, "reuse-after-failure", "K", n=1)
     end(db_session, first.json["id"], "failed")
+    # (One transaction here: now() is the same for both runs; make the first older.)
+    from sqlalchemy import text
+
+    db_session.execute(text("UPDATE runs SET created_at = created_at - interval '1 second' "
+                            "WHERE id = :run"), {"run": first.json["id"]})
     # Any input: a re-admission after a failure is a new request.
     second = post(client, tx_tenant, "reuse-after-failure", "K", n=2)
     assert second.status_code == 201 and second.json["id"] != first.json["id"]
