@@ -100,6 +100,10 @@ class Platform:
 
         return wait_until(done, timeout=60, what=f"run {run_id} to finish")
 
+    def children(self, run_id: str) -> list[dict]:
+        return requests.get(f"{self.api}/v1/runs?parent_run_id={run_id}", timeout=10,
+                            headers={"Authorization": f"Bearer {self.token}"}).json()["runs"]
+
 
 def start_platform(env: dict, token: str, tmp_path, processes) -> Platform:
     web, api = start_web(env, tmp_path, workers=1, threads=4)
@@ -151,26 +155,35 @@ def test_web_and_worker_spans_continue_the_runs_trace_without_its_input(
            "OTEL_BSP_SCHEDULE_DELAY": "200"}  # the SDK's own: export every 0.2 s
     platform = start_platform(env, make_tenant().token, tmp_path, processes)
 
-    created = platform.post({"workflow_ref": "echo", "input": {"note": secret}},
-                            traceparent=PARENT)
+    # doc-review fans out: its children are admitted, and their messages sent, by the
+    # worker itself, where the Celery instrumentation rewrites each message's traceparent.
+    created = platform.post({"workflow_ref": "doc-review",
+                             "input": {"participants": ["ana", secret]}}, traceparent=PARENT)
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
     assert platform.finished(run_id)["status"] == "succeeded"
+    children = platform.children(run_id)
+    assert len(children) == 2 and {c["traceparent"] for c in children} == {PARENT}
+    runs = {run_id} | {c["id"] for c in children}
 
-    def both_sides():
-        services = {s["service"] for s in spans(receiver) if s["trace_id"] == TRACE_ID}
-        return {"poimen-web", "poimen-worker"} <= services
+    def executed_in_the_trace():
+        found = {s["attributes"].get("messaging.message.id") for s in spans(receiver)
+                 if s["trace_id"] == TRACE_ID and s["service"] == "poimen-worker"
+                 and s["name"] == "run/runs.execute"}
+        return runs <= found
 
-    wait_until(both_sides, timeout=30, what="the web's and the worker's spans of the run")
+    wait_until(executed_in_the_trace, timeout=30,
+               what="a run/runs.execute span in the run's trace for the run and each child")
     received = spans(receiver)
-    mine = [s for s in received if s["trace_id"] == TRACE_ID]
-    web = [s for s in mine if s["service"] == "poimen-web"]
-    worker = [s for s in mine if s["service"] == "poimen-worker"]
+    web = [s for s in received if s["service"] == "poimen-web" and s["trace_id"] == TRACE_ID]
     assert any(s["attributes"].get("http.route") == "/v1/runs" for s in web), web
-    # The run's own span: the execute task of this run, continuing the caller's trace.
-    executes = [s for s in worker if s["name"] == "run/runs.execute"]
-    assert executes and all(s["attributes"].get("messaging.message.id") == run_id
-                            for s in executes), worker
+    # Every execute span of these runs is in the run's trace, whoever sent its message.
+    executes = [s for s in received if s["name"] == "run/runs.execute"
+                and s["attributes"].get("messaging.message.id") in runs]
+    assert {s["trace_id"] for s in executes} == {TRACE_ID}
+    # The worker's sends (the children's messages) are in it too.
+    assert any(s["name"] == "apply_async/runs.execute" and s["trace_id"] == TRACE_ID
+               for s in received if s["service"] == "poimen-worker")
     # No span of any process carries the run's input (nor does a span name).
     for span in received:
         assert secret not in json.dumps(span), span
