@@ -200,6 +200,38 @@ def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None
     return env.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+# -- optional tracing and error reporting (app/telemetry.py) ---------------------------------
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """OpenTelemetry and Sentry, each off unless its variable is set (``app/telemetry.py``)."""
+
+    otlp_endpoint: str | None = None     # OTEL_EXPORTER_OTLP_ENDPOINT: tracing on
+    service_name: str | None = None      # OTEL_SERVICE_NAME: else poimen-<process>
+    sentry_dsn: str | None = None        # SENTRY_DSN: error reporting on
+    sentry_environment: str | None = None  # SENTRY_ENVIRONMENT
+    sentry_release: str | None = None    # SENTRY_RELEASE
+
+    @property
+    def otlp_traces_url(self) -> str | None:
+        """Where spans are POSTed: the OTLP/HTTP base URL's ``/v1/traces``."""
+        if not self.otlp_endpoint:
+            return None
+        return self.otlp_endpoint.rstrip("/") + "/v1/traces"
+
+
+def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySettings:
+    """Read the optional OpenTelemetry and Sentry settings (web, worker and beat, at start)."""
+    env = _environ(env)
+    return TelemetrySettings(
+        otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None,
+        service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
+        sentry_dsn=env.get("SENTRY_DSN", "").strip() or None,
+        sentry_environment=env.get("SENTRY_ENVIRONMENT", "").strip() or None,
+        sentry_release=env.get("SENTRY_RELEASE", "").strip() or None,
+    )
+
+
 # -- the lease (lease.py applies it and checks its ordering) ---------------------------------
 
 @dataclass(frozen=True)

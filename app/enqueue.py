@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from workers import registry
 
+from . import telemetry
 from .state.compose import PENDING_SENDS
 from .task_names import EXECUTE_RUN
 from .tracecontext import TraceContext
@@ -62,17 +63,21 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
     and ``tracestate`` (where OpenTelemetry's Celery instrumentation looks too),
     on every message of the run: admission's, a replay's, repair's, a retry's.
     """
-    celery_app.send_task(
-        EXECUTE_RUN,
-        args=[str(run_id)],
-        task_id=str(run_id),
-        countdown=countdown,
-        producer=producer,
-        # Shown by Flower next to the task: which workflow this run is.
-        shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
-        headers=trace.headers() if trace is not None else None,
-        **_routing(workflow_ref),
-    )
+    # Inside the run's own trace context: OpenTelemetry's Celery instrumentation (when
+    # on) replaces the message's traceparent with its publish span's, which must
+    # belong to the run's trace, not to whatever this thread traces (a repair tick).
+    with telemetry.continuing(trace):
+        celery_app.send_task(
+            EXECUTE_RUN,
+            args=[str(run_id)],
+            task_id=str(run_id),
+            countdown=countdown,
+            producer=producer,
+            # Shown by Flower next to the task: which workflow this run is.
+            shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
+            headers=trace.headers() if trace is not None else None,
+            **_routing(workflow_ref),
+        )
 
 
 def queue_of(celery_app, workflow_ref: str) -> str:

@@ -29,6 +29,7 @@ from app.state.claims import (
     claim_run,
 )
 from app.state.ledger import EntryClose
+from app.telemetry import report_exception
 from app.tracecontext import of_run
 from logconfig import quiet_traceback
 
@@ -265,6 +266,8 @@ def _record_failure(ctx: RunContext, fence: Fence, failures: int, err: Exception
             return Ended(RunEnding.RETRYING, delay=delay)
         log.warning("run %s: claim lost before recording failure", run_id)
         return Ended(RunEnding.LOST)
+    # To Sentry when it is on: the exception's type and frames, tagged with the run.
+    report_exception(err)
     return _finish_failed(ctx, fence, error, close)
 
 
