@@ -11,6 +11,8 @@ file by default when started from the repository root). Command-line flags
   directory is made here (before any worker imports prometheus_client) and
   removed on exit; set, it is emptied of an earlier run's files at start. A
   worker that exits is marked dead (``child_exit``) so its live gauges go.
+* Telemetry: OpenTelemetry and Sentry, when configured (``app/telemetry.py``),
+  start in each worker once it has loaded the app (``post_worker_init``).
 * Logs: gunicorn's own error and access logs use ``LOG_FORMAT`` (``json``: one
   object per line) and ``LOG_LEVEL``, like every other process (``logconfig.py``).
   An access line names the request's ``request_id``, ``tenant`` and ``run_id``
@@ -46,6 +48,14 @@ def on_starting(server) -> None:
     if directory != os.environ.get(_OWN_DIR):
         for path in glob.glob(os.path.join(directory, "*.db")):
             os.remove(path)
+
+
+def post_worker_init(worker) -> None:
+    # Each gunicorn worker is a process of its own: OpenTelemetry's export thread and
+    # Sentry's start in it, once the app is loaded (off unless configured).
+    from app.telemetry import init_web
+
+    init_web(worker.wsgi)
 
 
 def child_exit(server, worker) -> None:

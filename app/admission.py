@@ -34,6 +34,7 @@ from workers import registry
 from .models import AdmissionOrigin, RunStatus
 from .state import runs as state_runs
 from .state.compose import send_after_commit
+from .tracecontext import TraceContext
 
 _COMPARED = ("workflow_ref", "input", "goal_id")
 
@@ -155,6 +156,7 @@ def admit_run(
     origin_detail: str | None = None,
     parent_run_id: uuid.UUID | None = None,
     concurrency_key: str | None = None,
+    trace: TraceContext | None = None,
 ) -> Admission:
     """Admit one run in ``session``'s transaction; the caller commits.
 
@@ -166,6 +168,8 @@ def admit_run(
     ``concurrency_key`` (else the workflow's ``concurrency_key(input)``) names the
     run's concurrency group; a replay keeps the stored run's.
     The run is sent to Celery only after the caller's commit succeeds.
+    ``trace`` (W3C Trace Context) is kept on a new run; it is not part of the
+    request a replay is compared with, and a replay keeps the first run's.
     """
     input_json = dumps(input)
     try:
@@ -198,6 +202,8 @@ def admit_run(
         definition_hash=workflow.definition_hash,
         concurrency_key=key,
         concurrency_limit=limit,
+        traceparent=trace.traceparent if trace is not None else None,
+        tracestate=trace.tracestate if trace is not None else None,
     )
     event_fields = {
         "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,
@@ -210,6 +216,16 @@ def admit_run(
                                 event_json=json.dumps(event_fields))
     if inserted is not None:
         return Admission(run=inserted, created=True)
+    # The key is taken. A workflow whose policy lets a new request take an ended run's
+    # key (key_reuse) tries that first, in this transaction; the index still decides.
+    if state_runs.release_key(session, tenant_id=tenant_id, dispatch_key=dispatch_key,
+                              workflow_name=workflow.name,
+                              reusable=registry.KEY_REUSE_POLICIES[workflow.key_reuse],
+                              ttl=workflow.key_ttl or 0):
+        inserted = state_runs.admit(session, values, input_json=input_json,
+                                    event_json=json.dumps(event_fields))
+        if inserted is not None:
+            return Admission(run=inserted, created=True)
 
     # The key is taken. Under READ COMMITTED this statement sees the row the
     # conflicting transaction committed (ON CONFLICT waited for it).
@@ -235,6 +251,7 @@ def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: s
     if existing.status == RunStatus.QUEUED:
         # Its first message may have been lost; a duplicate is absorbed by claims.
         send_after_commit(
-            session, existing.id, f"{existing.workflow_name}@{existing.workflow_version}"
+            session, existing.id, f"{existing.workflow_name}@{existing.workflow_version}",
+            existing.traceparent, existing.tracestate,
         )
     return Admission(run=existing, created=False)

@@ -15,7 +15,7 @@ from sqlalchemy import exc as sa_exc
 
 from workers import registry
 
-from . import logs, metrics
+from . import logs, metrics, tracecontext
 from . import runs as run_service
 from .admission import (
     AdmissionConflict,
@@ -72,7 +72,9 @@ def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
         "workflow": {"name": run.workflow_name, "version": run.workflow_version},
         "input": run.input,
         "goal_id": run.goal_id,
-        "dispatch_key": run.dispatch_key,
+        "dispatch_key": run.dispatch_key or run.released_key,
+        # True once a newer run of the same key took it over (the workflow's key_reuse).
+        "key_released": run.released_key is not None,
         "status": run.status,
         # What a waiting run waits for: 'join', 'concurrency' or 'tenant_cap'.
         "wait_reason": run.wait_reason,
@@ -83,6 +85,7 @@ def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
         "error": run.error,
         "origin": run.origin,
         "parent_run_id": str(run.parent_run_id) if run.parent_run_id else None,
+        "traceparent": run.traceparent,
         "created_at": ts(run.created_at),
         "updated_at": ts(run.updated_at),
         "started_at": ts(run.started_at),
@@ -207,6 +210,8 @@ def create_run():
             tenant_id=principal.tenant_id,
             origin=AdmissionOrigin.HTTP,
             origin_detail=(request.headers.get("User-Agent") or "")[:255] or None,
+            # W3C Trace Context: kept on the run when valid, ignored (never an error) if not.
+            trace=tracecontext.from_headers(request.headers),
             **fields,
         )
     except registry.UnknownWorkflow as err:
@@ -254,11 +259,7 @@ def create_run():
 
 
 def _load_run(run_id: str) -> Run:
-    run = run_service.get_run(db.session, g.principal.tenant_id, run_id)
-    # Another tenant's run is indistinguishable from a missing one.
-    if run is None:
-        raise ApiError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
-    return run
+    return run_service.load_run(db.session, g.principal.tenant_id, run_id, ApiError)
 
 
 @bp.get("/runs/<run_id>")

@@ -68,6 +68,30 @@ def register_cli(app: Flask) -> None:
         click.echo(f"tenant {tenant.name}: max running {cap}")
 
     @app.cli.group()
+    def schedules():
+        """The workflows beat admits on a schedule."""
+
+    @schedules.command("list")
+    def schedules_list():
+        """List each schedule: its workflow, tenant, next tick (UTC) and last run."""
+        from datetime import UTC, datetime
+
+        from workers import registry, ticks
+
+        now = datetime.now(UTC)
+        scheduled = registry.scheduled()
+        if not scheduled:
+            click.echo("no workflow declares a schedule")
+        for wf in scheduled:
+            last = run_service.last_run_keyed(db.session, wf.schedule_tenant,
+                                              f"{ticks.KEY_PREFIX}{wf.name}:")
+            last_text = (f"{last.dispatch_key} -> {last.id} ({last.status})" if last is not None
+                         else "none yet")
+            nxt = ticks.next_tick(wf.schedule, now).strftime("%Y-%m-%dT%H:%M:%SZ")
+            click.echo(f"{wf.name}\t{ticks.describe(wf.schedule)}\ttenant {wf.schedule_tenant}"
+                       f"\tcatch_up {wf.catch_up}\tnext {nxt}\tlast {last_text}")
+
+    @app.cli.group()
     def tokens():
         """Create and revoke API tokens."""
 

@@ -200,6 +200,38 @@ def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None
     return env.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+# -- optional tracing and error reporting (app/telemetry.py) ---------------------------------
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """OpenTelemetry and Sentry, each off unless its variable is set (``app/telemetry.py``)."""
+
+    otlp_endpoint: str | None = None     # OTEL_EXPORTER_OTLP_ENDPOINT: tracing on
+    service_name: str | None = None      # OTEL_SERVICE_NAME: else poimen-<process>
+    sentry_dsn: str | None = None        # SENTRY_DSN: error reporting on
+    sentry_environment: str | None = None  # SENTRY_ENVIRONMENT
+    sentry_release: str | None = None    # SENTRY_RELEASE
+
+    @property
+    def otlp_traces_url(self) -> str | None:
+        """Where spans are POSTed: the OTLP/HTTP base URL's ``/v1/traces``."""
+        if not self.otlp_endpoint:
+            return None
+        return self.otlp_endpoint.rstrip("/") + "/v1/traces"
+
+
+def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySettings:
+    """Read the optional OpenTelemetry and Sentry settings (web, worker and beat, at start)."""
+    env = _environ(env)
+    return TelemetrySettings(
+        otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None,
+        service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
+        sentry_dsn=env.get("SENTRY_DSN", "").strip() or None,
+        sentry_environment=env.get("SENTRY_ENVIRONMENT", "").strip() or None,
+        sentry_release=env.get("SENTRY_RELEASE", "").strip() or None,
+    )
+
+
 # -- the lease (lease.py applies it and checks its ordering) ---------------------------------
 
 @dataclass(frozen=True)
@@ -369,6 +401,9 @@ class InboxSettings:
         return rf"^{re.escape(self.prefix)}\..+\.dispatch$"
 
 
+# The broker's default group.min.session.timeout.ms (Apache Kafka, Redpanda).
+MIN_SESSION_TIMEOUT_MS = 6000
+
 INBOX_VARIABLES = {
     "group": "POIMEN_INBOX_GROUP",
     "concurrency": "POIMEN_INBOX_CONCURRENCY",
@@ -410,6 +445,11 @@ def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
     if "metrics_port" not in values and env.get("PORT"):
         values["metrics_port"] = int(env["PORT"])
     values["group"] = consumer_group(values.get("group", defaults["group"]), env)
+    if values.get("session_timeout_ms", defaults["session_timeout_ms"]) < MIN_SESSION_TIMEOUT_MS:
+        # Kafka's group.min.session.timeout.ms (6 s) refuses a shorter one at JoinGroup,
+        # and the relay would never get a partition.
+        raise SystemExit(f"POIMEN_INBOX_SESSION_TIMEOUT_MS must be at least "
+                         f"{MIN_SESSION_TIMEOUT_MS} (brokers refuse shorter sessions)")
     return InboxSettings(api_url=env["POIMEN_API_URL"].rstrip("/"),
                          api_token=env["POIMEN_API_TOKEN"], kafka=kafka_client_settings(env),
                          prefix=topic_prefix(env), **values)

@@ -32,8 +32,10 @@ from sqlalchemy.orm import Session
 
 from workers import registry
 
+from . import telemetry
 from .state.compose import PENDING_SENDS
 from .task_names import EXECUTE_RUN
+from .tracecontext import TraceContext
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +44,11 @@ log = logging.getLogger(__name__)
 _PENDING = PENDING_SENDS
 
 
-def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None = None) -> bool:
+def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None = None,
+             trace: TraceContext | None = None) -> bool:
     """Publish one ``runs.execute`` message now (repair, retries); False if the broker failed."""
     try:
-        _publish(celery_app, run_id, workflow_ref, countdown)
+        _publish(celery_app, run_id, workflow_ref, countdown, trace=trace)
         return True
     except Exception:  # noqa: BLE001 - the broker is down; beat repairs queued runs
         log.exception("could not enqueue run %s; beat will re-send it", run_id)
@@ -53,18 +56,28 @@ def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
 
 
 def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None,
-             producer=None) -> None:
-    """One ``runs.execute`` message; task id = run id so Flower shows the run."""
-    celery_app.send_task(
-        EXECUTE_RUN,
-        args=[str(run_id)],
-        task_id=str(run_id),
-        countdown=countdown,
-        producer=producer,
-        # Shown by Flower next to the task: which workflow this run is.
-        shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
-        **_routing(workflow_ref),
-    )
+             producer=None, trace: TraceContext | None = None) -> None:
+    """One ``runs.execute`` message; task id = run id so Flower shows the run.
+
+    The run's W3C Trace Context travels as the message headers ``traceparent``
+    and ``tracestate`` (where OpenTelemetry's Celery instrumentation looks too),
+    on every message of the run: admission's, a replay's, repair's, a retry's.
+    """
+    # Inside the run's own trace context: OpenTelemetry's Celery instrumentation (when
+    # on) replaces the message's traceparent with its publish span's, which must
+    # belong to the run's trace, not to whatever this thread traces (a repair tick).
+    with telemetry.continuing(trace):
+        celery_app.send_task(
+            EXECUTE_RUN,
+            args=[str(run_id)],
+            task_id=str(run_id),
+            countdown=countdown,
+            producer=producer,
+            # Shown by Flower next to the task: which workflow this run is.
+            shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
+            headers=trace.headers() if trace is not None else None,
+            **_routing(workflow_ref),
+        )
 
 
 def queue_of(celery_app, workflow_ref: str) -> str:
@@ -94,19 +107,20 @@ class Sender:
 
     def __init__(self, celery_app):
         self.celery_app = celery_app
-        self.queue: queue.Queue[tuple[uuid.UUID, str]] = queue.Queue()
+        self.queue: queue.Queue[tuple[uuid.UUID, str, TraceContext | None]] = queue.Queue()
         self.pid = os.getpid()
         self.pending = 0  # handed over, not yet published or given up
         self.changed = threading.Condition()
         threading.Thread(target=self._run, name="poimen-sender", daemon=True).start()
 
-    def put(self, run_id: uuid.UUID, workflow_ref: str) -> None:
+    def put(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None = None
+            ) -> None:
         if self.queue.qsize() >= self.MAX_BACKLOG:
             log.warning("sender backlog full; run %s is left to beat's repair", run_id)
             return
         with self.changed:
             self.pending += 1
-        self.queue.put((run_id, workflow_ref))
+        self.queue.put((run_id, workflow_ref, trace))
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until everything handed over so far was published or given up (tests, shutdown)."""
@@ -120,7 +134,7 @@ class Sender:
 
     def _run(self) -> None:
         backoff = 0.1
-        batch: list[tuple[uuid.UUID, str]] = []
+        batch: list[tuple[uuid.UUID, str, TraceContext | None]] = []
         while True:
             if not batch:
                 batch.append(self.queue.get())
@@ -138,8 +152,8 @@ class Sender:
                     # claim absorbs.
                     # max_size counts Redis commands: a publish may add a PEXPIRE to its LPUSH.
                     with producer.batch(max_size=len(batch) * 2):
-                        for run_id, ref in batch:
-                            _publish(self.celery_app, run_id, ref, None, producer)
+                        for run_id, ref, trace in batch:
+                            _publish(self.celery_app, run_id, ref, None, producer, trace)
                 self._done(len(batch))
                 batch.clear()
                 backoff = 0.1
@@ -177,8 +191,9 @@ def _send_after_commit(session: Session) -> None:
     if not pending:
         return
     out = sender(current_app.extensions["celery"])
-    for run_id, workflow_ref in pending.items():
-        out.put(run_id, workflow_ref)
+    for run_id, (workflow_ref, traceparent, tracestate) in pending.items():
+        out.put(run_id, workflow_ref,
+                TraceContext(traceparent, tracestate) if traceparent else None)
 
 
 @event.listens_for(Session, "after_rollback")

@@ -4,13 +4,15 @@
   record logged while serving a request carries the request's ``request_id``
   (the caller's ``X-Request-ID``, else a new one; echoed on the answer),
   ``tenant`` (its token's), ``run_id`` (the URL's, or the run just admitted)
-  and ``dispatch_key``; gunicorn's access line carries its ``request_id``,
+  and ``dispatch_key``, and ``trace_id`` when a valid W3C ``traceparent`` came with
+  it; gunicorn's access line carries its ``request_id``,
   ``tenant`` and ``run_id`` (``gunicorn.conf.py``).
 * ``init_celery``: the worker, beat and Flower log the same way. Celery's own
   logging setup is replaced through its ``setup_logging`` signal (Celery then
   leaves the loggers alone); ``--loglevel`` is used only when ``LOG_LEVEL`` is
   unset. While a task runs its records carry ``task_id``, and for
-  ``runs.execute`` the ``run_id`` and, once claimed, the ``tenant``.
+  ``runs.execute`` the ``run_id``, the ``trace_id`` of the run's ``traceparent``
+  (a header of its message) and, once claimed, the ``tenant``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flask import Flask, g, has_request_context, request
 
 import logconfig
 
+from . import tracecontext
 from .task_names import EXECUTE_RUN
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,11 @@ def _request_context() -> Mapping[str, Any]:
     if not has_request_context():
         return {}
     fields: dict[str, Any] = {"request_id": request_id()}
+    if "_poimen_trace_id" not in g:
+        trace = tracecontext.from_headers(request.headers)
+        g._poimen_trace_id = trace.trace_id if trace is not None else None
+    if g._poimen_trace_id:
+        fields["trace_id"] = g._poimen_trace_id
     principal = g.get("principal")
     if principal is not None:
         fields["tenant"] = getattr(principal, "tenant_name", None)
@@ -120,6 +128,12 @@ def _task_started(task_id=None, task=None, args=None, **_: Any) -> None:
     fields: dict[str, Any] = {"task_id": task_id}
     if task is not None and task.name == EXECUTE_RUN and args:
         fields["run_id"] = args[0]
+        # The run's trace context travels as headers of its message (app/enqueue.py).
+        request = getattr(task, "request", None)
+        trace = tracecontext.from_headers(
+            {name: getattr(request, name, None) for name in tracecontext.HEADERS})
+        if trace is not None:
+            fields["trace_id"] = trace.trace_id
     _task_tokens[task_id] = logconfig.bind(**fields)
 
 

@@ -89,6 +89,8 @@ class Run(db.Model):
     input: Mapped[dict] = mapped_column(JSONB, nullable=False)
     goal_id: Mapped[str | None] = mapped_column(String(255))
     dispatch_key: Mapped[str | None] = mapped_column(String(255))
+    # The key this run held until a newer run took it (key_reuse): see migration 0011.
+    released_key: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16), nullable=False, default=RunStatus.QUEUED.value)
     # Executions started (claims and takeovers). A worker lost mid-run counts here...
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
@@ -107,6 +109,9 @@ class Run(db.Model):
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     # The hash of the resolved workflow definition pinned at admission (migration 0006).
     definition_hash: Mapped[str | None] = mapped_column(String(64))
+    # The W3C Trace Context the run was admitted with (migration 0010; app/tracecontext.py).
+    traceparent: Mapped[str | None] = mapped_column(String(55))
+    tracestate: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
@@ -142,6 +147,8 @@ class Run(db.Model):
         Index("ix_runs_tenant_created", "tenant_id", "created_at", "id"),
         Index("ix_runs_status_updated", "status", "updated_at"),
         Index("ix_runs_tenant_goal", "tenant_id", "goal_id"),
+        Index("ix_runs_tenant_released_key", "tenant_id", "released_key",
+              postgresql_where=text("released_key IS NOT NULL")),
     )
 
 
@@ -244,6 +251,7 @@ class AdmissionOrigin(enum.StrEnum):
     HTTP = "http"
     FANOUT = "fanout"
     INTERNAL = "internal"
+    SCHEDULE = "schedule"
 
 
 __all__ = [

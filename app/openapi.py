@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import RunStatus, WaitReason
+from .models import AdmissionOrigin, RunStatus, WaitReason
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -59,10 +59,13 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
 
 
 RUN_FIELDS = [
-    "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key", "status",
-    "wait_reason", "concurrency_key", "attempt", "cancel_requested", "result", "error", "origin", "parent_run_id", "created_at",
-    "updated_at", "started_at", "finished_at",
+    "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key",
+    "key_released", "status", "wait_reason", "concurrency_key", "attempt", "cancel_requested",
+    "result", "error", "origin", "parent_run_id", "traceparent", "created_at", "updated_at",
+    "started_at", "finished_at",
 ]
+
+TRACEPARENT = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 
 
 def openapi_document() -> dict[str, Any]:
@@ -92,7 +95,19 @@ def openapi_document() -> dict[str, Any]:
                         "description": "The same as the body's dispatch_key (IETF draft "
                                        "Idempotency-Key header); both present and different "
                                        "is a 422. A quoted value is unquoted.",
-                        "schema": {"type": "string", "minLength": 1, "maxLength": 257}}],
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 257}}, {
+                        "name": "traceparent", "in": "header", "required": False,
+                        "description": "W3C Trace Context: kept on a new run, sent with its "
+                                       "Celery messages and on every event of the run "
+                                       "(ce_traceparent); a fan-out child inherits it. A "
+                                       "malformed value is ignored, never an error; a replay "
+                                       "keeps the first run's.",
+                        "schema": {"type": "string", "maxLength": 512}}, {
+                        "name": "tracestate", "in": "header", "required": False,
+                        "description": "W3C Trace Context: kept with a valid traceparent when "
+                                       "well formed (at most 32 members, 512 characters), "
+                                       "else ignored.",
+                        "schema": {"type": "string", "maxLength": 512}}],
                     "requestBody": {
                         "required": True,
                         "content": {"application/json": {
@@ -225,6 +240,11 @@ def openapi_document() -> dict[str, Any]:
                         "input": {"type": "object"},
                         "goal_id": {"type": "string", "nullable": True},
                         "dispatch_key": {"type": "string", "nullable": True},
+                        "key_released": {
+                            "type": "boolean",
+                            "description": "true once a newer run took this run's "
+                                           "dispatch_key (the workflow's key_reuse policy); "
+                                           "a replay of the key answers with the newer run"},
                         "status": {"type": "string", "enum": [s.value for s in RunStatus]},
                         "wait_reason": {"type": "string", "nullable": True,
                                         "enum": [*(r.value for r in WaitReason), None],
@@ -234,9 +254,13 @@ def openapi_document() -> dict[str, Any]:
                         "cancel_requested": {"type": "boolean"},
                         "result": {"nullable": True},
                         "error": {"type": "object", "nullable": True},
-                        "origin": {"type": "string", "enum": ["http", "fanout", "internal"]},
+                        "origin": {"type": "string", "enum": [o.value for o in AdmissionOrigin]},
                         "parent_run_id": {"type": "string", "format": "uuid",
                                           "nullable": True},
+                        "traceparent": {"type": "string", "pattern": TRACEPARENT,
+                                        "nullable": True,
+                                        "description": "The W3C traceparent the run was "
+                                                       "admitted with (version 00)"},
                         "created_at": {"type": "string", "format": "date-time"},
                         "updated_at": {"type": "string", "format": "date-time"},
                         "started_at": {"type": "string", "format": "date-time",

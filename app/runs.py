@@ -21,6 +21,7 @@ from . import metrics
 from .enqueue import queue_of, send_run
 from .models import Run, Tenant
 from .state import runs as state_runs
+from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,15 @@ def get_run(session: Session, tenant_id: int, run_id: str) -> Run | None:
         return None
     run = session.get(Run, parsed)
     return run if run is not None and run.tenant_id == tenant_id else None
+
+
+def load_run(session: Session, tenant_id: int, run_id: str, error: type[Exception]) -> Run:
+    """``get_run``, or ``error(404, "run_not_found", ...)`` (the API's ``ApiError``, the
+    console's ``ConsoleError``): another tenant's run is indistinguishable from none."""
+    run = get_run(session, tenant_id, run_id)
+    if run is None:
+        raise error(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
+    return run
 
 
 def find_run(session: Session, run_id: uuid.UUID) -> tuple[Run, str] | None:
@@ -65,10 +75,14 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     query = select(Run).where(Run.tenant_id == tenant_id)
     if where.statuses is not None:
         query = query.where(Run.status.in_(where.statuses))
-    for name in ("goal_id", "workflow_ref", "dispatch_key", "parent_run_id"):
+    for name in ("goal_id", "workflow_ref", "parent_run_id"):
         value = getattr(where, name)
         if value is not None:
             query = query.where(getattr(Run, name) == value)
+    if where.dispatch_key is not None:
+        # The run that holds the key, and every earlier run a newer one took it from.
+        query = query.where(or_(Run.dispatch_key == where.dispatch_key,
+                                Run.released_key == where.dispatch_key))
     if where.before is not None:
         created, run_id = where.before
         query = query.where(
@@ -77,6 +91,17 @@ def list_runs(session: Session, tenant_id: int, where: RunFilter, limit: int) ->
     return list(session.scalars(
         query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
     ))
+
+
+def last_run_keyed(session: Session, tenant_name: str, key_prefix: str) -> Run | None:
+    """The newest run of tenant ``tenant_name`` whose dispatch key starts with ``key_prefix``
+    (a schedule's last run)."""
+    return session.scalars(
+        select(Run).join(Tenant, Tenant.id == Run.tenant_id)
+        .where(Tenant.name == tenant_name,
+               Run.dispatch_key.startswith(key_prefix, autoescape=True))
+        .order_by(Run.created_at.desc()).limit(1)
+    ).one_or_none()
 
 
 _ENTRIES = text(
@@ -180,10 +205,24 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     it as soon as it has a new boot; the delay lets it, rather than a rescuer
     that would start the run over.
 
+    One repair at a time: a second one (two beats in a deploy overlap) finds
+    the repair lock held and does nothing this tick; ``flask runs redrive``
+    waits for it instead.
+
     ``limit=None`` (``flask runs redrive``) re-sends every such run at once,
     whatever the queue holds. Commits the marks, then sends. Return
     ``(sent, found)``.
     """
+    with state_runs.repair_lock(session, wait=limit is None) as held:
+        if not held:
+            log.info("repair: another repair is running; this one does nothing")
+            return 0, 0
+        return _redrive(session, celery_app, min_age=min_age, limit=limit,
+                        takeover_delay=takeover_delay)
+
+
+def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
+             takeover_delay: float) -> tuple[int, int]:
     dead = state_runs.mark_dead_boot_runs_sent(session, min_age=min_age, limit=limit)
     queued, depths = [], {}
     # Each queue is budgeted by its own depth: a backlog on one (a queue no worker
@@ -204,12 +243,14 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     session.commit()
     sent = 0
     for row in woken:
-        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         trace=of_run(row))
     for row in dead:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=takeover_delay or None)
+                         countdown=takeover_delay or None, trace=of_run(row))
     for row in queued:
-        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         trace=of_run(row))
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
     metrics.REPAIRS.labels("slot_free").inc(len(woken))

@@ -51,6 +51,7 @@ _kafka = _s("Kafka and topics")
 _inbox = _s("Inbox relay")
 _outbox = _s("Outbox relay")
 _obs = _s("Logs, metrics and the console")
+_trace = _s("Tracing and error reporting (optional)")
 _dev = _s("Development and tests only")
 
 SETTINGS: tuple[Setting, ...] = (
@@ -200,7 +201,7 @@ SETTINGS: tuple[Setting, ...] = (
     _inbox("POIMEN_INBOX_BUFFER_BYTES", "67108864", INBOX,
            "Bytes of fetched messages held across partitions."),
     _inbox("POIMEN_INBOX_METADATA_REFRESH_MS", "2000", INBOX, "How soon new tenant topics are seen."),
-    _inbox("POIMEN_INBOX_SESSION_TIMEOUT_MS", "10000", INBOX, "Consumer group session timeout."),
+    _inbox("POIMEN_INBOX_SESSION_TIMEOUT_MS", "10000", INBOX, "Consumer group session timeout; at least 6000 (brokers refuse shorter)."),
     _inbox("POIMEN_INBOX_DLQ_PARTITIONS", "1", INBOX,
            "Partitions of a dead-letter topic the relay creates."),
     _inbox("POIMEN_INBOX_LAG_INTERVAL", "5", INBOX, "Seconds between lag measurements."),
@@ -242,6 +243,24 @@ SETTINGS: tuple[Setting, ...] = (
          "every `web` process. Unset or shorter: the console answers 503 and the API is "
          "unaffected. `make run` keeps one in `.poimen/console-secret`. Changing it signs "
          "everyone out. See docs/guide/console.md."),
+    # -- tracing and error reporting (app/telemetry.py)
+    _trace("OTEL_EXPORTER_OTLP_ENDPOINT", "", (WEB, WORKER, BEAT),
+           "OpenTelemetry collector, OTLP/HTTP base URL (`http://collector:4318`); spans are "
+           "POSTed to its `/v1/traces`. Unset: tracing is off and OpenTelemetry is not "
+           "imported. Needs the `otel` extra (`pip install 'poimen[otel]'`); without it, one "
+           "warning and the process runs on. The SDK's other `OTEL_*` variables (headers, "
+           "sampler, resource attributes) apply as the SDK documents them."),
+    _trace("OTEL_SERVICE_NAME", "poimen-web, poimen-worker, poimen-beat", (WEB, WORKER, BEAT),
+           "The `service.name` of the process's spans."),
+    _trace("SENTRY_DSN", "", (WEB, WORKER, BEAT),
+           "Sentry project DSN. Unset: error reporting is off and `sentry_sdk` is not imported. "
+           "Needs the `sentry` extra (`pip install 'poimen[sentry]'`). Events are scrubbed: no "
+           "run input or result, request body, local variable, exception message, SQL "
+           "parameter or token (docs/operations/metrics.md)."),
+    _trace("SENTRY_ENVIRONMENT", "", (WEB, WORKER, BEAT),
+           "Sentry's `environment` of the events (`production`, `staging`)."),
+    _trace("SENTRY_RELEASE", "", (WEB, WORKER, BEAT),
+           "Sentry's `release` of the events (e.g. the deployed commit)."),
     # -- dev
     _dev("POIMEN_DEV_DIR", ".poimen", DEV, "Where `poimen-dev` keeps the embedded services' state."),
     _dev("POIMEN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//", DEV,

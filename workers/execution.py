@@ -30,6 +30,8 @@ from app.state.claims import (
     claim_slot,
 )
 from app.state.ledger import EntryClose
+from app.telemetry import report_exception
+from app.tracecontext import of_run
 from logconfig import quiet_traceback
 
 from . import boots, ledger, registry
@@ -189,7 +191,8 @@ def _run_claimed(claim: Claim) -> Ended:
             delay = random.uniform(1.0, 3.0)
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
-            send_run(current_app.extensions["celery"], run_id, ref, countdown=delay)
+            send_run(current_app.extensions["celery"], run_id, ref, countdown=delay,
+                     trace=of_run(row))
             return Ended(RunEnding.RELEASED, delay=delay)
         return Ended(RunEnding.LOST)
     except Exception as err:
@@ -199,7 +202,7 @@ def _run_claimed(claim: Claim) -> Ended:
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
                      cancel_requested=row.cancel_requested, failures=row.failures)
-    fence = Fence(run_id, row.tenant_id, row.goal_id, slots=claim.slots)
+    fence = Fence(run_id, row.tenant_id, row.goal_id, of_run(row), slots=claim.slots)
 
     # The ledger dispatcher executes the steps; the last entry is closed here,
     # in the transaction that finishes (or retries) the run.
@@ -269,10 +272,13 @@ def _record_failure(ctx: RunContext, fence: Fence, failures: int, err: Exception
         if fence.retry(close, delay=delay, error=error):
             log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
-            send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay)
+            send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay,
+                     trace=fence.trace)
             return Ended(RunEnding.RETRYING, delay=delay)
         log.warning("run %s: claim lost before recording failure", run_id)
         return Ended(RunEnding.LOST)
+    # To Sentry when it is on: the exception's type and frames, tagged with the run.
+    report_exception(err)
     return _finish_failed(ctx, fence, error, close)
 
 

@@ -36,6 +36,7 @@ from app.state.claims import finish_run, release_claim, schedule_retry
 from app.state.ledger import EntryClose, MarkerClaim
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
+from app.tracecontext import TraceContext
 
 from . import boots
 from .actions import Emit, Output, Spawn
@@ -72,11 +73,12 @@ def record_deadline() -> float:
 class Fence:
     """Records what one held run's execution decided, fenced by this process's boots."""
 
-    def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None, *,
-                 slots: bool = False):
+    def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None,
+                 trace: TraceContext | None = None, *, slots: bool = False):
         self.run_id = run_id
         self.tenant_id = tenant_id
         self.goal_id = goal_id  # its fan-out's children inherit it
+        self.trace = trace  # ... and its W3C Trace Context
         # The run holds a slot of a limited group: every write that ends the hold
         # (finish, retry, release, a join's wait) takes the group's locks first,
         # so the run it wakes is seen (app/state/compose.py, "Concurrency slots").
@@ -232,7 +234,7 @@ class Fence:
                 session, tenant_id=self.tenant_id, workflow_ref=effect.workflow_ref,
                 input=child_input, goal_id=self.goal_id, dispatch_key=dispatch_key,
                 origin=AdmissionOrigin.FANOUT, origin_detail=f"spawn_each {key}"[:255],
-                parent_run_id=self.run_id)
+                parent_run_id=self.run_id, trace=self.trace)
             children.append((admission.run.id, ordinal, ikey))
             admitted.append(str(admission.run.id))
             replayed += not admission.created

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ticks import check_schedule
+
 BUILTIN_MODULES = ("workers.examples",)
 REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Za-z0-9_.-]{1,64}))?$")
 # Step ids appear in fan-out dispatch keys, separated by '/': no '/' in them.
@@ -206,6 +208,18 @@ class Workflow:
     # not part of the definition's hash (it changes no run's meaning).
     concurrency_limit: int | None = None
     concurrency_key: Callable[[Any], Any] | None = field(default=None, compare=False)
+    # What a dispatch_key may do once its run ended (docs/guide/api.md, "Key reuse"):
+    # "never" (the key names that run forever), "after_failure" (a failed or
+    # cancelled run's key admits a new run), "after_end" (any ended run's); with
+    # key_ttl, only key_ttl seconds after the run ended. Admission's, not the run's:
+    # outside the definition's hash.
+    key_reuse: str = "never"
+    key_ttl: float | None = None
+    # A schedule: beat admits one run per tick, keyed by the tick (workers/schedules.py).
+    schedule: Any = field(default=None, compare=False)  # seconds, or a celery crontab
+    schedule_tenant: str | None = None
+    schedule_input: Any = field(default=None, compare=False)  # a dict, or tick -> dict
+    catch_up: str = "last"
     definition_hash: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -247,25 +261,26 @@ class Workflow:
                 "steps": [step.describe() for step in self.steps]}
 
 
+def _unique(values: list, message: str) -> None:
+    if len(set(values)) != len(values):
+        raise InvalidDefinition(message)
+
+
 def _validate(wf: Workflow) -> None:
     if not REF_PATTERN.match(f"{wf.name}@{wf.version}"):
         raise InvalidDefinition(f"invalid workflow name or version: {wf.name!r}@{wf.version!r}")
     if not wf.steps:
         raise InvalidDefinition(f"{wf.ref}: a workflow needs at least one step")
     ids = [step.id for step in wf.steps]
-    if len(set(ids)) != len(ids):
-        raise InvalidDefinition(f"{wf.ref}: step ids must be unique: {ids}")
+    _unique(ids, f"{wf.ref}: step ids must be unique: {ids}")
     for step in wf.steps:
         if not STEP_ID_PATTERN.match(step.id):
             raise InvalidDefinition(f"{wf.ref}: invalid step id {step.id!r}")
         if not step.actions:
             raise InvalidDefinition(f"{wf.ref}: step {step.id!r} has no actions")
-        positions = [a.position for a in step.actions]
-        if len(set(positions)) != len(positions):
-            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} declares a position twice")
-        names = [a.name for a in step.actions]
-        if len(set(names)) != len(names):
-            raise InvalidDefinition(f"{wf.ref}: step {step.id!r} names an action twice")
+        _unique([a.position for a in step.actions],
+                f"{wf.ref}: step {step.id!r} declares a position twice")
+        _unique([a.name for a in step.actions], f"{wf.ref}: step {step.id!r} names an action twice")
         for a in step.actions:
             if not isinstance(a.position, int) or not 0 <= a.position <= MAX_POSITION:
                 raise InvalidDefinition(f"{wf.ref}: position {a.position!r} is not an integer "
@@ -277,6 +292,46 @@ def _validate(wf: Workflow) -> None:
                 raise InvalidDefinition(f"{wf.ref}: step {step.id!r} goes to unknown step "
                                         f"{target!r}")
     _validate_routing(wf)
+    _validate_admission(wf)
+
+
+KEY_REUSE_POLICIES = {
+    # policy: the statuses of an ended run whose key a new admission may take
+    "never": (),
+    "after_failure": ("failed", "cancelled"),
+    "after_end": ("succeeded", "failed", "cancelled"),
+}
+CATCH_UP = ("last", "none")
+
+
+def _validate_admission(wf: Workflow) -> None:
+    if wf.key_reuse not in KEY_REUSE_POLICIES:
+        raise InvalidDefinition(f"{wf.ref}: key_reuse must be one of "
+                                f"{', '.join(KEY_REUSE_POLICIES)}, not {wf.key_reuse!r}")
+    if wf.key_ttl is not None:
+        if wf.key_reuse == "never":
+            raise InvalidDefinition(f"{wf.ref}: key_ttl needs key_reuse after_failure or "
+                                    "after_end (a key that is never reused has no ttl)")
+        if isinstance(wf.key_ttl, bool) or not isinstance(wf.key_ttl, (int, float)) \
+                or not wf.key_ttl >= 0:
+            raise InvalidDefinition(f"{wf.ref}: key_ttl must be a number of seconds >= 0")
+    if wf.schedule is None:
+        if wf.schedule_tenant is not None or wf.schedule_input is not None:
+            raise InvalidDefinition(f"{wf.ref}: schedule_tenant and schedule_input need a "
+                                    "schedule")
+        return
+    problem = check_schedule(wf.schedule)
+    if problem:
+        raise InvalidDefinition(f"{wf.ref}: {problem}")
+    if not wf.schedule_tenant:
+        raise InvalidDefinition(f"{wf.ref}: a schedule needs schedule_tenant (the tenant "
+                                "its runs are admitted for)")
+    if wf.catch_up not in CATCH_UP:
+        raise InvalidDefinition(f"{wf.ref}: catch_up must be 'last' or 'none'")
+    if wf.schedule_input is not None and not (callable(wf.schedule_input)
+                                              or isinstance(wf.schedule_input, Mapping)):
+        raise InvalidDefinition(f"{wf.ref}: schedule_input must be a dict or a function of "
+                                "the tick")
 
 
 QUEUE_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
@@ -335,15 +390,24 @@ def workflow(
     priority: int | None = None,
     concurrency_limit: int | None = None,
     concurrency_key: Callable[[Any], Any] | None = None,
+    key_reuse: str = "never",
+    key_ttl: float | None = None,
+    schedule: Any = None,
+    schedule_tenant: str | None = None,
+    schedule_input: Any = None,
+    catch_up: str = "last",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated ``(ctx, input)`` function as workflow ``name@version``.
 
     Sugar for a workflow of one step (``main``) with one action at position 0
     that is not marker-bearing: a run lost mid-way starts it again from the top.
     ``queue``, ``time_limit``, ``soft_time_limit`` and ``priority`` go to
-    Celery with every message of its runs (docs/guide/celery.md).
-    ``concurrency_limit`` and ``concurrency_key`` limit how many of its runs
-    run at once (docs/guide/workflows.md#concurrency).
+    Celery with every message of its runs (docs/guide/celery.md). ``key_reuse`` /
+    ``key_ttl``: what a ``dispatch_key`` may do once its run ended; ``schedule``
+    (seconds, or a ``celery.schedules.crontab``) with ``schedule_tenant``,
+    ``schedule_input`` and ``catch_up``: beat admits one run per tick
+    (docs/guide/workflows.md). ``concurrency_limit`` and ``concurrency_key`` limit
+    how many of its runs run at once (docs/guide/workflows.md#concurrency).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
@@ -364,6 +428,12 @@ def workflow(
             priority=priority,
             concurrency_limit=concurrency_limit,
             concurrency_key=concurrency_key,
+            key_reuse=key_reuse,
+            key_ttl=key_ttl,
+            schedule=schedule,
+            schedule_tenant=schedule_tenant,
+            schedule_input=schedule_input,
+            catch_up=catch_up,
         ))
         return fn
 
@@ -447,6 +517,12 @@ def concurrency_of(wf: Workflow, input: Any, given: str | None = None
 def registered() -> list[Workflow]:
     """Return every registered workflow version."""
     return [wf for versions in _registry.values() for wf in versions.values()]
+
+
+def scheduled() -> list[Workflow]:
+    """The newest version of every registered workflow that declares a schedule."""
+    newest = [versions[max(versions, key=_version_key)] for versions in _registry.values()]
+    return sorted((wf for wf in newest if wf.schedule is not None), key=lambda wf: wf.name)
 
 
 def load_modules(modules: Iterable[str]) -> None:

@@ -97,6 +97,15 @@ def _check_lease_at_beat(sender=None, **_):
         raise SystemExit(1) from None
 
 
+@beat_init.connect
+def _start_schedules(sender=None, **_):
+    # Workflows that declare a schedule: this beat admits one run per tick (any number
+    # of beats give one run per tick: the tick's dispatch key decides).
+    from . import schedules
+
+    schedules.start(sender.app.flask_app)
+
+
 @worker_init.connect
 def _serve_metrics(sender=None, **_):
     from .metrics import serve_metrics

@@ -230,11 +230,7 @@ def runs():
 
 
 def _load_run(run_id: str) -> Run:
-    # The API's tenant check: another tenant's run is indistinguishable from none.
-    run = run_service.get_run(db.session, g.principal.tenant_id, run_id)
-    if run is None:
-        raise ConsoleError(404, "run_not_found", f"no run {run_id}", {"run_id": run_id})
-    return run
+    return run_service.load_run(db.session, g.principal.tenant_id, run_id, ConsoleError)
 
 
 @bp.get("/runs/<run_id>")
@@ -324,6 +320,25 @@ def _kafka() -> dict:
         raise ConsoleError(503, "kafka_not_configured",
                            "this web process has no KAFKA_BOOTSTRAP_SERVERS (or KAFKA_URL)")
     return kafka
+
+
+@bp.get("/schedules")
+@signed_in
+def schedules():
+    """This tenant's schedules: each workflow beat admits on a tick, its next tick, its last run."""
+    from workers import ticks
+
+    now = datetime.now(UTC)
+    rows = []
+    for wf in registry.scheduled():
+        if wf.schedule_tenant != g.principal.tenant_name:
+            continue
+        prefix = f"{ticks.KEY_PREFIX}{wf.name}:"
+        rows.append({"workflow": wf.name, "schedule": ticks.describe(wf.schedule),
+                     "catch_up": wf.catch_up, "next": ticks.next_tick(wf.schedule, now),
+                     "prefix": prefix,
+                     "last": run_service.last_run_keyed(db.session, wf.schedule_tenant, prefix)})
+    return render_template("console/schedules.html", schedules=rows)
 
 
 @bp.get("/inbox")

@@ -101,7 +101,10 @@ _ATTEMPT = "jsonb_build_object('attempt', attempt)"
 # A claim also returns the pinned definition hash and the run's latest step
 # entry (the ledger resumes from it), so starting a run costs no extra read.
 # created_at and started_at give the queue wait (poimen_run_queue_wait_seconds).
+# traceparent and tracestate: the run's trace context, which its fan-out children inherit
+# and its re-sends (a retry, a release) carry.
 _CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, created_at, started_at, " \
+    "traceparent, tracestate, " \
     "(SELECT to_jsonb(e) FROM step_entries e " \
     "WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry"
 

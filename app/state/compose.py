@@ -26,20 +26,24 @@ from app.models import RunStatus, WaitReason
 ENDED = "('succeeded', 'failed', 'cancelled')"
 
 # Where a transition leaves the runs to send once its transaction commits
-# (``{run_id: workflow_ref}`` on ``session.info``): ``app/enqueue.py`` hands them
-# to the sender after commit and forgets them on rollback.
+# (``{run_id: (workflow_ref, traceparent, tracestate)}`` on ``session.info``):
+# ``app/enqueue.py`` hands them to the sender after commit and forgets them on rollback.
+# The trace context is the run's (its columns), carried as plain values.
 PENDING_SENDS = "poimen_pending_enqueue"
 
 
-def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str) -> None:
-    """Send ``run_id`` to the workers once ``session``'s transaction commits."""
-    session.info.setdefault(PENDING_SENDS, {})[run_id] = workflow_ref
+def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str,
+                      traceparent: str | None = None, tracestate: str | None = None) -> None:
+    """Send ``run_id`` to the workers once ``session``'s transaction commits; its message
+    carries the run's W3C Trace Context (``traceparent``, ``tracestate``) as headers."""
+    session.info.setdefault(PENDING_SENDS, {})[run_id] = (workflow_ref, traceparent, tracestate)
 
 
 def send_woken(session: Session, row: Row | None) -> None:
     """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
     for parent in (row.woken if row is not None else None) or ():
-        send_after_commit(session, uuid.UUID(parent["id"]), parent["ref"])
+        send_after_commit(session, uuid.UUID(parent["id"]), parent["ref"],
+                          parent.get("traceparent"), parent.get("tracestate"))
 
 
 def outbox_rows(source: str, event_type: str, fields: str = "'{}'::jsonb",
@@ -114,7 +118,8 @@ JOIN_RELEASE = f""",
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN {ENDED}
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS ({outbox_rows("woken", "'run.joined'",
                                  "jsonb_build_object('entry_id', entry_id)",
@@ -124,7 +129,8 @@ JOIN_RELEASE = f""",
 # The select list of a statement with JOIN_RELEASE: its rows, plus the parents it re-queued.
 WITH_WOKEN = (
     "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
-    "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) "
+    "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, "
+    "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
     f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
 )
 
@@ -192,7 +198,8 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
                  FROM {source} s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND {when})
            AND w.status = '{RunStatus.WAITING}' AND w.wait_reason IN {LIMITED_WAITS}
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
     ),
     slot_woken_event AS ({outbox_rows("slot_woken", "'run.woken'")})
 """
@@ -200,12 +207,13 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
 
 def with_woken(*, join: bool) -> str:
     """The select list of a statement with ``slot_release`` (and ``JOIN_RELEASE`` if
-    ``join``): its rows, plus every run it re-queued (``woken``: id and ref)."""
-    woken = ("SELECT w.id, w.workflow_name, w.workflow_version FROM woken w "
-             f"WHERE w.status = '{RunStatus.QUEUED}' UNION ALL " if join else "")
+    ``join``): its rows, plus every run it re-queued (``woken``: id, ref, trace context)."""
+    columns = "w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate"
+    woken = (f"SELECT {columns} FROM woken w WHERE w.status = '{RunStatus.QUEUED}' UNION ALL "
+             if join else "")
     return (
         "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
-        "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) "
-        f"FROM ({woken}SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w"
-        ") AS woken"
+        "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, "
+        "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
+        f"FROM ({woken}SELECT {columns} FROM slot_woken w) w) AS woken"
     )

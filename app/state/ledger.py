@@ -270,7 +270,8 @@ WAIT = text(f"""
                            "'children_done', children_done)")}){slot_release("waited")}
     SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
            (SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb)
+                   'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
+                   'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
               FROM slot_woken w) AS woken
 """)
 

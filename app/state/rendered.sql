@@ -7,12 +7,12 @@
 WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                  origin, origin_detail, parent_run_id, definition_hash, concurrency_key,
-                  concurrency_limit)
+                  origin, origin_detail, parent_run_id, definition_hash,
+                  traceparent, tracestate, concurrency_key, concurrency_limit)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-        :origin_detail, :parent_run_id, :definition_hash, :concurrency_key,
-        :concurrency_limit)
+        :origin_detail, :parent_run_id, :definition_hash,
+        :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
     event AS (
@@ -33,6 +33,14 @@ SELECT runs.*,
        goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
   FROM runs
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
+
+-- app/state/runs.py: RELEASE_KEY
+UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+ WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+   AND workflow_name = :workflow_name
+   AND status = ANY(CAST(:reusable AS text[]))
+   AND finished_at <= now() - make_interval(secs => :ttl)
+RETURNING id;
 
 -- app/state/runs.py: CANCEL
 WITH  changed AS (
@@ -72,7 +80,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -83,7 +92,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: CANCEL_QUEUED
 WITH  changed AS (
@@ -115,7 +124,8 @@ woken AS (
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -126,7 +136,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: END_ABANDONED
 WITH  changed AS (
@@ -169,7 +179,8 @@ WITH  changed AS (
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -198,7 +209,8 @@ WITH  changed AS (
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
            AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -209,7 +221,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version FROM woken w WHERE w.status = 'queued' UNION ALL SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/runs.py: TIME_LIMIT
 WITH  changed AS (
@@ -244,7 +256,8 @@ WITH  changed AS (
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -273,7 +286,8 @@ WITH  changed AS (
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
            AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -284,7 +298,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version FROM woken w WHERE w.status = 'queued' UNION ALL SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/runs.py: LOCK_SLOTS
 SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
@@ -317,7 +331,7 @@ UPDATE runs SET last_sent_at = now()
             ORDER BY r.updated_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version;
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: QUEUED_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -332,7 +346,7 @@ UPDATE runs SET last_sent_at = now()
         ORDER BY r.last_sent_at
         LIMIT :limit
           FOR UPDATE OF r SKIP LOCKED)
-RETURNING id, workflow_name, workflow_version;
+RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: QUEUED_WORKFLOWS
 SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
@@ -340,6 +354,12 @@ SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
    AND r.last_sent_at <= now() - make_interval(secs => :min_age)
    AND (r.not_before IS NULL
         OR r.not_before <= now() - make_interval(secs => :min_age));
+
+-- app/state/runs.py: TRY_REPAIR_LOCK
+SELECT pg_try_advisory_xact_lock(:namespace, 0);
+
+-- app/state/runs.py: WAIT_REPAIR_LOCK
+SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 
 -- app/state/runs.py: WAKE_WAITING
 WITH heads AS (
@@ -391,7 +411,7 @@ WITH heads AS (
                    < h.max_running)
             LIMIT :limit)
        AND status = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING id, workflow_name, workflow_version;
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: WAITING_BY_REASON
 SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs
@@ -418,7 +438,7 @@ WHERE b.boot_id = :boot)
       AND concurrency_limit IS NULL
       AND NOT EXISTS (SELECT 1 FROM tenants t
                        WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, 'run.started',
@@ -495,7 +515,7 @@ WITH
            updated_at = now()
       FROM verdict v
      WHERE runs.id = :run AND runs.status = 'queued' AND NOT runs.cancel_requested
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
@@ -539,7 +559,7 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
@@ -565,7 +585,8 @@ WHERE b.boot_id = :boot)
          FROM joined j
         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-       RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+       RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                 p.traceparent, p.tracestate
    ),
    woken_event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -576,7 +597,7 @@ WHERE b.boot_id = :boot)
 
    )
 
-       SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+       SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: TAKE_OVER_SLOT
 WITH
@@ -656,7 +677,7 @@ WITH
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
  WHERE b.boot_id = :boot)
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
@@ -682,7 +703,8 @@ WITH
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -711,7 +733,8 @@ WITH
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled'))
            AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -722,7 +745,7 @@ WITH
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version FROM woken w WHERE w.status = 'queued' UNION ALL SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
@@ -851,7 +874,8 @@ WITH  changed AS (
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -880,7 +904,8 @@ WITH  changed AS (
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
            AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -891,7 +916,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version FROM woken w WHERE w.status = 'queued' UNION ALL SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: RELEASE
 WITH  changed AS (
@@ -926,7 +951,8 @@ slot_woken AS (
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
        AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -937,7 +963,7 @@ slot_woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: RETRY
 WITH  changed AS (
@@ -973,7 +999,8 @@ slot_woken AS (
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
        AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -984,7 +1011,7 @@ slot_woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb) FROM (SELECT s.id, s.workflow_name, s.workflow_version FROM slot_woken s) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: CLAIM_STATE
 SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (
@@ -1238,7 +1265,8 @@ slot_woken AS (
              FROM waited s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
        AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1251,7 +1279,8 @@ slot_woken_event AS (
 
 SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
        (SELECT coalesce(jsonb_agg(jsonb_build_object(
-               'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version)), '[]'::jsonb)
+               'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
+               'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
           FROM slot_woken w) AS woken;
 
 -- app/state/ledger.py: CHILDREN

@@ -3,6 +3,9 @@
 * admit: ``ADMIT`` inserts a run unless its ``(tenant_id, dispatch_key)`` is
   taken, decided by the partial unique index (``ON CONFLICT DO NOTHING``); a
   miss reads the run that holds the key with ``EXISTING``. Never a read first.
+  A workflow whose ``key_reuse`` policy allows it takes an ended run's key with
+  ``RELEASE_KEY`` (conditional on the holder's status, in the statement) and
+  inserts again; the index still decides who holds the key.
 * cancel: a queued (or waiting) run becomes ``cancelled``; a running one gets
   ``cancel_requested`` and stops at its workflow's next checkpoint.
 * repair: re-sending runs whose Celery message may be lost, marked sent in the
@@ -14,7 +17,9 @@ Every statement that ends a run counts for its parent's join (``JOIN_RELEASE``).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
@@ -48,12 +53,12 @@ ADMIT = with_event(
     """
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id, definition_hash, concurrency_key,
-                      concurrency_limit)
+                      origin, origin_detail, parent_run_id, definition_hash,
+                      traceparent, tracestate, concurrency_key, concurrency_limit)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id, :definition_hash, :concurrency_key,
-            :concurrency_limit)
+            :origin_detail, :parent_run_id, :definition_hash,
+            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
     "*",
@@ -77,13 +82,42 @@ EXISTING = text(
 )
 
 
+# Key reuse: move the key off the run that holds it, if that run ended in a status the
+# policy names (and, with a ttl, long enough ago), so the next insert can take it. The
+# status is checked here, in the statement that takes the row lock, never by an earlier
+# read: of N racing re-admissions one releases the ended run and inserts; the others
+# find the key held by that new run (not ended) and replay it.
+RELEASE_KEY = text(
+    """
+    UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+     WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+       AND workflow_name = :workflow_name
+       AND status = ANY(CAST(:reusable AS text[]))
+       AND finished_at <= now() - make_interval(secs => :ttl)
+    RETURNING id
+    """
+)
+
+
+def release_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow_name: str,
+                reusable: tuple[str, ...], ttl: float) -> bool:
+    """Free ``dispatch_key`` from its run if that run (of ``workflow_name``) ended in one of
+    ``reusable`` at least ``ttl`` seconds ago; True if it did."""
+    if not reusable:
+        return False
+    return session.execute(RELEASE_KEY, {
+        "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_name": workflow_name,
+        "reusable": list(reusable), "ttl": ttl}).one_or_none() is not None
+
+
 def admit(session: Session, values: dict, *, input_json: str, event_json: str) -> Row | None:
     """Insert the run ``values`` describe with its ``run.admitted`` event; None if its key
     is taken. The run is sent to the workers once ``session`` commits."""
     row = session.execute(ADMIT, {**values, "input": input_json, "event": event_json}
                           ).one_or_none()
     if row is not None:
-        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}")
+        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                          row.traceparent, row.tracestate)
     return row
 
 
@@ -264,7 +298,7 @@ DEAD_BOOT_RUNS = text(
             ORDER BY r.updated_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
 
@@ -285,7 +319,7 @@ QUEUED_RUNS = text(
             ORDER BY r.last_sent_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
 
@@ -303,6 +337,28 @@ QUEUED_WORKFLOWS = text(
 )
 
 
+# One repair at a time: two beats (a deploy overlap) would each read a queue's depth and
+# each re-send up to a page below it, twice the bound between them. A transaction-scoped
+# advisory lock, held on a connection of its own from before the marks until after the
+# sends (a lock released at the marks' commit would let a second repair read the depth
+# before the first one's sends land). Transaction-scoped: safe behind a transaction-mode
+# pooler, which pins a server connection for a transaction.
+REPAIR_LOCK_NAMESPACE = 0x52455052  # "REPR", apart from the boots' and the outbox's locks
+TRY_REPAIR_LOCK = text("SELECT pg_try_advisory_xact_lock(:namespace, 0)")
+WAIT_REPAIR_LOCK = text("SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held")
+
+
+@contextlib.contextmanager
+def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
+    """Hold the repair lock for the ``with`` block; yield whether it is held (``wait``: block
+    until it is)."""
+    conn = session.get_bind().connect()
+    try:
+        with conn.begin():
+            statement = WAIT_REPAIR_LOCK if wait else TRY_REPAIR_LOCK
+            yield bool(conn.execute(statement, {"namespace": REPAIR_LOCK_NAMESPACE}).scalar())
+    finally:
+        conn.close()
 # Runs waiting for a slot that is free (a slot's holder died: its boot's lock
 # is gone; a queued run ahead of them was cancelled; a wake-up raced a commit):
 # the oldest waiting run of each such group, and of each such capped tenant, is
@@ -340,7 +396,7 @@ WAKE_WAITING = text(
                    < h.max_running)
             LIMIT :limit)
        AND status = '{RunStatus.WAITING}' AND wait_reason IN {LIMITED_WAITS}
-    RETURNING id, workflow_name, workflow_version
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
 

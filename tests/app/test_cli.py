@@ -50,3 +50,26 @@ def test_runs_show_and_redrive(cli, client, tenant, redis_client, queue_name, se
     assert out.exit_code == 0 and "re-sent 1 of 1" in out.output
     assert redis_client.llen(queue_name) == 1
     assert "re-sent 0 of 0" in cli.invoke(args=["runs", "redrive", "--older-than", "3600"]).output
+
+
+def test_schedules_list_shows_each_schedule_its_next_tick_and_last_run(cli, tenant, admit):
+    from workers import registry
+    from workers.registry import Step, Workflow, action
+
+    name = "cli-scheduled"
+    registry.register(Workflow(
+        name, "1", [Step("main", actions=[action(lambda ctx, input: input, position=0)])],
+        schedule=3600, schedule_tenant=tenant.name))
+    try:
+        before = cli.invoke(args=["schedules", "list"])
+        assert before.exit_code == 0, before.output
+        line = next(row for row in before.output.splitlines() if row.startswith(name))
+        assert "every 3600s" in line and f"tenant {tenant.name}" in line
+        assert "catch_up last" in line and "next " in line and "last none yet" in line
+
+        run_id = admit(name, {}, dispatch_key=f"schedule:{name}:2026-12-01T10:00:00Z")
+        after = cli.invoke(args=["schedules", "list"]).output
+        line = next(row for row in after.splitlines() if row.startswith(name))
+        assert f"schedule:{name}:2026-12-01T10:00:00Z -> {run_id} (queued)" in line
+    finally:
+        registry._registry.pop(name, None)

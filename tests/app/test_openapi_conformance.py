@@ -329,3 +329,12 @@ def test_an_unsupported_method_is_a_405_naming_the_allowed_ones(client, tenant, 
     assert response.status_code == 405
     assert response.get_json()["error"]["code"] == "method_not_allowed"
     assert allowed <= {m.strip() for m in response.headers["Allow"].split(",")}
+
+
+def test_the_trace_context_headers_and_field_are_documented():
+    """Issue 29, item 2: ``traceparent``/``tracestate`` on POST /v1/runs, ``traceparent`` on runs."""
+    document = openapi_document()
+    params = {p["name"] for p in document["paths"]["/v1/runs"]["post"]["parameters"]}
+    assert {"traceparent", "tracestate"} <= params
+    run = document["components"]["schemas"]["Run"]
+    assert "traceparent" in run["required"] and run["properties"]["traceparent"]["nullable"]

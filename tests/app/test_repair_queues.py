@@ -86,3 +86,29 @@ def test_a_backlog_on_one_queue_does_not_stop_re_sends_on_another(app, admit, pg
     assert queues(queue_name) == PAGE  # the full queue got nothing more
     assert pg.execute("SELECT last_sent_at > now() - interval '1 minute' FROM runs "
                       "WHERE id = %s", [lost]).fetchone()[0]
+
+
+def test_a_second_repair_while_one_runs_re_sends_nothing(app, admit, pg, sent, queues,
+                                                         queue_name, database_url):
+    """Two beats (a deploy overlap): each would read the queue's depth and re-send up to a
+    page below it, twice the bound together. While one repair holds the repair lock (here: a
+    session of the test, as a repair between its marks and its sends), the other does
+    nothing; once it is free, repair goes on."""
+    import psycopg
+
+    from app.config import libpq_url
+    from app.state.runs import REPAIR_LOCK_NAMESPACE
+
+    for n in range(10):
+        admit("noop", {"n": n})
+    sent()
+    with app.extensions["celery"].connection_for_write() as conn:
+        conn.default_channel.queue_purge(queue_name)  # every message lost
+    make_due(pg)
+    with psycopg.connect(libpq_url(database_url)) as first:
+        first.execute("SELECT pg_advisory_xact_lock(%s, 0)", [REPAIR_LOCK_NAMESPACE])
+        assert tick(app) == 0
+        assert queues(queue_name) == 0
+    # The first repair ended (its transaction, and the lock, with it): the next tick re-sends.
+    assert tick(app) == 10
+    assert queues(queue_name) == 10

@@ -229,3 +229,11 @@ def test_settings_are_read_from_the_environment():
     with pytest.raises(SystemExit, match="POIMEN_INBOX_CONCURRENCY"):
         inbox_settings({"POIMEN_API_URL": "a", "POIMEN_API_TOKEN": "t",
                               "KAFKA_BOOTSTRAP_SERVERS": "k", "POIMEN_INBOX_CONCURRENCY": "x"})
+
+
+def test_a_session_timeout_brokers_would_refuse_is_refused_at_start():
+    env = {"POIMEN_API_URL": "a", "POIMEN_API_TOKEN": "t", "KAFKA_BOOTSTRAP_SERVERS": "k"}
+    with pytest.raises(SystemExit, match="POIMEN_INBOX_SESSION_TIMEOUT_MS must be at least 6000"):
+        inbox_settings({**env, "POIMEN_INBOX_SESSION_TIMEOUT_MS": "3000"})
+    assert inbox_settings({**env, "POIMEN_INBOX_SESSION_TIMEOUT_MS": "6000"}
+                          ).session_timeout_ms == 6000

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from bridge.inbox import Outcome, OutcomeKind, PartitionWork, SlotState
 
 
@@ -202,3 +204,62 @@ def test_a_failure_settled_without_a_delay_can_be_retried_at_once():
     slot = work.take(now=5.0, window=1)
     work.settle(slot, RETRY, now=5.0)
     assert work.take(now=5.0, window=1) is slot
+
+
+# -- the revoke rule: what a relay commits as a partition leaves it ---------------------------
+#
+# Each row: the fate of the fetched messages at offsets 10, 11, 12 ... when the
+# partition is revoked, and the offset the relay must commit (None: nothing). A
+# message still in flight, failed (to be retried) or not yet taken stops the
+# commit, whatever is done after it: its new owner reads it again from there, and
+# admission absorbs it if the old owner's post landed after all.
+REVOKE_TABLE = [
+    # fates (in offset order)                            committed on revoke
+    ((),                                                  None),
+    (("admitted", "admitted", "admitted"),                13),
+    (("admitted", "dead_lettered", "admitted"),           13),
+    (("dead_lettered",),                                  11),
+    (("in_flight", "admitted", "admitted"),               None),
+    (("admitted", "in_flight", "admitted"),               11),
+    (("admitted", "admitted", "in_flight"),               12),
+    (("admitted", "failed", "admitted"),                  11),
+    (("admitted", "queued", "queued"),                    11),
+    (("in_flight", "dead_lettered", "failed", "admitted"), None),
+    (("admitted", "dead_lettered", "in_flight", "queued"), 12),
+]
+
+
+def revoked(*fates: str) -> PartitionWork:
+    """A partition whose messages at 10, 11, ... met ``fates``, then closed by a revoke."""
+    work = work_with(*range(10, 10 + len(fates)))
+    taken = [work.take(now=0, window=len(fates)) if fate != "queued" else None
+             for fate in fates]
+    for fate, slot in zip(fates, taken, strict=True):
+        if fate == "admitted":
+            work.settle(slot, DONE, now=0)
+        elif fate == "dead_lettered":
+            work.settle(slot, DEAD, now=0)
+        elif fate == "failed":
+            work.settle(slot, RETRY, now=0, retry_delay=1.0)
+    work.close()
+    return work
+
+
+@pytest.mark.parametrize(("fates", "expected"), REVOKE_TABLE,
+                         ids=["-".join(f) or "nothing" for f, _ in REVOKE_TABLE])
+def test_revoke_commits_only_what_is_admitted_or_dead_lettered_in_order(fates, expected):
+    work = revoked(*fates)
+    assert work.revoke_offset() == expected
+    assert work.take(now=10, window=8) is None  # a closed partition posts nothing more
+
+
+def test_a_settle_after_the_revoke_never_moves_the_offset_past_a_gap():
+    # A call that ends after its partition was revoked (the wait ran out) settles on
+    # the dropped buffer: it may complete the prefix, never jump a message in flight.
+    work = work_with(10, 11, 12)
+    first, second, third = (work.take(now=0, window=3) for _ in range(3))
+    work.settle(third, DONE, now=0)
+    work.close()
+    assert work.revoke_offset() is None
+    work.settle(first, DONE, now=0)
+    assert work.revoke_offset() == 11  # 11 is still in flight

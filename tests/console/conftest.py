@@ -32,11 +32,17 @@ def clean_tables():
     yield
 
 
+SCHEDULE_TENANT = "console-sched"
+
+
 @pytest.fixture(scope="module")
 def console_env(test_env) -> dict[str, str]:
     # A 1 s token cache, so a revocation ends a session within the test's patience.
+    # The schedules page lists tests/workflows/reuse.py's scheduled workflow for SCHEDULE_TENANT.
     return {**test_env, "POIMEN_CONSOLE_SECRET": secrets.token_urlsafe(48),
-            "POIMEN_TOKEN_CACHE_SECONDS": "1"}
+            "POIMEN_TOKEN_CACHE_SECONDS": "1",
+            "POIMEN_WORKFLOW_MODULES": "tests.workflows,tests.workflows.reuse",
+            "POIMEN_TEST_SCHEDULE_TENANT": SCHEDULE_TENANT}
 
 
 @pytest.fixture(scope="module")

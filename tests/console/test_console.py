@@ -29,7 +29,7 @@ import requests
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from tests.console.conftest import RUN_DEADLINE
+from tests.console.conftest import RUN_DEADLINE, SCHEDULE_TENANT
 from tests.processes import wait_until
 
 PARTICIPANTS = ["ana", "bo"]
@@ -312,7 +312,7 @@ def test_without_a_session_every_page_redirects_to_sign_in_and_back(console, api
     creds = make_tenant()
     run_id = _admit(api, creds, "echo", {})
     for path in ("/console/", "/console/runs", f"/console/runs/{run_id}",
-                 "/console/runs?status=failed", "/console/inbox"):
+                 "/console/runs?status=failed", "/console/inbox", "/console/schedules"):
         response = requests.get(console.url + path, allow_redirects=True, timeout=30)
         assert response.url.startswith(f"{console.url}/console/sign-in"), path
         assert 'id="token"' in response.text
@@ -431,3 +431,22 @@ def test_the_pages_load_nothing_from_outside_the_app(console, api, run_until, ma
         if not path.endswith(".css"):
             policy = response.headers["Content-Security-Policy"]
             assert "default-src 'none'" in policy and "http" not in policy
+
+
+def test_the_schedules_page_lists_the_tenants_schedules_and_their_last_run(console, api,
+                                                                         make_tenant):
+    owner, other = make_tenant(name=SCHEDULE_TENANT), make_tenant()
+    key = "schedule:every-few-seconds:2026-12-01T10:00:00Z"
+    run_id = _admit(api, owner, "every-few-seconds", {"tick": "2026-12-01T10:00:00+00:00"},
+                    dispatch_key=key)
+    console.sign_in(owner.token)
+    console.open("/console/schedules")
+    row = console.driver.find_element(By.CSS_SELECTOR, 'tr.schedule[data-workflow="every-few-seconds"]')
+    assert "every 5s" in row.text and "last" in row.text and key in row.text
+    link = row.find_element(By.CSS_SELECTOR, "a.mono").get_attribute("href")
+    assert link.endswith(f"/console/runs/{run_id}")
+    # Another tenant sees none of them.
+    console.sign_in(other.token)
+    console.open("/console/schedules")
+    assert console.driver.find_elements(By.ID, "no-schedules")
+    assert "every-few-seconds" not in console.driver.page_source

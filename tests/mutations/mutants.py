@@ -47,13 +47,13 @@ MUTANTS: list[Mutant] = [
         "app/state/runs.py",
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash, :concurrency_key,\n"
-        "            :concurrency_limit)\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)\n"
         "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
         "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash, :concurrency_key,\n"
-        "            :concurrency_limit\n"
+        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
         "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
         ("tests/app/test_idempotent_admission.py::"
@@ -357,6 +357,34 @@ MUTANTS: list[Mutant] = [
         "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
     ),
+    Mutant(
+        "two_repairs_at_once",
+        "one repair at a time: a second beat's repair re-sends nothing while one runs",
+        "app/runs.py",
+        "        if not held:\n",
+        "        if False:\n",
+        ("tests/app/test_repair_queues.py::"
+         "test_a_second_repair_while_one_runs_re_sends_nothing",),
+    ),
+    # -- key reuse and schedules ----------------------------------------------------------------
+    Mutant(
+        "key_reuse_decided_before_the_release",
+        "a key is released only by the statement that sees its run ended (never by a read "
+        "before it): a live run's key is never taken",
+        "app/state/runs.py",
+        "       AND status = ANY(CAST(:reusable AS text[]))\n",
+        "       AND true\n",
+        ("tests/app/test_key_reuse.py::test_after_failure_keeps_a_key_whose_run_did_not_fail",),
+    ),
+    Mutant(
+        "tick_key_from_the_beat_clock",
+        "a scheduled run's key is its schedule's tick, the same in every beat",
+        "workers/ticks.py",
+        "    tick = last_tick(schedule, now)\n",
+        "    tick = now.replace(microsecond=0)\n",
+        ("tests/workers/test_ticks.py::"
+         "test_two_beats_a_moment_apart_compute_one_key_for_one_tick",),
+    ),
     # -- the inbox ----------------------------------------------------------------------------
     Mutant(
         "inbox_commits_past_unfinished_work",
@@ -369,6 +397,19 @@ MUTANTS: list[Mutant] = [
         "        self.commit_offset = max(self.commit_offset or 0, slot.message.offset() + 1)",
         ("tests/bridge/test_partition_work.py::"
          "test_commit_waits_for_the_oldest_message_when_later_ones_finish_first",),
+    ),
+    Mutant(
+        "revoke_commits_past_in_flight",
+        "on revoke the inbox commits only the done prefix, never past a message in flight",
+        "bridge/inbox.py",
+        "        it would lose the message; committing less only replays.\n"
+        "        \"\"\"\n"
+        "        return self.commit_offset\n",
+        "        it would lose the message; committing less only replays.\n"
+        "        \"\"\"\n"
+        "        return self.next_offset if self.slots else self.commit_offset\n",
+        ("tests/bridge/test_partition_work.py::"
+         "test_revoke_commits_only_what_is_admitted_or_dead_lettered_in_order",),
     ),
     Mutant(
         "inbox_keyless_message_gets_no_key",
