@@ -124,6 +124,21 @@ def test_a_run_without_a_slot_waits_unclaimed_and_the_holders_end_wakes_it(
     assert claim(session, second, boot.boot_id).outcome == ClaimOutcome.CLAIMED
 
 
+def test_a_run_woken_for_a_slot_is_sent_with_its_trace_context(session, admit, boot_factory):
+    from app.state.compose import PENDING_SENDS
+    from app.tracecontext import TraceContext
+
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    first = keyed(admit)
+    second = admit("keyed", {"customer": "c1"}, trace=TraceContext(traceparent, "k=v"))
+    boot = boot_factory()
+    claim(session, first, boot.boot_id)
+    claim(session, second, boot.boot_id)
+    finish_run(session, first, boot.boot_id, status="succeeded")
+    assert session.info[PENDING_SENDS][second] == ("keyed@1", traceparent, "k=v")
+    session.commit()
+
+
 @pytest.mark.parametrize("leave", ["retry", "release"])
 def test_a_retry_or_a_release_gives_the_slot_up(session, admit, boot_factory, pg, leave):
     first, second = keyed(admit), keyed(admit)
