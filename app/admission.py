@@ -155,6 +155,7 @@ def admit_run(
     origin: AdmissionOrigin = AdmissionOrigin.INTERNAL,
     origin_detail: str | None = None,
     parent_run_id: uuid.UUID | None = None,
+    concurrency_key: str | None = None,
     trace: TraceContext | None = None,
 ) -> Admission:
     """Admit one run in ``session``'s transaction; the caller commits.
@@ -162,7 +163,10 @@ def admit_run(
     Without ``dispatch_key`` every call creates a run. With one, the first call
     creates and later identical calls return the same run (re-sending it to
     the workers if it is still queued); a call that differs raises
-    ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref.
+    ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref,
+    ``registry.InvalidConcurrencyKey`` for a key that cannot be stored or derived.
+    ``concurrency_key`` (else the workflow's ``concurrency_key(input)``) names the
+    run's concurrency group; a replay keeps the stored run's.
     The run is sent to Celery only after the caller's commit succeeds.
     ``trace`` (W3C Trace Context) is kept on a new run; it is not part of the
     request a replay is compared with, and a replay keeps the first run's.
@@ -179,6 +183,7 @@ def admit_run(
         if replay is None:
             raise
         return replay
+    key, limit = registry.concurrency_of(workflow, input, concurrency_key)
     run_id = uuid.uuid4()
     origin_value = AdmissionOrigin(origin).value
     values = dict(
@@ -195,6 +200,8 @@ def admit_run(
         # The resolved definition is pinned with the version: a worker that
         # resolves another one for this version refuses the run (definition_changed).
         definition_hash=workflow.definition_hash,
+        concurrency_key=key,
+        concurrency_limit=limit,
         traceparent=trace.traceparent if trace is not None else None,
         tracestate=trace.tracestate if trace is not None else None,
     )

@@ -34,7 +34,7 @@ from .state import runs as state_runs
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 
-RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key"}
+RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"}
 MAX_KEY_LEN = 255
 MAX_REF_LEN = 200
 DEFAULT_PAGE = 50
@@ -76,6 +76,9 @@ def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
         # True once a newer run of the same key took it over (the workflow's key_reuse).
         "key_released": run.released_key is not None,
         "status": run.status,
+        # What a waiting run waits for: 'join', 'concurrency' or 'tenant_cap'.
+        "wait_reason": run.wait_reason,
+        "concurrency_key": run.concurrency_key,
         "attempt": run.attempt,
         "cancel_requested": run.cancel_requested,
         "result": run.result,
@@ -156,12 +159,14 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
         problems["input"] = "must be a JSON object"
     goal_id = _optional_string(body, "goal_id", problems)
     dispatch_key = _optional_string(body, "dispatch_key", problems)
-    for name in ("workflow_ref", "input", "goal_id", "dispatch_key"):
+    concurrency_key = _optional_string(body, "concurrency_key", problems)
+    for name in ("workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"):
         if name not in problems and (reason := _unstorable(body.get(name))):
             problems[name] = reason
     if problems:
         raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": problems})
-    return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key}
+    return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key,
+            "concurrency_key": concurrency_key}
 
 
 def idempotency_key(fields: dict[str, Any], header: str | None) -> str | None:
@@ -213,6 +218,11 @@ def create_run():
         db.session.rollback()
         raise ApiError(422, "unknown_workflow", str(err),
                        {"workflow_ref": fields["workflow_ref"]}) from err
+    except registry.InvalidConcurrencyKey as err:
+        # The message names the workflow and the exception type, never the input.
+        db.session.rollback()
+        raise ApiError(422, "validation_failed", "the run request is invalid",
+                       {"fields": {"concurrency_key": str(err)}}) from err
     except sa_exc.DataError as err:
         # Every value in the statement came from the request, so Postgres refusing
         # one (a number beyond numeric's range, say) is the request's fault: a 422,

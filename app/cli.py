@@ -35,7 +35,7 @@ def _domain_errors(command):
 def register_cli(app: Flask) -> None:
     @app.cli.group()
     def tenants():
-        """Create and list tenants."""
+        """Create, list and limit tenants."""
 
     @tenants.command("create")
     @click.argument("name")
@@ -50,7 +50,22 @@ def register_cli(app: Flask) -> None:
     def tenants_list():
         """List tenants."""
         for tenant in tenant_service.list_tenants():
-            click.echo(f"{tenant.id}\t{tenant.name}")
+            cap = "" if tenant.max_running is None else f"\tmax-running {tenant.max_running}"
+            click.echo(f"{tenant.id}\t{tenant.name}{cap}")
+
+    @tenants.command("set")
+    @click.argument("name")
+    @click.option("--max-running", type=int, default=None,
+                  help="At most this many of the tenant's runs run at once.")
+    @click.option("--no-max-running", is_flag=True, help="Remove the tenant's cap.")
+    @_domain_errors
+    def tenants_set(name: str, max_running: int | None, no_max_running: bool):
+        """Set tenant NAME's limits: --max-running N caps its running runs."""
+        if (max_running is None) == (not no_max_running):
+            raise click.UsageError("give one of --max-running N or --no-max-running")
+        tenant = tenant_service.set_max_running(name, None if no_max_running else max_running)
+        cap = "none" if tenant.max_running is None else tenant.max_running
+        click.echo(f"tenant {tenant.name}: max running {cap}")
 
     @app.cli.group()
     def schedules():

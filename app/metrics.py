@@ -7,7 +7,7 @@ Every metric and the process that exports it: ``docs/operations/metrics.md``.
   (``gunicorn.conf.py`` prepares ``PROMETHEUS_MULTIPROC_DIR``), so
   ``/metrics`` sums every gunicorn worker; the Celery worker does the same for
   its pool processes (``workers/metrics.py``).
-* Global gauges (runs by status, live worker boots and their probes' age,
+* Global gauges (runs by status, waiting runs by reason, live worker boots and their probes' age,
   outbox lag, queue depth) are facts of the database and the broker, not of a
   process. Exported by every web and worker instance they were counted once
   per instance; now only ``beat`` exports them (there is exactly one beat),
@@ -88,13 +88,14 @@ RUN_DURATION_SECONDS = Histogram(
 CLAIMS = Counter(
     "poimen_claims_total",
     "Deliveries of runs to workers by claim outcome (claimed, taken_over, duplicate, "
-    "finished, waiting, not_due, missing, claimer_dead).",
+    "finished, waiting, slot_wait, not_due, missing, claimer_dead).",
     ["outcome"],
 )
 REPAIRS = Counter(
     "poimen_repairs_total",
     "Runs repair re-sent, by reason (dead_boot: held by a dead worker; queued: "
-    "queued and last sent over POIMEN_REPAIR_MIN_AGE ago).",
+    "queued and last sent over POIMEN_REPAIR_MIN_AGE ago; slot_free: waiting for a slot "
+    "that is free).",
     ["reason"],
 )
 
@@ -149,10 +150,15 @@ class GlobalGauges:
         from .events import outbox_lag
         from .extensions import db
         from .liveness import boot_probe_ages, live_boot_count
-        from .models import Run, RunStatus
+        from .models import Run, RunStatus, WaitReason
+        from .state.runs import waiting_by_reason
 
         runs = GaugeMetricFamily("poimen_runs", "Runs by status (all tenants).",
                                  labels=["status"])
+        waiting = GaugeMetricFamily(
+            "poimen_runs_waiting", "Waiting runs (holding no worker) by what they wait for: "
+            "join (children), concurrency (a slot of their key), tenant_cap.",
+            labels=["reason"])
         boots = GaugeMetricFamily("poimen_live_boots",
                                   "Worker boots (pool processes) holding their liveness lock.")
         # Labelled by boot id, and only live boots: at most one series per pool
@@ -176,6 +182,9 @@ class GlobalGauges:
                     select(Run.status, func.count()).group_by(Run.status)).all())
                 for status in RunStatus:  # every status, at 0 too: no series appears late
                     runs.add_metric([str(status)], counts.get(status, 0))
+                reasons = waiting_by_reason(db.session)
+                for reason in WaitReason:
+                    waiting.add_metric([str(reason)], reasons.get(reason, 0))
                 boots.add_metric([], live_boot_count(db.session))
                 slowest = 0.0
                 for probe in boot_probe_ages(db.session):
@@ -191,7 +200,7 @@ class GlobalGauges:
         if self.queue_depths is not None:
             for queue, count in self.queue_depths().items():
                 depth.add_metric([queue], count)
-        return [runs, boots, probe_age, probe_age_max, pending, oldest, depth]
+        return [runs, waiting, boots, probe_age, probe_age_max, pending, oldest, depth]
 
 
 def init_app(app: Flask) -> None:

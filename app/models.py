@@ -27,11 +27,20 @@ from .extensions import db
 class RunStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
-    # A join step waits for its children; the last child's finish re-queues the run.
+    # Holds no worker: a join step waits for its children (the last child's finish
+    # re-queues the run), or a run waits for a concurrency slot (WaitReason).
     WAITING = "waiting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class WaitReason(enum.StrEnum):
+    """What a ``waiting`` run waits for (``runs.wait_reason``, migration 0012)."""
+
+    JOIN = "join"  # its join step's children
+    CONCURRENCY = "concurrency"  # a slot of its (tenant, workflow, concurrency_key)
+    TENANT_CAP = "tenant_cap"  # a slot of its tenant (tenants.max_running)
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
@@ -42,6 +51,8 @@ class Tenant(db.Model):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(63), unique=True, nullable=False)
+    # At most this many of the tenant's runs are running at once (None: no cap).
+    max_running: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
@@ -113,6 +124,12 @@ class Run(db.Model):
     # When the run was last sent to Celery (admission, then repair): repair's clock.
     last_sent_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now())
+    # Concurrency (migration 0012): the run's group is (tenant, workflow name, key);
+    # at most concurrency_limit (pinned at admission; None: unlimited) run at once.
+    concurrency_key: Mapped[str | None] = mapped_column(String(255))
+    concurrency_limit: Mapped[int | None] = mapped_column(Integer)
+    # What a 'waiting' run waits for (WaitReason); None otherwise.
+    wait_reason: Mapped[str | None] = mapped_column(String(16))
 
     __table_args__ = (
         CheckConstraint(
@@ -248,5 +265,6 @@ __all__ = [
     "StepMarker",
     "TERMINAL_STATUSES",
     "Tenant",
+    "WaitReason",
     "WorkerBoot",
 ]

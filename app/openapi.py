@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import AdmissionOrigin, RunStatus
+from .models import AdmissionOrigin, RunStatus, WaitReason
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -60,8 +60,9 @@ def _auth_errors(bad_request: str | None = None, not_found: str | None = None,
 
 RUN_FIELDS = [
     "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key",
-    "key_released", "status", "attempt", "cancel_requested", "result", "error", "origin",
-    "parent_run_id", "traceparent", "created_at", "updated_at", "started_at", "finished_at",
+    "key_released", "status", "wait_reason", "concurrency_key", "attempt", "cancel_requested",
+    "result", "error", "origin", "parent_run_id", "traceparent", "created_at", "updated_at",
+    "started_at", "finished_at",
 ]
 
 TRACEPARENT = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
@@ -217,6 +218,13 @@ def openapi_document() -> dict[str, Any]:
                                     "nullable": True},
                         "dispatch_key": {"type": "string", "minLength": 1, "maxLength": 255,
                                          "nullable": True},
+                        "concurrency_key": {
+                            "type": "string", "minLength": 1, "maxLength": 255,
+                            "nullable": True,
+                            "description": "The run's concurrency group within its workflow "
+                                           "(default: the workflow's concurrency_key(input), "
+                                           "else none); a workflow with a concurrency_limit "
+                                           "runs at most that many runs of one key at once"},
                     },
                 },
                 "Run": {
@@ -238,6 +246,10 @@ def openapi_document() -> dict[str, Any]:
                                            "dispatch_key (the workflow's key_reuse policy); "
                                            "a replay of the key answers with the newer run"},
                         "status": {"type": "string", "enum": [s.value for s in RunStatus]},
+                        "wait_reason": {"type": "string", "nullable": True,
+                                        "enum": [*(r.value for r in WaitReason), None],
+                                        "description": "What a waiting run waits for"},
+                        "concurrency_key": {"type": "string", "nullable": True},
                         "attempt": {"type": "integer"},
                         "cancel_requested": {"type": "boolean"},
                         "result": {"nullable": True},

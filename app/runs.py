@@ -185,7 +185,8 @@ def _queues_of(celery_app, refs) -> dict[str, tuple[list[str], list[str]]]:
 def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
                           limit: int | None = 1000, takeover_delay: float = 0.0
                           ) -> tuple[int, int]:
-    """Re-send runs held by dead boots, and queued runs last sent over ``min_age`` s ago.
+    """Re-send runs held by dead boots, queued runs last sent over ``min_age`` s ago, and
+    re-queue the oldest waiting run of each group with a free slot.
 
     Re-sending is always safe (claims absorb duplicates), but every needless
     copy inflates the queue, Redis memory and Flower's counts, so:
@@ -235,8 +236,15 @@ def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
         if room != 0:
             queued += state_runs.mark_queued_runs_sent(session, min_age=min_age, limit=room,
                                                        names=names, versions=versions)
+    # Runs waiting for a slot that is free (its holder's boot died, a run ahead
+    # of them was cancelled): the oldest of each group. The end of a slot's
+    # holder wakes the next run itself; this is the backstop.
+    woken = state_runs.wake_waiting_runs(session, limit=limit)
     session.commit()
     sent = 0
+    for row in woken:
+        sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                         trace=of_run(row))
     for row in dead:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
                          countdown=takeover_delay or None, trace=of_run(row))
@@ -245,9 +253,11 @@ def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
                          trace=of_run(row))
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
-    if dead or queued:
-        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots; queue depths %s)",
-                 sent, len(queued), len(dead), depths)
+    metrics.REPAIRS.labels("slot_free").inc(len(woken))
+    if dead or queued or woken:
+        log.info("repair: re-sent %s run(s) (%s queued, %s held by dead boots, %s waiting for "
+                 "a free slot; queue depths %s)", sent, len(queued), len(dead), len(woken),
+                 depths)
     elif depths:
         log.info("repair: queues full (%s); no queued run re-sent", depths)
-    return sent, len(dead) + len(queued)
+    return sent, len(dead) + len(queued) + len(woken)

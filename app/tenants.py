@@ -49,6 +49,25 @@ def find_tenant(name: str) -> Tenant:
     return tenant
 
 
+class InvalidCap(TenantError):
+    pass
+
+
+def set_max_running(name: str, max_running: int | None) -> Tenant:
+    """Cap tenant ``name``'s running runs at ``max_running`` (None: no cap); commit.
+
+    Claims decide the cap (docs/internals/execution.md#concurrency-limits-and-tenant-caps).
+    Runs already running keep running; runs waiting for the tenant's slots when
+    it is raised or removed are re-queued by beat's next repair.
+    """
+    if max_running is not None and (isinstance(max_running, bool) or max_running < 1):
+        raise InvalidCap("--max-running must be a positive integer")
+    tenant = find_tenant(name)
+    tenant.max_running = max_running
+    db.session.commit()
+    return tenant
+
+
 def list_tenants() -> list[Tenant]:
     return list(db.session.scalars(select(Tenant).order_by(Tenant.name)))
 

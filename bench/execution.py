@@ -12,6 +12,12 @@ For each prefetch multiplier, in one invocation and on the same services:
   status = 'succeeded'`` (polled every 50 ms) reaches ``--runs``. Each run is
   admission (INSERT + outbox event, then the Celery send after commit), claim
   (UPDATE + event), a read, and the fenced finish (UPDATE + event).
+* **Poimen, key limit** — the same, with runs of ``noop-keyed``
+  (``bench/workflows.py``: a ``concurrency_limit`` on 16 keys that never binds),
+  so every claim and finish takes the group's advisory lock and counts its
+  slots in the claim statement (docs/internals/execution.md). Reported beside
+  the unlimited case as its cost per run (target: within 10%). ``--no-keyed``
+  skips it.
 * **plain Celery** — ``bench/plain_celery_app.py``: the same Celery settings
   (``celeryconfig.celery_settings``: acks_late, prefetch, task events ...), the
   same broker, a queue of its own, a worker at ``--concurrency 2``; the task's
@@ -81,6 +87,7 @@ from tests.processes import BIN, Process, start_web, start_worker, wait_until  #
 POLL_S = 0.05
 TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate (issue 10)
 TARGET_LATENCY_P50_MS = 20.0  # admit -> running at low load
+TARGET_KEYED_COST = 0.10  # a key limit's cost per run, of the unlimited case's (issue 26)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -164,19 +171,29 @@ class CaseResult:
 
 # -- Poimen -------------------------------------------------------------------
 
+def _bodies(keyed: bool) -> list[str]:
+    """The request bodies to cycle through: ``noop``, or ``noop-keyed`` over its keys."""
+    if not keyed:
+        return [json.dumps({"workflow_ref": "noop", "input": {}})]
+    from bench.workflows import KEYS
+
+    return [json.dumps({"workflow_ref": "noop-keyed", "input": {"key": f"k{k}"}})
+            for k in range(KEYS)]
+
+
 def _admit(url: str, token: str, count: int, errors: list[str],
-           rate: float | None = None) -> None:
+           rate: float | None = None, keyed: bool = False) -> None:
     """POST ``count`` noop runs over one keep-alive connection, ``rate`` per second if given."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"workflow_ref": "noop", "input": {}})
+    bodies = _bodies(keyed)
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     start = time.monotonic()
     try:
         for i in range(count):
             if rate and (pause := start + i / rate - time.monotonic()) > 0:
                 time.sleep(pause)
-            conn.request("POST", "/v1/runs", body=body, headers=headers)
+            conn.request("POST", "/v1/runs", body=bodies[i % len(bodies)], headers=headers)
             resp = conn.getresponse()
             resp.read()
             if resp.status != 201:
@@ -187,11 +204,13 @@ def _admit(url: str, token: str, count: int, errors: list[str],
         conn.close()
 
 
-def admit_concurrently(url: str, token: str, count: int, clients: int) -> float:
+def admit_concurrently(url: str, token: str, count: int, clients: int,
+                       keyed: bool = False) -> float:
     """Admit ``count`` runs from ``clients`` threads; return when the last one answered."""
     errors: list[str] = []
     shares = [count // clients + (i < count % clients) for i in range(clients)]
-    threads = [threading.Thread(target=_admit, args=(url, token, n, errors), daemon=True)
+    threads = [threading.Thread(target=_admit, args=(url, token, n, errors),
+                                kwargs={"keyed": keyed}, daemon=True)
                for n in shares]
     for t in threads:
         t.start()
@@ -241,13 +260,14 @@ def wait_ready(proc: Process, timeout: float = 60.0) -> None:
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
                 token: str, runs: int, warmup: int, prefetch: int, clients: int,
-                timeout: float, hold_for_profile: bool) -> CaseResult:
+                timeout: float, hold_for_profile: bool, keyed: bool = False) -> CaseResult:
+    name = "poimen-keyed" if keyed else "poimen"
     worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch)}
-    worker = start_worker(worker_env, log_dir, f"poimen-p{prefetch}", concurrency=2)
+    worker = start_worker(worker_env, log_dir, f"{name}-p{prefetch}", concurrency=2)
     try:
         wait_ready(worker)
         if warmup:
-            admit_concurrently(web_url, token, warmup, clients)
+            admit_concurrently(web_url, token, warmup, clients, keyed)
             wait_for_count(lambda: succeeded(db_url), warmup, timeout, "poimen warm-up")
         reset_runs(db_url)
         if hold_for_profile:
@@ -262,16 +282,17 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
         start = time.monotonic()
         sent: list[float] = []
         sender = threading.Thread(
-            target=lambda: sent.append(admit_concurrently(web_url, token, runs, clients)),
+            target=lambda: sent.append(admit_concurrently(web_url, token, runs, clients,
+                                                          keyed)),
             daemon=True)
         sender.start()
         try:
-            done = wait_for_count(lambda: succeeded(db_url), runs, timeout, "poimen")
+            done = wait_for_count(lambda: succeeded(db_url), runs, timeout, name)
         except RuntimeError as err:
             raise RuntimeError(f"{err}; runs by status: {runs_by_status(db_url)}") from None
         sender.join()
         cpu1 = cpu_snapshot(pgroups)
-        return CaseResult("poimen", prefetch, runs, done - start, sent[0] - start,
+        return CaseResult(name, prefetch, runs, done - start, sent[0] - start,
                           cpu_delta(cpu0, cpu1), load_before, load_average())
     finally:
         worker.stop()
@@ -410,6 +431,19 @@ def report(results: list[CaseResult]) -> str:
             lines.append(f"prefetch {prefetch} ({label} of {len(rates['poimen'])}): Poimen "
                          f"{poimen:.0f} runs/s, plain Celery {plain:.0f} tasks/s, ratio "
                          f"{ratio:.2f} (target >= {TARGET_RATIO}: {verdict})")
+    for prefetch in sorted({r.prefetch for r in results}):
+        rates = {name: [r.rate for r in results if r.prefetch == prefetch and r.name == name]
+                 for name in ("poimen", "poimen-keyed")}
+        if not (rates["poimen"] and rates["poimen-keyed"]):
+            continue
+        unlimited, keyed = statistics.median(rates["poimen"]), statistics.median(
+            rates["poimen-keyed"])
+        cost = (1 / keyed - 1 / unlimited) / (1 / unlimited)
+        verdict = "met" if cost <= TARGET_KEYED_COST else "NOT met"
+        lines.append(f"prefetch {prefetch} (median): key limit {keyed:.0f} runs/s, unlimited "
+                     f"{unlimited:.0f} runs/s: {1000 / keyed:.2f} vs {1000 / unlimited:.2f} ms "
+                     f"per run, cost {cost:+.0%} (target <= {TARGET_KEYED_COST:.0%}: "
+                     f"{verdict})")
     return "\n".join(lines)
 
 
@@ -427,6 +461,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
     parser.add_argument("--only", choices=("poimen", "plain"), help="run one side only")
+    parser.add_argument("--no-keyed", action="store_true",
+                        help="skip the key-limit case (runs of noop-keyed)")
     parser.add_argument("--hold-for-profile", action="store_true",
                         help="pause 10 s before each Poimen case to attach a profiler")
     parser.add_argument("--latency-rate", type=float, default=10.0,
@@ -448,6 +484,9 @@ def main() -> int:
         "BENCH_COUNTER_KEY": counter_key,
         # beat is not running; keep repair out of the picture all the same.
         "POIMEN_REPAIR_MIN_AGE": "3600",
+        # noop-keyed, the key-limit case's workflow (web and worker load it).
+        "POIMEN_WORKFLOW_MODULES": ",".join(
+            filter(None, [env.get("POIMEN_WORKFLOW_MODULES"), "bench.workflows"])),
     })
     redis = redis_lib.Redis.from_url(env["REDIS_URL"])
     results: list[CaseResult] = []
@@ -477,6 +516,13 @@ def main() -> int:
                 results.append(r)
                 print(f"poimen prefetch {prefetch}: {r.count} runs in {r.seconds:.2f}s = "
                       f"{r.rate:.0f} runs/s (admission took {r.send_seconds:.2f}s)", flush=True)
+                if not args.no_keyed:
+                    r = poimen_case(env, log_dir, db_url, web_url, web.pid, token, args.runs,
+                                    args.warmup, prefetch, args.clients, args.timeout,
+                                    args.hold_for_profile, keyed=True)
+                    results.append(r)
+                    print(f"poimen-keyed prefetch {prefetch}: {r.count} runs in "
+                          f"{r.seconds:.2f}s = {r.rate:.0f} runs/s", flush=True)
             if args.only != "poimen":
                 r = plain_case(env, log_dir, redis, counter_key, plain_tasks, args.warmup,
                                prefetch, args.timeout)

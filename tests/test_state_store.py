@@ -32,7 +32,8 @@ def test_every_statement_is_named_in_the_rendered_file():
     names = [where for where, _ in rendered.statements()]
     for transition in ("ADMIT", "CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "RELEASE", "RETRY", "FINISH",
                        "WAIT", "CANCEL", "DEAD_BOOT_RUNS", "ENTER", "CLAIM_MARKER",
-                       "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "MARK_PUBLISHED"):
+                       "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "MARK_PUBLISHED",
+                       "CLAIM_SLOT", "TAKE_OVER_SLOT", "LOCK_SLOTS", "WAKE_WAITING"):
         assert any(name.endswith(f": {transition}") for name in names), transition
 
 

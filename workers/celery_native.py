@@ -94,6 +94,11 @@ def _not_executed(task, claim) -> str:
     from app.extensions import db
     from app.state.claims import ClaimOutcome
 
+    if claim.outcome == ClaimOutcome.SLOT_WAIT:
+        # Like a join's wait: the run waits, holding no worker; the end of a run
+        # holding its slot re-queues it and sends it again.
+        what = f"waiting for a slot ({claim.wait_reason})"
+        raise Retry(f"run {claim.run_id} {what}", exc=RunRetrying(what))
     if claim.outcome == ClaimOutcome.FINISHED:
         status, error = db.session.execute(
             text("SELECT status, error FROM runs WHERE id = :run"), {"run": claim.run_id}

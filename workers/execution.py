@@ -27,6 +27,7 @@ from app.state.claims import (
     ClaimOutcome,
     adopt_run,
     claim_run,
+    claim_slot,
 )
 from app.state.ledger import EntryClose
 from app.telemetry import report_exception
@@ -85,6 +86,10 @@ def execute_run(run_id: str) -> Execution:
     claim = _claim(run_uuid)
     observe_claim(claim)
     if not claim.outcome.execute:
+        if claim.outcome == ClaimOutcome.SLOT_WAIT:
+            log.info("run %s: waiting for a slot (%s); no worker held", run_id,
+                     claim.wait_reason)
+            return Execution(claim)
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
                 claim.holder)
@@ -142,8 +147,14 @@ def _claim(run_id: uuid.UUID) -> Claim:
             # statement, COMMIT. Its commit is still inside this try.
             autocommit_next(session)
             claim = claim_run(session, run_id, boot.boot_id,
-                              max_takeovers=registry.max_takeovers_of)
+                              max_takeovers=registry.max_takeovers_of, transaction=False)
             session.commit()
+            if claim.outcome == ClaimOutcome.SLOTS:
+                # A limited group: its slot locks and the claim that counts the
+                # slots need a transaction of their own (the locks last until commit).
+                claim = claim_slot(session, run_id, boot.boot_id,
+                                   max_takeovers=registry.max_takeovers_of)
+                session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied
             # with the acknowledgement lost. Ending the boot makes any claim it
@@ -176,7 +187,7 @@ def _run_claimed(claim: Claim) -> Ended:
         # little later for a worker that has it.
         rollback()
         ref = f"{row.workflow_name}@{row.workflow_version}"
-        if Fence(run_id, row.tenant_id).release():
+        if Fence(run_id, row.tenant_id, slots=claim.slots).release():
             delay = random.uniform(1.0, 3.0)
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
@@ -186,12 +197,12 @@ def _run_claimed(claim: Claim) -> Ended:
         return Ended(RunEnding.LOST)
     except Exception as err:
         rollback()
-        released = Fence(run_id, row.tenant_id).release()
+        released = Fence(run_id, row.tenant_id, slots=claim.slots).release()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
     ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
                      cancel_requested=row.cancel_requested, failures=row.failures)
-    fence = Fence(run_id, row.tenant_id, row.goal_id, of_run(row))
+    fence = Fence(run_id, row.tenant_id, row.goal_id, of_run(row), slots=claim.slots)
 
     # The ledger dispatcher executes the steps; the last entry is closed here,
     # in the transaction that finishes (or retries) the run.
@@ -349,4 +360,11 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
             # Only a run this process is still executing needs stopping.
             log.error("run %s was taken over while boot %s was cut off; stopping this "
                       "execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
+            os._exit(EXIT_CLAIM_LOST)
+        elif outcome == Adoption.NO_SLOT and boots.still_held([run_id]):
+            # Its concurrency slot was free while the boot was dead, and another run
+            # has it now: running on would exceed the limit. Repair's takeover parks
+            # the run until a slot frees; it resumes from its ledger.
+            log.error("run %s lost its concurrency slot while boot %s was cut off; stopping "
+                      "this execution (exit %s)", run_id, lost.boot_id, EXIT_CLAIM_LOST)
             os._exit(EXIT_CLAIM_LOST)

@@ -35,6 +35,7 @@ from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
 from app.state.ledger import EntryClose, MarkerClaim
 from app.state.outbox import record_event
+from app.state.runs import lock_slots
 from app.tracecontext import TraceContext
 
 from . import boots
@@ -73,11 +74,19 @@ class Fence:
     """Records what one held run's execution decided, fenced by this process's boots."""
 
     def __init__(self, run_id: uuid.UUID, tenant_id: int, goal_id: str | None = None,
-                 trace: TraceContext | None = None):
+                 trace: TraceContext | None = None, *, slots: bool = False):
         self.run_id = run_id
         self.tenant_id = tenant_id
         self.goal_id = goal_id  # its fan-out's children inherit it
         self.trace = trace  # ... and its W3C Trace Context
+        # The run holds a slot of a limited group: every write that ends the hold
+        # (finish, retry, release, a join's wait) takes the group's locks first,
+        # so the run it wakes is seen (app/state/compose.py, "Concurrency slots").
+        self.slots = slots
+
+    def _lock_slots(self, session: Session) -> None:
+        if self.slots:
+            lock_slots(session, self.run_id)
 
     # -- the transaction -------------------------------------------------------------------
 
@@ -115,6 +124,7 @@ class Fence:
         """
         def attempt(session: Session, ours: list[uuid.UUID], retrying: bool
                     ) -> tuple[bool, bool]:
+            self._lock_slots(session)
             if write(session, ours):
                 return True, True
             row = session.execute(_RUN_HOLDER, {"run": self.run_id}).one_or_none()
@@ -271,6 +281,7 @@ class Fence:
              outputs: Any) -> bool:
         """Release the worker until the entry's children have finished; False if they have."""
         def write(session, ours, retrying):
+            self._lock_slots(session)
             row = ledger_store.wait_for_children(session, self.run_id, ours, entry_id=entry_id,
                                                  actions=actions, outputs=outputs)
             if row.entry_waits and not row.run_waits:

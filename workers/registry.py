@@ -201,6 +201,13 @@ class Workflow:
     time_limit: float | None = None
     soft_time_limit: float | None = None
     priority: int | None = None
+    # Concurrency (docs/guide/workflows.md#concurrency): at most concurrency_limit
+    # runs of one (tenant, workflow, concurrency_key) run at once. The key is the
+    # admission's ``concurrency_key``, else ``concurrency_key(input)``, else none
+    # (one group per tenant and workflow). Decided at admission and in the claim;
+    # not part of the definition's hash (it changes no run's meaning).
+    concurrency_limit: int | None = None
+    concurrency_key: Callable[[Any], Any] | None = field(default=None, compare=False)
     # What a dispatch_key may do once its run ended (docs/guide/api.md, "Key reuse"):
     # "never" (the key names that run forever), "after_failure" (a failed or
     # cancelled run's key admits a new run), "after_end" (any ended run's); with
@@ -342,6 +349,12 @@ def _validate_routing(wf: Workflow) -> None:
             and wf.soft_time_limit >= wf.time_limit):
         raise InvalidDefinition(f"{wf.ref}: soft_time_limit must be below time_limit (the soft "
                                 "limit warns the workflow before the hard one kills it)")
+    if wf.concurrency_limit is not None and (isinstance(wf.concurrency_limit, bool)
+                                             or not isinstance(wf.concurrency_limit, int)
+                                             or wf.concurrency_limit < 1):
+        raise InvalidDefinition(f"{wf.ref}: concurrency_limit must be a positive integer")
+    if wf.concurrency_key is not None and not callable(wf.concurrency_key):
+        raise InvalidDefinition(f"{wf.ref}: concurrency_key must be a function of the input")
     if wf.priority is not None and (isinstance(wf.priority, bool)
                                     or not isinstance(wf.priority, int)
                                     or not 0 <= wf.priority <= 255):
@@ -375,6 +388,8 @@ def workflow(
     time_limit: float | None = None,
     soft_time_limit: float | None = None,
     priority: int | None = None,
+    concurrency_limit: int | None = None,
+    concurrency_key: Callable[[Any], Any] | None = None,
     key_reuse: str = "never",
     key_ttl: float | None = None,
     schedule: Any = None,
@@ -391,7 +406,8 @@ def workflow(
     ``key_ttl``: what a ``dispatch_key`` may do once its run ended; ``schedule``
     (seconds, or a ``celery.schedules.crontab``) with ``schedule_tenant``,
     ``schedule_input`` and ``catch_up``: beat admits one run per tick
-    (docs/guide/workflows.md).
+    (docs/guide/workflows.md). ``concurrency_limit`` and ``concurrency_key`` limit
+    how many of its runs run at once (docs/guide/workflows.md#concurrency).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
@@ -410,6 +426,8 @@ def workflow(
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
             priority=priority,
+            concurrency_limit=concurrency_limit,
+            concurrency_key=concurrency_key,
             key_reuse=key_reuse,
             key_ttl=key_ttl,
             schedule=schedule,
@@ -457,6 +475,43 @@ def max_takeovers_of(name: str, version: str) -> int:
         return get(name, version).max_takeovers
     except UnknownWorkflow:
         return DEFAULT_MAX_TAKEOVERS
+
+
+MAX_CONCURRENCY_KEY_LEN = 255
+
+
+class InvalidConcurrencyKey(ValueError):
+    """A concurrency key (given, or derived from the input) that cannot be stored."""
+
+
+def concurrency_of(wf: Workflow, input: Any, given: str | None = None
+                   ) -> tuple[str | None, int | None]:
+    """The (concurrency_key, concurrency_limit) a run of ``wf`` with ``input`` is admitted with.
+
+    ``given`` (the admission's ``concurrency_key``) wins over the workflow's
+    ``concurrency_key(input)``; a key of a workflow without a limit is kept
+    (it shows in the run) but limits nothing. Raises ``InvalidConcurrencyKey``.
+    """
+    key: Any = given
+    if key is None and wf.concurrency_key is not None:
+        try:
+            key = wf.concurrency_key(input)
+        except Exception as err:  # noqa: BLE001 - the input lacks what the key needs
+            raise InvalidConcurrencyKey(
+                f"{wf.ref}: concurrency_key could not be derived from the input "
+                f"({type(err).__name__})") from err
+        if key is not None and not isinstance(key, str):
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise InvalidConcurrencyKey(
+                    f"{wf.ref}: concurrency_key derived a {type(key).__name__}; "
+                    "it must derive a string or an integer")
+            key = str(key)
+    if key is not None and not 1 <= len(key) <= MAX_CONCURRENCY_KEY_LEN:
+        raise InvalidConcurrencyKey(
+            f"concurrency_key must be 1 to {MAX_CONCURRENCY_KEY_LEN} characters")
+    if key is not None and "\x00" in key:
+        raise InvalidConcurrencyKey("concurrency_key contains U+0000")
+    return key, wf.concurrency_limit
 
 
 def registered() -> list[Workflow]:

@@ -9,8 +9,16 @@ by time:
 * ``running`` under a dead boot: wreckage, taken over with a compare-and-set
   on the old boot id: TAKEN_OVER (the attempt is counted);
 * terminal: FINISHED, never executed again;
-* ``waiting`` (a join step waits for its children): WAITING, nothing to do;
-  the last child's finish re-queues it.
+* ``waiting`` (a join step waits for its children, or a run for a slot):
+  WAITING, nothing to do; the last child's finish (the slot holder's end)
+  re-queues it.
+
+A run of a workflow with a ``concurrency_limit`` (or of a tenant with a cap)
+is claimed in a transaction of two statements (``claim_slot``): the group's
+advisory locks, then one UPDATE that counts the group's slots held by live
+boots and either claims the run (CLAIMED) or parks it ``waiting`` with no
+worker (SLOT_WAIT). Every other run keeps the one-statement claim, which
+refuses limited runs (``SLOTS``: claim again with ``claim_slot``).
 
 This module holds the fenced transitions, the ones a worker makes under its
 claim; unfenced ones (admission, cancel, repair) are in ``runs.py`` beside it.
@@ -35,8 +43,20 @@ from sqlalchemy.orm import Session
 from app.liveness import LIVE_BOOTS_SQL, boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
-from .compose import JOIN_RELEASE, WITH_WOKEN, send_woken, with_event
-from .runs import finish_requested_cancel
+from .compose import (
+    ENDED,
+    JOIN_RELEASE,
+    LIMITED_WAITS,
+    WITH_WOKEN,
+    due,
+    holds_slot,
+    same_group,
+    send_woken,
+    slot_release,
+    with_event,
+    with_woken,
+)
+from .runs import finish_requested_cancel, lock_slots
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -48,6 +68,12 @@ class ClaimOutcome(enum.StrEnum):
     MISSING = "missing"
     CLAIMER_DEAD = "claimer_dead"  # the claiming boot itself lost its lock
     WAITING = "waiting"  # a join waits for children; the last one's finish re-queues it
+    # Concurrency: the run's group is limited, so the one-statement claim refused it:
+    # claim it again with ``claim_slot``, in a transaction (never in autocommit).
+    SLOTS = "slots"
+    # No slot: the run went ``waiting`` (``Claim.wait_reason``), unclaimed; the end of
+    # a slot's holder re-queues it (beat is the backstop).
+    SLOT_WAIT = "slot_wait"
 
     @property
     def execute(self) -> bool:
@@ -62,12 +88,15 @@ class Claim:
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
     run: Row | None = None  # the claimed run's row (see _RUN_COLUMNS), when claimed
+    # The run is in a limited group: every end of this hold takes the slot locks first.
+    slots: bool = False
+    wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
 
 
 # What a claim returns: everything the worker needs to run the workflow, so
 # executing a run costs no extra read.
 _RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, failures, " \
-    "cancel_requested"
+    "cancel_requested, concurrency_key, concurrency_limit"
 _ATTEMPT = "jsonb_build_object('attempt', attempt)"
 # A claim also returns the pinned definition hash and the run's latest step
 # entry (the ledger resumes from it), so starting a run costs no extra read.
@@ -92,23 +121,103 @@ CLAIM_QUEUED = with_event(
      WHERE id = :run AND status = 'queued' AND NOT cancel_requested
        AND (not_before IS NULL OR not_before <= now())
        AND {_CLAIMER_LIVE}
+       AND concurrency_limit IS NULL
+       AND NOT EXISTS (SELECT 1 FROM tenants t
+                        WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
     """,
     _CLAIMED_COLUMNS,
     "'run.started'",
     _ATTEMPT,
 )
 
+
+def _verdict(me: str, *, fifo: bool) -> str:
+    """CTE ``verdict``: the slot run ``me`` may not take (``reason``), NULL if it may.
+
+    Its tenant's cap first, then its group's limit. Slots held by live boots
+    count; ``fifo``: so do older runs of the group that want one (queued and
+    due, or waiting for a slot), so a newcomer never overtakes them.
+    """
+    def counted(ahead_waits: str) -> str:
+        if not fifo:
+            return holds_slot("r")
+        return (f"{holds_slot('r')} OR ((r.created_at, r.id) < ({me}.created_at, {me}.id) "
+                f"AND ({due('r')} OR (r.status = 'waiting' AND r.wait_reason IN {ahead_waits})))")
+
+    return f"""
+    verdict AS (
+        SELECT CASE
+               WHEN {me}.max_running IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = {me}.tenant_id
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND ({counted("('tenant_cap')")})) >= {me}.max_running
+               THEN 'tenant_cap'
+               WHEN {me}.concurrency_limit IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE {same_group("r", me)}
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND ({counted(LIMITED_WAITS)})) >= {me}.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM {me}
+    ),"""
+
+
+# The claim of a run of a limited group, after ``runs.LOCK_SLOTS`` in the same
+# transaction (so this statement's snapshot sees every claim and end of the
+# group committed before): the count and the claim are one statement. No slot:
+# the run waits, unclaimed, holding no worker.
+CLAIM_SLOT = with_event(
+    """
+    UPDATE runs
+       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
+           wait_reason = v.reason,
+           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,
+           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
+           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
+                             ELSE started_at END,
+           updated_at = now()
+      FROM verdict v
+     WHERE runs.id = :run AND runs.status = 'queued' AND NOT runs.cancel_requested
+    """,
+    _CLAIMED_COLUMNS + ", status, wait_reason",
+    "CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END",
+    f"{_ATTEMPT} || CASE WHEN status = 'waiting' "
+    "THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END",
+    before=f"""
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id
+         WHERE r.id = :run AND {due("r")} AND {_CLAIMER_LIVE}
+    ),{_verdict("me", fifo=True)}""",
+)
+
 # Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
 # resumed; a run that has already outlived max_takeovers workers fails with
 # worker_lost (it is probably what kills them: OOM, a segfault); else resume it.
-TAKE_OVER = with_event(
-    f"""
+# A run of a limited group (after LOCK_SLOTS, like a claim) resumes only if a
+# slot is free (another run may have taken the dead holder's): else it waits,
+# unclaimed, with the lost worker counted.
+def _take_over(slots: bool):
+    park = "\n                         WHEN v.reason IS NOT NULL THEN 'waiting'" if slots else ""
+    parked = " OR v.reason IS NOT NULL" if slots else ""
+    claimer = ("CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers "
+               "THEN CAST(:boot AS uuid) END") if slots else ":boot"
+    reason = """
+           wait_reason = CASE WHEN cancel_requested OR takeovers >= :max_takeovers THEN NULL
+                              ELSE v.reason END,""" if slots else ""
+    verdict = """
+      FROM verdict v""" if slots else ""
+    return with_event(
+        f"""
     UPDATE runs
        SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                         WHEN takeovers >= :max_takeovers THEN 'failed'
+                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}
                          ELSE 'running' END,
-           claimed_by = :boot,
-           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+           claimed_by = {claimer},
+           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers{parked}
                                     THEN 0 ELSE 1 END,
            takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
                                         THEN 0 ELSE 1 END,
@@ -120,29 +229,59 @@ TAKE_OVER = with_event(
                             'traceback', '')
                         ELSE error END,
            finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                              THEN now() ELSE finished_at END,
-           updated_at = now()
+                              THEN now() ELSE finished_at END,{reason}
+           updated_at = now(){verdict}
      WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
     """,
-    _CLAIMED_COLUMNS + ", status, takeovers, error",
-    "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
-    f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
-    "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END",
-    then=JOIN_RELEASE,  # a child ended worker_lost or cancelled counts for its parent's join
-    select=WITH_WOKEN,
-)
+        _CLAIMED_COLUMNS + ", status, takeovers, error" + (", wait_reason" if slots else ""),
+        "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
+        f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
+        "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END"
+        + (" || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) "
+           "ELSE '{}' END" if slots else ""),
+        before=f"""
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),{_verdict("me", fifo=False)}""" if slots else "",
+        # A child ended worker_lost or cancelled counts for its parent's join; an
+        # ended run of a limited group wakes the next one.
+        then=JOIN_RELEASE + (slot_release(when=f"s.status IN {ENDED}") if slots else ""),
+        select=with_woken(join=True) if slots else WITH_WOKEN,
+    )
+
+
+TAKE_OVER = _take_over(slots=False)
+TAKE_OVER_SLOT = _take_over(slots=True)
 
 # The process that lost its lock is still executing the run and registered a
 # new boot: it moves its own claim over, unless someone took the run over first.
-ADOPT = with_event(
-    f"""
-    UPDATE runs SET claimed_by = :boot, updated_at = now()
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
+# A run of a limited group (after LOCK_SLOTS) keeps its slot only if it is still
+# free: while its boot was dead the slot was free, and another run may have it.
+def _adopt(slots: bool):
+    verdict = """
+      FROM verdict v""" if slots else ""
+    has_slot = " AND v.reason IS NULL" if slots else ""
+    return with_event(
+        f"""
+    UPDATE runs SET claimed_by = :boot, updated_at = now(){verdict}
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}{has_slot}
     """,
-    _RUN_COLUMNS,
-    "'run.adopted'",
-    "jsonb_build_object('previous_boot', CAST(:dead AS text))",
-)
+        _RUN_COLUMNS,
+        "'run.adopted'",
+        "jsonb_build_object('previous_boot', CAST(:dead AS text))",
+        before=f"""
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),{_verdict("me", fifo=False)}""" if slots else "",
+    )
+
+
+ADOPT = _adopt(slots=False)
+ADOPT_SLOT = _adopt(slots=True)
 
 FINISH = with_event(
     """
@@ -155,9 +294,10 @@ FINISH = with_event(
     "CAST(:event_type AS text)",
     f"{_ATTEMPT} || coalesce(CAST(:event_extra AS jsonb), '{{}}'::jsonb)",
     # A child's finish counts for its parent's join and may re-queue the parent:
-    # decided here, in the finish statement (see app/runs.py).
-    then=JOIN_RELEASE,
-    select=WITH_WOKEN,
+    # decided here, in the finish statement (see app/runs.py); the end of a run of
+    # a limited group re-queues the next run waiting for its slot.
+    then=JOIN_RELEASE + slot_release(),
+    select=with_woken(join=True),
 )
 
 RELEASE = with_event(
@@ -168,6 +308,8 @@ RELEASE = with_event(
     """,
     _RUN_COLUMNS,
     "'run.released'",
+    then=slot_release(),
+    select=with_woken(join=False),
 )
 
 RETRY = with_event(
@@ -181,28 +323,71 @@ RETRY = with_event(
     "'run.retrying'",
     f"{_ATTEMPT} || jsonb_build_object('delay', CAST(:delay AS float8), "
     "'error', CAST(:error AS jsonb))",
+    then=slot_release(),
+    select=with_woken(join=False),
 )
 
 
 # A claim that changed nothing reads why: the run's state and the claimer's liveness.
+# ``slots``: the run is in a limited group (its workflow's or its tenant's).
 CLAIM_STATE = text(
     "SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, "
-    f"{_CLAIMER_LIVE} AS claimer_live FROM runs WHERE id = :run")
-HOLDER = text("SELECT claimed_by FROM runs WHERE id = :run")
+    f"{_CLAIMER_LIVE} AS claimer_live, "
+    "(not_before IS NULL OR not_before <= now()) AS due, "
+    "(concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE "
+    "t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots "
+    "FROM runs WHERE id = :run")
+HOLDER = text("SELECT claimed_by, status FROM runs WHERE id = :run")
 
 
 def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
-              max_takeovers: Callable[[str, str], int]) -> Claim:
+              max_takeovers: Callable[[str, str], int], transaction: bool = True) -> Claim:
     """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits.
 
     ``max_takeovers(name, version)``: how many dead workers a run of that
     workflow may outlive (``workers.registry.max_takeovers_of``).
+    ``transaction``: False when ``session`` runs in autocommit; a run of a
+    limited group then comes back as SLOTS, to be claimed with ``claim_slot`` in
+    a transaction (its advisory locks last until the transaction ends).
     """
     row = session.execute(CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
     if row is not None:
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
-
     current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
+    if current is not None and current.slots and current.claimer_live and (
+            (current.status == RunStatus.RUNNING and current.claimed_by != boot_id
+             and not boot_alive(session, current.claimed_by))
+            or (current.status == RunStatus.QUEUED and current.due
+                and not current.cancel_requested)):
+        # A queued run to claim, or a dead holder's run to take over: under the locks.
+        if not transaction:
+            return Claim(ClaimOutcome.SLOTS, run_id, boot_id)
+        return claim_slot(session, run_id, boot_id, max_takeovers=max_takeovers)
+    return _decide(session, run_id, boot_id, current, max_takeovers)
+
+
+def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+               max_takeovers: Callable[[str, str], int]) -> Claim:
+    """Claim ``run_id`` of a limited group, or park it ``waiting`` when it has no slot.
+
+    In ``session``'s transaction, never in autocommit: the group's advisory
+    locks first, then the claim (or the takeover) that counts the group's slots
+    in its own statement. Caller commits (that releases the locks).
+    """
+    lock_slots(session, run_id)
+    row = session.execute(CLAIM_SLOT, {"run": run_id, "boot": boot_id}).one_or_none()
+    if row is not None:
+        if row.status == RunStatus.WAITING:
+            return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, slots=True,
+                         wait_reason=row.wait_reason)
+        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row, slots=True)
+    current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
+    return _decide(session, run_id, boot_id, current, max_takeovers, slots=True)
+
+
+def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Row | None,
+            max_takeovers: Callable[[str, str], int], *, slots: bool = False) -> Claim:
+    """What a delivery does with a run its claim statement did not claim (``current``)."""
     if current is None:
         return Claim(ClaimOutcome.MISSING, run_id, boot_id)
     if current.status in TERMINAL_STATUSES:
@@ -225,24 +410,32 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder)
 
     # The holder is dead (its lock is gone, and a dead boot never comes back):
-    # take the wreckage over, unless another delivery beat us to it.
-    row = session.execute(TAKE_OVER, {
+    # take the wreckage over, unless another delivery beat us to it. A run of a
+    # limited group is taken over under its slot locks (``claim_slot`` took them).
+    row = session.execute(TAKE_OVER_SLOT if slots else TAKE_OVER, {
         "run": run_id, "boot": boot_id, "dead": holder,
         "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
     if row is None:
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
     send_woken(session, row)
+    if row.status == RunStatus.WAITING:
+        return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, holder=holder, slots=True,
+                     wait_reason=row.wait_reason)
     if row.status != RunStatus.RUNNING:
         # Cancelled while its worker was lost, or too many workers lost: ended, not resumed.
         return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder)
-    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row)
+    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row,
+                 slots=slots)
 
 
 class Adoption(enum.StrEnum):
     ADOPTED = "adopted"
     OURS = "ours"  # already moved, or finished, by one of this process's boots
     LOST = "lost"  # another boot took it over, or it ended elsewhere
+    # A run of a limited group whose slot another run took while this boot was dead:
+    # it stays with the dead boot (repair's takeover parks it until a slot frees).
+    NO_SLOT = "no_slot"
 
 
 def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uuid.UUID,
@@ -250,13 +443,21 @@ def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uui
     """Move ``run_id`` from this process's lost boot ``dead`` to its new boot ``boot_id``.
 
     A compare-and-set on the dead boot, like any takeover, and only for a live
-    ``boot_id``: if someone else took the run over meanwhile, it is theirs.
+    ``boot_id``: if someone else took the run over meanwhile, it is theirs. A
+    run of a limited group is adopted under its slot locks, and only into a free
+    slot (in ``session``'s transaction, never autocommit).
     """
-    row = session.execute(ADOPT, {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
+    slots = lock_slots(session, run_id) > 0
+    row = session.execute(ADOPT_SLOT if slots else ADOPT,
+                          {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
     if row is not None:
         return Adoption.ADOPTED
-    holder = session.execute(HOLDER, {"run": run_id}).scalar_one_or_none()
-    return Adoption.OURS if holder in set(ours) else Adoption.LOST
+    held = session.execute(HOLDER, {"run": run_id}).one_or_none()
+    if slots and held is not None and held.claimed_by == dead \
+            and held.status == RunStatus.RUNNING:
+        return Adoption.NO_SLOT
+    return Adoption.OURS if held is not None and held.claimed_by in set(ours) \
+        else Adoption.LOST
 
 
 def _fence(boot_id: uuid.UUID | Collection[uuid.UUID]) -> list[uuid.UUID]:
@@ -274,8 +475,9 @@ def release_claim(session: Session, run_id: uuid.UUID,
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.
     """
-    return session.execute(RELEASE, {"run": run_id, "boots": _fence(boot_id)}
-                           ).one_or_none() is not None
+    row = session.execute(RELEASE, {"run": run_id, "boots": _fence(boot_id)}).one_or_none()
+    send_woken(session, row)
+    return row is not None
 
 
 def finish_run(
@@ -306,6 +508,7 @@ def schedule_retry(session: Session, run_id: uuid.UUID,
         RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
                  "error": _json(error)},
     ).one_or_none()
+    send_woken(session, row)
     return row is not None
 
 

@@ -3,7 +3,10 @@
 * ``with_event`` / ``outbox_rows``: a change of a run writes its event row in the
   same statement, so an event exists exactly when its change committed;
 * ``JOIN_RELEASE`` / ``WITH_WOKEN``: every statement that ends a run counts the
-  end for its parent's join and re-queues the parent whose last child it was.
+  end for its parent's join and re-queues the parent whose last child it was;
+* ``slot_release`` / ``with_woken``: every statement that takes a run of a
+  limited group (or a capped tenant) out of ``running`` re-queues the oldest run
+  waiting for that slot.
 
 Every statement built from these is printed whole, as Postgres receives it, in
 ``app/state/rendered.sql``.
@@ -16,7 +19,8 @@ import uuid
 from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
-from app.models import RunStatus
+from app.liveness import LIVE_BOOTS_SQL
+from app.models import RunStatus, WaitReason
 
 # The statuses a run never leaves.
 ENDED = "('succeeded', 'failed', 'cancelled')"
@@ -108,6 +112,8 @@ JOIN_RELEASE = f""",
         UPDATE runs p
            SET status = CASE WHEN p.status = '{RunStatus.WAITING}' THEN '{RunStatus.QUEUED}'
                              ELSE p.status END,
+               wait_reason = CASE WHEN p.status = '{RunStatus.WAITING}' THEN NULL
+                                  ELSE p.wait_reason END,
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
@@ -127,3 +133,87 @@ WITH_WOKEN = (
     "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
     f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
 )
+
+
+# Concurrency slots (docs/internals/execution.md#concurrency-limits-and-tenant-caps).
+#
+# A run's *group* is (tenant, workflow name, concurrency_key) when its workflow
+# declares a limit (``concurrency_limit`` pinned on the run at admission); its
+# tenant is a group too when ``tenants.max_running`` is set. Every statement that
+# puts a run of a group into ``running`` or takes it out, or makes one wait for a
+# slot, runs after ``pg_advisory_xact_lock`` of the group (tenant first, then the
+# key: ``runs.LOCK_SLOTS``), in the same transaction: its snapshot, taken after
+# the lock, sees every earlier claim and end of the group, so a claim's count is
+# never stale and a wake-up never misses a run that just went waiting.
+SLOT_LOCK_NAMESPACE = 0x504F4943  # "POIC": a (tenant, workflow, key) group's lock
+TENANT_LOCK_NAMESPACE = 0x504F4954  # "POIT": a capped tenant's lock
+LIMITED_WAITS = f"('{WaitReason.CONCURRENCY}', '{WaitReason.TENANT_CAP}')"
+
+
+def same_group(r: str, s: str) -> str:
+    """SQL: run ``r`` is in the concurrency group of run ``s`` (both limited)."""
+    return (f"{r}.tenant_id = {s}.tenant_id AND {r}.workflow_name = {s}.workflow_name "
+            f"AND coalesce({r}.concurrency_key, '') = coalesce({s}.concurrency_key, '') "
+            f"AND {r}.concurrency_limit IS NOT NULL")
+
+
+def group_lock_key(r: str) -> str:
+    """SQL: the second key of run ``r``'s group lock (a collision only serializes more)."""
+    return (f"hashtext({r}.tenant_id || '|' || {r}.workflow_name || '|' "
+            f"|| coalesce({r}.concurrency_key, ''))")
+
+
+def holds_slot(r: str) -> str:
+    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free)."""
+    return f"{r}.status = '{RunStatus.RUNNING}' AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
+
+
+def due(r: str) -> str:
+    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due)."""
+    return (f"{r}.status = '{RunStatus.QUEUED}' AND NOT {r}.cancel_requested "
+            f"AND ({r}.not_before IS NULL OR {r}.not_before <= now())")
+
+
+def slot_release(source: str = "changed", when: str = "true") -> str:
+    """CTEs (``slot_woken``, its events) that re-queue, for each row of ``source`` that
+    left a slot (``when``), the oldest run waiting for a slot of its group and of its
+    capped tenant. ``source`` needs id, tenant_id, workflow_name, concurrency_key and
+    concurrency_limit. The woken runs are sent after commit (``with_woken``)."""
+    return f""",
+    slot_woken AS (
+        UPDATE runs w
+           SET status = '{RunStatus.QUEUED}', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = '{RunStatus.WAITING}'
+                          AND r.wait_reason = '{WaitReason.CONCURRENCY}' AND {same_group("r", "s")}
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM {source} s WHERE s.concurrency_limit IS NOT NULL AND {when}
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = '{RunStatus.WAITING}'
+                          AND r.wait_reason = '{WaitReason.TENANT_CAP}'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM {source} s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND {when})
+           AND w.status = '{RunStatus.WAITING}' AND w.wait_reason IN {LIMITED_WAITS}
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS ({outbox_rows("slot_woken", "'run.woken'")})
+"""
+
+
+def with_woken(*, join: bool) -> str:
+    """The select list of a statement with ``slot_release`` (and ``JOIN_RELEASE`` if
+    ``join``): its rows, plus every run it re-queued (``woken``: id, ref, trace context)."""
+    columns = "w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate"
+    woken = (f"SELECT {columns} FROM woken w WHERE w.status = '{RunStatus.QUEUED}' UNION ALL "
+             if join else "")
+    return (
+        "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
+        "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, "
+        "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
+        f"FROM ({woken}SELECT {columns} FROM slot_woken w) w) AS woken"
+    )

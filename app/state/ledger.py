@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from app.liveness import LIVE_BOOTS_SQL
 
-from .compose import outbox_rows
+from .compose import outbox_rows, send_woken, slot_release
 
 
 class DeclaredAction(Protocol):
@@ -256,17 +256,23 @@ WAIT = text(f"""
         RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
     ),
     waited AS (
-        UPDATE runs r SET status = 'waiting', claimed_by = NULL, updated_at = now()
+        UPDATE runs r SET status = 'waiting', wait_reason = 'join', claimed_by = NULL,
+               updated_at = now()
           FROM entry
          WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
-        RETURNING r.id, r.tenant_id, r.attempt, entry.step_id, entry.entry_no,
-                  entry.children_total, entry.children_done
+        RETURNING r.id, r.tenant_id, r.attempt, r.workflow_name, r.concurrency_key,
+                  r.concurrency_limit, entry.step_id, entry.entry_no, entry.children_total,
+                  entry.children_done
     ),
     event AS ({outbox_rows("waited", "'run.waiting'",
-                           "jsonb_build_object('attempt', attempt, 'step', step_id, "
-                           "'entry', entry_no, 'children', children_total, "
-                           "'children_done', children_done)")})
-    SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits
+                           "jsonb_build_object('attempt', attempt, 'reason', 'join', "
+                           "'step', step_id, 'entry', entry_no, 'children', children_total, "
+                           "'children_done', children_done)")}){slot_release("waited")}
+    SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
+           (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
+                   'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
+              FROM slot_woken w) AS woken
 """)
 
 CHILDREN = text("""
@@ -382,12 +388,17 @@ def wait_for_children(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID]
                       entry_id: int, actions: list[dict[str, Any]], outputs: Any) -> Row:
     """Let the run wait for entry ``entry_id``'s children, releasing its worker (fenced).
 
-    Returns ``entry_waits`` / ``run_waits`` counts: both 0 when every child has
+    In a transaction after ``runs.lock_slots`` when the run holds a slot (the
+    fence does it). Returns ``entry_waits`` / ``run_waits`` counts: both 0 when every child has
     already ended (nothing to wait for); an entry that would wait for a run that
     is not ours has ``entry_waits`` without ``run_waits`` (the caller rolls back).
     """
-    return session.execute(WAIT, {"run": run_id, "boots": ours, "entry": entry_id,
-                                  "actions": _json(actions), "outputs": _json(outputs)}).one()
+    row = session.execute(WAIT, {"run": run_id, "boots": ours, "entry": entry_id,
+                                 "actions": _json(actions), "outputs": _json(outputs)}).one()
+    # A run of a limited group that waits for its children gives its slot up:
+    # the next run waiting for it is sent once this commits.
+    send_woken(session, row)
+    return row
 
 
 def children(session: Session, entry_id: int) -> list[Row]:

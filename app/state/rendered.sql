@@ -8,11 +8,11 @@ WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, definition_hash,
-                  traceparent, tracestate)
+                  traceparent, tracestate, concurrency_key, concurrency_limit)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
         :origin_detail, :parent_run_id, :definition_hash,
-        :traceparent, :tracestate)
+        :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
     event AS (
@@ -49,6 +49,8 @@ UPDATE runs
                      THEN 'cancelled' ELSE status END,
        finished_at = CASE WHEN status IN ('queued', 'waiting')
                           THEN now() ELSE finished_at END,
+       wait_reason = CASE WHEN status = 'waiting' THEN NULL
+                          ELSE wait_reason END,
        cancel_requested = true, updated_at = now()
  WHERE id = :run AND tenant_id = :tenant
    AND status IN ('queued', 'running', 'waiting')
@@ -72,6 +74,8 @@ woken AS (
     UPDATE runs p
        SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
                          ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
@@ -114,6 +118,8 @@ woken AS (
     UPDATE runs p
        SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
                          ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
@@ -147,7 +153,7 @@ WITH  changed AS (
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
-     RETURNING id, tenant_id, status, attempt),
+     RETURNING id, tenant_id, status, attempt, workflow_name, workflow_version, concurrency_key, concurrency_limit),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, 'run.cancelled',
@@ -167,6 +173,8 @@ WITH  changed AS (
         UPDATE runs p
            SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
                              ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
@@ -182,53 +190,125 @@ WITH  changed AS (
          WHERE status = 'queued'
 
     )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/runs.py: TIME_LIMIT
 WITH  changed AS (
-UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
-       failures = failures + 1, finished_at = now(), updated_at = now()
- WHERE id = :run AND status = 'running'
-   AND claimed_by IN (SELECT boot_id FROM worker_boots
-                       WHERE node = :node AND pid = :pid)
- RETURNING id, tenant_id, status, attempt, error),
-    event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.failed',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', attempt, 'error', error)
-      FROM changed
-     WHERE true
+    UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
+           failures = failures + 1, finished_at = now(), updated_at = now()
+     WHERE id = :run AND status = 'running'
+       AND claimed_by IN (SELECT boot_id FROM worker_boots
+                           WHERE node = :node AND pid = :pid)
+     RETURNING id, tenant_id, status, attempt, error, workflow_name, workflow_version, concurrency_key, concurrency_limit),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.failed',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', attempt, 'error', error)
+          FROM changed
+         WHERE true
 
-)
-    ,
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
 
-)
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+
+-- app/state/runs.py: LOCK_SLOTS
+SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+       SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+         FROM runs r JOIN tenants t ON t.id = r.tenant_id
+        WHERE r.id = :run AND t.max_running IS NOT NULL
+       UNION ALL
+       SELECT 2, 1347373379, hashtext(r.tenant_id || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, ''))
+         FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
+        ORDER BY ord) AS l;
 
 -- app/state/runs.py: DEAD_BOOT_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -281,6 +361,62 @@ SELECT pg_try_advisory_xact_lock(:namespace, 0);
 -- app/state/runs.py: WAIT_REPAIR_LOCK
 SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 
+-- app/state/runs.py: WAKE_WAITING
+WITH heads AS (
+        SELECT DISTINCT ON (w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''))
+               w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit
+          FROM runs w
+         WHERE w.status = 'waiting' AND w.wait_reason = 'concurrency'
+         ORDER BY w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''), w.created_at,
+                  w.id
+    ),
+    tenant_heads AS (
+        SELECT DISTINCT ON (w.tenant_id) w.id, w.tenant_id, t.max_running
+          FROM runs w JOIN tenants t ON t.id = w.tenant_id
+         WHERE w.status = 'waiting' AND w.wait_reason = 'tenant_cap'
+           AND t.max_running IS NOT NULL
+         ORDER BY w.tenant_id, w.created_at, w.id
+    )
+    UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE id IN (
+           (SELECT h.id FROM heads h
+             WHERE (SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = h.tenant_id AND r.workflow_name = h.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(h.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) OR r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+                   < h.concurrency_limit
+            UNION
+            SELECT h.id FROM tenant_heads h
+             WHERE (SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = h.tenant_id AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) OR r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+                   < h.max_running)
+            LIMIT :limit)
+       AND status = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
+
+-- app/state/runs.py: WAITING_BY_REASON
+SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs
+  FROM runs WHERE status = 'waiting' GROUP BY 1;
+
 -- app/state/claims.py: CLAIM_QUEUED
 WITH  changed AS (
    UPDATE runs
@@ -299,7 +435,10 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+      AND concurrency_limit IS NULL
+      AND NOT EXISTS (SELECT 1 FROM tenants t
+                       WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, 'run.started',
@@ -310,6 +449,83 @@ WHERE b.boot_id = :boot)
    )
 
        SELECT * FROM changed;
+
+-- app/state/claims.py: CLAIM_SLOT
+WITH
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id
+         WHERE r.id = :run AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ WHERE b.boot_id = :boot)
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) OR ((r.created_at, r.id) < (me.created_at, me.id) AND (r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) OR (r.status = 'waiting' AND r.wait_reason IN ('tenant_cap')))))) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) OR ((r.created_at, r.id) < (me.created_at, me.id) AND (r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) OR (r.status = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap')))))) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs
+       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
+           wait_reason = v.reason,
+           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,
+           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
+           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
+                             ELSE started_at END,
+           updated_at = now()
+      FROM verdict v
+     WHERE runs.id = :run AND runs.status = 'queued' AND NOT runs.cancel_requested
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+          FROM changed
+         WHERE true
+
+    )
+
+        SELECT * FROM changed;
 
 -- app/state/claims.py: TAKE_OVER
 WITH  changed AS (
@@ -343,7 +559,7 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
@@ -363,6 +579,8 @@ WHERE b.boot_id = :boot)
        UPDATE runs p
           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
                             ELSE p.status END,
+              wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                 ELSE p.wait_reason END,
               updated_at = now(), last_sent_at = now()
          FROM joined j
         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
@@ -381,6 +599,154 @@ WHERE b.boot_id = :boot)
 
        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
+-- app/state/claims.py: TAKE_OVER_SLOT
+WITH
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs
+       SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                         WHEN takeovers >= :max_takeovers THEN 'failed'
+                         WHEN v.reason IS NOT NULL THEN 'waiting'
+                         ELSE 'running' END,
+           claimed_by = CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers THEN CAST(:boot AS uuid) END,
+           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers OR v.reason IS NOT NULL
+                                    THEN 0 ELSE 1 END,
+           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                        THEN 0 ELSE 1 END,
+           error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
+                        THEN jsonb_build_object(
+                            'code', 'worker_lost', 'type', 'poimen.WorkerLost',
+                            'message', 'the run outlived ' || takeovers || ' lost workers '
+                                       || '(max_takeovers); it is not resumed again',
+                            'traceback', '')
+                        ELSE error END,
+           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                              THEN now() ELSE finished_at END,
+           wait_reason = CASE WHEN cancel_requested OR takeovers >= :max_takeovers THEN NULL
+                              ELSE v.reason END,
+           updated_at = now()
+      FROM verdict v
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ WHERE b.boot_id = :boot)
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+          FROM changed
+         WHERE true
+
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled')
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled'))
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
    UPDATE runs SET claimed_by = :boot, updated_at = now()
@@ -395,7 +761,7 @@ WITH  changed AS (
       AND l.granted
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested),
+    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
        event AS (
        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
        SELECT tenant_id, id, 'run.adopted',
@@ -407,56 +773,157 @@ WHERE b.boot_id = :boot)
 
        SELECT * FROM changed;
 
+-- app/state/claims.py: ADOPT_SLOT
+WITH
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                       AND r.status IN ('queued', 'running', 'waiting')
+                       AND (r.status = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs SET claimed_by = :boot, updated_at = now()
+      FROM verdict v
+     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ WHERE b.boot_id = :boot) AND v.reason IS NULL
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.adopted',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+          FROM changed
+         WHERE true
+
+    )
+
+        SELECT * FROM changed;
+
 -- app/state/claims.py: FINISH
 WITH  changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, status),
-    event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, CAST(:event_type AS text),
-           jsonb_build_object('run_id', (id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb)
-      FROM changed
-     WHERE true
+    UPDATE runs
+       SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + :failed
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, CAST(:event_type AS text),
+               jsonb_build_object('run_id', (id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb)
+          FROM changed
+         WHERE true
 
-)
-    ,
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
 
-)
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: RELEASE
 WITH  changed AS (
 UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
        attempt = attempt - 1
  WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested),
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, 'run.released',
@@ -465,8 +932,38 @@ UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
      WHERE true
 
 )
+    ,
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.status = 'waiting'
+                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
 
-    SELECT * FROM changed;
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: RETRY
 WITH  changed AS (
@@ -474,7 +971,7 @@ UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
        error = CAST(:error AS jsonb), updated_at = now(),
        not_before = now() + make_interval(secs => :delay)
  WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested),
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, 'run.retrying',
@@ -483,8 +980,38 @@ UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
      WHERE true
 
 )
+    ,
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.status = 'waiting'
+                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
 
-    SELECT * FROM changed;
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: CLAIM_STATE
 SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (
@@ -497,10 +1024,10 @@ SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EX
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :boot) AS claimer_live FROM runs WHERE id = :run;
+ WHERE b.boot_id = :boot) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
 
 -- app/state/claims.py: HOLDER
-SELECT claimed_by FROM runs WHERE id = :run;
+SELECT claimed_by, status FROM runs WHERE id = :run;
 
 -- app/state/ledger.py: ENTER
 WITH
@@ -704,21 +1231,57 @@ WITH entry AS (
     RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
 ),
 waited AS (
-    UPDATE runs r SET status = 'waiting', claimed_by = NULL, updated_at = now()
+    UPDATE runs r SET status = 'waiting', wait_reason = 'join', claimed_by = NULL,
+           updated_at = now()
       FROM entry
      WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
-    RETURNING r.id, r.tenant_id, r.attempt, entry.step_id, entry.entry_no,
-              entry.children_total, entry.children_done
+    RETURNING r.id, r.tenant_id, r.attempt, r.workflow_name, r.concurrency_key,
+              r.concurrency_limit, entry.step_id, entry.entry_no, entry.children_total,
+              entry.children_done
 ),
 event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, 'run.waiting',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', attempt, 'step', step_id, 'entry', entry_no, 'children', children_total, 'children_done', children_done)
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', attempt, 'reason', 'join', 'step', step_id, 'entry', entry_no, 'children', children_total, 'children_done', children_done)
       FROM waited
      WHERE true
 
+),
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.status = 'waiting'
+                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM waited s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM waited s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
+
 )
-SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits;
+
+SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
+       (SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
+               'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
+          FROM slot_woken w) AS woken;
 
 -- app/state/ledger.py: CHILDREN
 SELECT c.child_run_id, c.position, c.item_key, r.status, r.result, r.error, r.dispatch_key

@@ -25,9 +25,27 @@ from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from app.liveness import LIVE_BOOTS_SQL
-from app.models import RunStatus
+from app.models import RunStatus, WaitReason
 
-from .compose import JOIN_RELEASE, WITH_WOKEN, send_after_commit, send_woken, with_event
+from .compose import (
+    JOIN_RELEASE,
+    LIMITED_WAITS,
+    SLOT_LOCK_NAMESPACE,
+    TENANT_LOCK_NAMESPACE,
+    WITH_WOKEN,
+    due,
+    group_lock_key,
+    holds_slot,
+    same_group,
+    send_after_commit,
+    send_woken,
+    slot_release,
+    with_event,
+    with_woken,
+)
+
+# What a statement that may free a slot returns for ``slot_release``.
+_SLOT_COLUMNS = "workflow_name, workflow_version, concurrency_key, concurrency_limit"
 
 # -- admit ------------------------------------------------------------------------------------
 
@@ -36,11 +54,11 @@ ADMIT = with_event(
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                       origin, origin_detail, parent_run_id, definition_hash,
-                      traceparent, tracestate)
+                      traceparent, tracestate, concurrency_key, concurrency_limit)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
             :origin_detail, :parent_run_id, :definition_hash,
-            :traceparent, :tracestate)
+            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
     "*",
@@ -126,6 +144,8 @@ CANCEL = with_event(
                          THEN '{RunStatus.CANCELLED}' ELSE status END,
            finished_at = CASE WHEN status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
                               THEN now() ELSE finished_at END,
+           wait_reason = CASE WHEN status = '{RunStatus.WAITING}' THEN NULL
+                              ELSE wait_reason END,
            cancel_requested = true, updated_at = now()
      WHERE id = :run AND tenant_id = :tenant
        AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')
@@ -158,11 +178,11 @@ END_ABANDONED = with_event(
      WHERE id = :run AND status = 'running' AND cancel_requested
        AND claimed_by NOT IN ({LIVE_BOOTS_SQL})
     """,
-    "id, tenant_id, status, attempt",
+    f"id, tenant_id, status, attempt, {_SLOT_COLUMNS}",
     "'run.cancelled'",
     "jsonb_build_object('attempt', attempt)",
-    then=JOIN_RELEASE,
-    select=WITH_WOKEN,
+    then=JOIN_RELEASE + slot_release(),
+    select=with_woken(join=True),
 )
 
 # Celery's hard time limit: only the run held by the very pool process Celery
@@ -177,12 +197,43 @@ TIME_LIMIT = with_event(
        AND claimed_by IN (SELECT boot_id FROM worker_boots
                            WHERE node = :node AND pid = :pid)
     """,
-    "id, tenant_id, status, attempt, error",
+    f"id, tenant_id, status, attempt, error, {_SLOT_COLUMNS}",
     "'run.failed'",
     "jsonb_build_object('attempt', attempt, 'error', error)",
-    then=JOIN_RELEASE,
-    select=WITH_WOKEN,
+    then=JOIN_RELEASE + slot_release(),
+    select=with_woken(join=True),
 )
+
+
+# -- concurrency slots ---------------------------------------------------------------------------
+
+# The locks of a run's groups, taken before any statement that claims, ends or
+# parks a run of a limited group (compose.py, "Concurrency slots"): its capped
+# tenant first, then its (tenant, workflow, key), in that order everywhere, held
+# until the transaction ends. Nothing for a run of an unlimited workflow of an
+# uncapped tenant. The aggregate consumes the ordered rows one by one.
+LOCK_SLOTS = text(
+    f"""
+    SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+           SELECT 1 AS ord, {TENANT_LOCK_NAMESPACE} AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = :run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, {SLOT_LOCK_NAMESPACE}, {group_lock_key("r")}
+             FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l
+    """
+)
+
+
+def lock_slots(session: Session, run_id: uuid.UUID) -> int:
+    """Take the slot locks of ``run_id``'s groups until ``session``'s transaction ends.
+
+    Must run in a transaction (not autocommit): the statements after it decide
+    with a snapshot that sees every claim and end of the group committed before.
+    Return how many locks (0: the run is in no limited group).
+    """
+    return int(session.execute(LOCK_SLOTS, {"run": run_id}).scalar_one())
 
 
 def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
@@ -205,7 +256,9 @@ def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
 
 
 def end_abandoned(session: Session, run_id: uuid.UUID) -> bool:
-    """End as cancelled a revoked run whose holder is dead; True if it was."""
+    """End as cancelled a revoked run whose holder is dead; True if it was (in a
+    transaction: a run of a limited group wakes the next one under its slot locks)."""
+    lock_slots(session, run_id)
     row = session.execute(END_ABANDONED, {"run": run_id}).one_or_none()
     send_woken(session, row)
     return row is not None
@@ -214,7 +267,8 @@ def end_abandoned(session: Session, run_id: uuid.UUID) -> bool:
 def fail_time_limit(session: Session, run_id: uuid.UUID, *, node: uuid.UUID, pid: int,
                     error: str) -> Row | None:
     """Fail ``run_id`` for Celery's hard time limit if pool process (``node``, ``pid``)
-    holds it; the changed row, or None."""
+    holds it; the changed row, or None (in a transaction, like ``end_abandoned``)."""
+    lock_slots(session, run_id)
     row = session.execute(TIME_LIMIT, {"run": run_id, "node": node, "pid": pid,
                                        "error": error}).one_or_none()
     send_woken(session, row)
@@ -305,6 +359,64 @@ def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
             yield bool(conn.execute(statement, {"namespace": REPAIR_LOCK_NAMESPACE}).scalar())
     finally:
         conn.close()
+# Runs waiting for a slot that is free (a slot's holder died: its boot's lock
+# is gone; a queued run ahead of them was cancelled; a wake-up raced a commit):
+# the oldest waiting run of each such group, and of each such capped tenant, is
+# re-queued and marked sent. Beat's backstop; the statement that ends a slot's
+# holder wakes the next run itself. Counted as the claim counts: slots held by
+# live boots, plus runs queued and due (they will take a slot first).
+WAKE_WAITING = text(
+    f"""
+    WITH heads AS (
+        SELECT DISTINCT ON (w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''))
+               w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit
+          FROM runs w
+         WHERE w.status = '{RunStatus.WAITING}' AND w.wait_reason = '{WaitReason.CONCURRENCY}'
+         ORDER BY w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''), w.created_at,
+                  w.id
+    ),
+    tenant_heads AS (
+        SELECT DISTINCT ON (w.tenant_id) w.id, w.tenant_id, t.max_running
+          FROM runs w JOIN tenants t ON t.id = w.tenant_id
+         WHERE w.status = '{RunStatus.WAITING}' AND w.wait_reason = '{WaitReason.TENANT_CAP}'
+           AND t.max_running IS NOT NULL
+         ORDER BY w.tenant_id, w.created_at, w.id
+    )
+    UPDATE runs SET status = '{RunStatus.QUEUED}', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE id IN (
+           (SELECT h.id FROM heads h
+             WHERE (SELECT count(*) FROM runs r
+                     WHERE {same_group("r", "h")} AND ({holds_slot("r")} OR {due("r")}))
+                   < h.concurrency_limit
+            UNION
+            SELECT h.id FROM tenant_heads h
+             WHERE (SELECT count(*) FROM runs r
+                     WHERE r.tenant_id = h.tenant_id AND ({holds_slot("r")} OR {due("r")}))
+                   < h.max_running)
+            LIMIT :limit)
+       AND status = '{RunStatus.WAITING}' AND wait_reason IN {LIMITED_WAITS}
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
+    """
+)
+
+# What waiting runs wait for, for the poimen_runs_waiting{reason} gauge.
+WAITING_BY_REASON = text(
+    f"""
+    SELECT coalesce(wait_reason, '{WaitReason.JOIN}') AS reason, count(*) AS runs
+      FROM runs WHERE status = '{RunStatus.WAITING}' GROUP BY 1
+    """
+)
+
+
+def wake_waiting_runs(session: Session, *, limit: int | None) -> list[Row]:
+    """Re-queue (and mark sent) the oldest waiting run of each group with a free slot."""
+    return session.execute(WAKE_WAITING, {"limit": limit}).all()
+
+
+def waiting_by_reason(session_or_conn) -> dict[str, int]:
+    """How many runs wait, by what they wait for."""
+    return {row.reason: int(row.runs) for row in session_or_conn.execute(WAITING_BY_REASON)}
 
 
 def mark_dead_boot_runs_sent(session: Session, *, min_age: float, limit: int | None) -> list[Row]:

@@ -48,12 +48,12 @@ MUTANTS: list[Mutant] = [
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
         "            :origin_detail, :parent_run_id, :definition_hash,\n"
-        "            :traceparent, :tracestate)\n"
+        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)\n"
         "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
         "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
         "            :origin_detail, :parent_run_id, :definition_hash,\n"
-        "            :traceparent, :tracestate\n"
+        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
         "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
         ("tests/app/test_idempotent_admission.py::"
@@ -164,8 +164,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "takeovers_unbounded",
         "a run that keeps killing workers fails worker_lost after max_takeovers",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'failed'\n",
-        "",
+        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}\n",
+        "                         {park}\n",
         (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_fails_worker_lost",),
     ),
     # -- boots --------------------------------------------------------------------------------
@@ -185,6 +185,25 @@ MUTANTS: list[Mutant] = [
         "        if boot.probe():\n",
         "        if not boot.conn.closed and not boot.conn.broken:\n",
         (f"{CLAIM_TESTS}::test_the_watchdog_notices_a_lock_cut_server_side_and_a_new_boot_claims",),
+    ),
+    Mutant(
+        "concurrency_check_then_claim",
+        "a limited group's claim counts its slots in the claim statement, after the group's "
+        "lock: never a count its snapshot took before another claim committed",
+        CLAIMS,
+        "    lock_slots(session, run_id)\n    row = session.execute(CLAIM_SLOT,",
+        "    row = session.execute(CLAIM_SLOT,",
+        ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
+    ),
+    Mutant(
+        "slot_end_without_lock",
+        "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
+        "that went waiting a moment before (no lost wake-up)",
+        "workers/fence.py",
+        "        if self.slots:\n            lock_slots(session, self.run_id)\n",
+        "        pass\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
     ),
     Mutant(
         "claim_in_a_transaction",

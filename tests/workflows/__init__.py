@@ -132,3 +132,22 @@ def tick(ctx, input):
             out.flush()
             time.sleep(float(input.get("every", 0.25)))
     return {"attempt": ctx.attempt}
+
+
+@workflow("keyed", version="1", concurrency_limit=1,
+          concurrency_key=lambda input: input.get("customer"))
+def keyed(ctx, input):
+    """Record 'start', sleep ``seconds``, record 'finish': at most one run per customer at once
+    (``concurrency_key`` derived from the input; no customer: one group for the workflow)."""
+    import time
+
+    record_effect(ctx.run_id, "start")
+    time.sleep(float(input.get("seconds", 0)))
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt}
+
+
+@workflow("pair", version="1", concurrency_limit=2)
+def pair(ctx, input):
+    """At most two runs at once per concurrency_key given at admission."""
+    return {"key": input.get("key")}
