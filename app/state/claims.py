@@ -200,6 +200,15 @@ CLAIM_SLOT = with_event(
 # A run of a limited group (after LOCK_SLOTS, like a claim) resumes only if a
 # slot is free (another run may have taken the dead holder's): else it waits,
 # unclaimed, with the lost worker counted.
+# The run a takeover or an adoption is about, and whether its group has a slot for it.
+_ME_VERDICT = f"""
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),{_verdict("me", fifo=False)}"""
+
+
 def _take_over(slots: bool):
     park = "\n                         WHEN v.reason IS NOT NULL THEN 'waiting'" if slots else ""
     parked = " OR v.reason IS NOT NULL" if slots else ""
@@ -239,12 +248,7 @@ def _take_over(slots: bool):
         "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END"
         + (" || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) "
            "ELSE '{}' END" if slots else ""),
-        before=f"""
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-    ),{_verdict("me", fifo=False)}""" if slots else "",
+        before=_ME_VERDICT if slots else "",
         # A child ended worker_lost or cancelled counts for its parent's join; an
         # ended run of a limited group wakes the next one.
         then=JOIN_RELEASE + (slot_release(when=f"s.status IN {ENDED}") if slots else ""),
@@ -271,12 +275,7 @@ def _adopt(slots: bool):
         _RUN_COLUMNS,
         "'run.adopted'",
         "jsonb_build_object('previous_boot', CAST(:dead AS text))",
-        before=f"""
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-    ),{_verdict("me", fifo=False)}""" if slots else "",
+        before=_ME_VERDICT if slots else "",
     )
 
 
