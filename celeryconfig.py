@@ -1,7 +1,7 @@
 """Celery settings, from the environment only (read when the app is created).
 
 A framework entry point, so it reads its own variables (``tests/test_wiring.py``
-allows it); the defaults it shares with the rest come from ``app.config``.
+allows it); the defaults it shares with the rest come from ``poimenconfig``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from app.config import DEFAULT_QUEUE
+from poimenconfig import DEFAULT_QUEUE
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})

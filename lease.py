@@ -37,8 +37,8 @@ killed at T_c after its last confirmation. Nobody can start the run while the
 old body runs. docs/internals/execution.md has the numbers.
 
 This module is shared by ``workers`` and ``bridge`` (which imports nothing from
-``app`` but its settings, ``app.config``, nor from ``workers``), like ``logconfig``.
-It reads no setting itself: ``app.config.lease_settings`` reads the numbers
+``app`` but its settings, ``poimenconfig``, nor from ``workers``), like ``logconfig``.
+It reads no setting itself: ``poimenconfig.lease_settings`` reads the numbers
 (``LeaseSettings``, re-exported here) and the processes pass them in.
 """
 
@@ -55,7 +55,7 @@ import time
 import psycopg
 from psycopg import pq
 
-from app.config import LeaseSettings
+from poimenconfig import LeaseSettings
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,7 @@ Both read their settings from the environment when called, never at import.
 process, the workers, beat and Flower share one wiring.
 
 Flask and Celery are imported when the factory is called, not with this
-package: the relays (``bridge/``) import ``app.config``, their one source of
-settings, and the outbox relay the store's outbox statements (``app.state.outbox``),
-which must cost them nothing.
+package: a module of it (the store, the models) can be imported without them.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
     from flask import Flask
 
+    from poimenconfig import load_config
     from workers import registry
 
     from . import api, enqueue, health, logs, metrics  # noqa: F401 - enqueue registers its hooks
     from .cli import register_cli
-    from .config import load_config
     from .console import init_console
     from .errors import register_error_handlers
     from .extensions import db, migrate, ping_idle_connections
@@ -85,7 +83,7 @@ def celery_init_app(app: Flask) -> Celery:
     # control: a revoke of a run id is recorded as the API's cancel when it is issued.
     celery_app = Celery(app.name, task_cls=FlaskTask, control="app.celery_control:RunControl")
     celery_app.config_from_object(celery_settings(app.config["CELERY_BROKER_URL"]))
-    if app.config.get("CELERY_BROKER_USE_SSL"):  # rediss:// (app/config.py: redis_ssl_options)
+    if app.config.get("CELERY_BROKER_USE_SSL"):  # rediss:// (poimenconfig.py: redis_ssl_options)
         celery_app.conf.broker_use_ssl = app.config["CELERY_BROKER_USE_SSL"]
     celery_app.conf.update(
         include=["workers.tasks"],

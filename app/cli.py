@@ -12,10 +12,11 @@ import uuid
 import click
 from flask import Flask, current_app
 
+from poimenconfig import DEFAULT_TOPIC_PARTITIONS
+
 from . import runs as run_service
 from . import tenants as tenant_service
 from .auth import SCOPES
-from .config import DEFAULT_TOPIC_PARTITIONS
 from .extensions import db
 
 
@@ -76,7 +77,7 @@ def register_cli(app: Flask) -> None:
         """List each schedule: its workflow, tenant, next tick (UTC) and last run."""
         from datetime import UTC, datetime
 
-        from workers import registry, ticks
+        from workers import registry
 
         now = datetime.now(UTC)
         scheduled = registry.scheduled()
@@ -84,11 +85,11 @@ def register_cli(app: Flask) -> None:
             click.echo("no workflow declares a schedule")
         for wf in scheduled:
             last = run_service.last_run_keyed(db.session, wf.schedule_tenant,
-                                              f"{ticks.KEY_PREFIX}{wf.name}:")
+                                              wf.schedule_key_prefix)
             last_text = (f"{last.dispatch_key} -> {last.id} ({last.status})" if last is not None
                          else "none yet")
-            nxt = ticks.next_tick(wf.schedule, now).strftime("%Y-%m-%dT%H:%M:%SZ")
-            click.echo(f"{wf.name}\t{ticks.describe(wf.schedule)}\ttenant {wf.schedule_tenant}"
+            nxt = wf.next_tick(now).strftime("%Y-%m-%dT%H:%M:%SZ")
+            click.echo(f"{wf.name}\t{wf.schedule_description()}\ttenant {wf.schedule_tenant}"
                        f"\tcatch_up {wf.catch_up}\tnext {nxt}\tlast {last_text}")
 
     @app.cli.group()
@@ -162,8 +163,7 @@ def register_cli(app: Flask) -> None:
     def topics_declare(tenant_names: tuple[str, ...], partitions: int):
         """Create each tenant's topics; topics that exist are left as they are."""
         from bridge.topics import declare_topics, tenant_topics
-
-        from .config import kafka_client_settings, topic_prefix, topic_replication
+        from poimenconfig import kafka_client_settings, topic_prefix, topic_replication
 
         names = list(tenant_names) or [t.name for t in tenant_service.list_tenants()]
         for name in names:
@@ -193,8 +193,7 @@ def register_cli(app: Flask) -> None:
         from confluent_kafka import KafkaException
 
         from bridge.dlq import REPLAY_GROUP, parse_since, replay_dead_letters
-
-        from .config import consumer_group, kafka_client_settings, topic_prefix
+        from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
         tenant_service.find_tenant(tenant_name)
         try:

@@ -43,7 +43,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .config import prometheus_multiproc_dir
+from poimenconfig import prometheus_multiproc_dir
+
 from .errors import ApiError
 
 # Admission takes milliseconds; a run's queue wait and duration span seconds to hours.

@@ -5,7 +5,7 @@
 file differs. ``tests/deploy/test_configuration_reference.py`` fails when the
 code reads a variable this list does not name, and when the document is stale.
 
-This module only describes settings. ``app/config.py`` reads them, for every
+This module only describes settings. ``poimenconfig.py`` reads them, for every
 process, when the process starts (the framework entry points ``celeryconfig.py``,
 ``gunicorn.conf.py`` and ``logconfig.py`` read their own); each default is one
 constant there, and the defaults written here must match them.
@@ -294,7 +294,7 @@ def render() -> str:
         "",
         "Every environment variable the code reads, the processes that read it, and its",
         "default. Each process reads its settings when it starts (never at import), in one",
-        "module, `app/config.py` (plus the framework entry points `celeryconfig.py`,",
+        "module, `poimenconfig.py` (plus the framework entry points `celeryconfig.py`,",
         "`gunicorn.conf.py` and `logconfig.py`); every other module receives values.",
         "`tests/deploy/test_configuration_reference.py` fails when the code reads a variable",
         "that is not listed here, or when one listed here is no longer read.",

@@ -1,7 +1,7 @@
 """Optional OpenTelemetry tracing and Sentry error reporting, for teams that use them.
 
 Each is off, and its package never imported, unless its variable is set
-(``app.config.telemetry_settings``): ``OTEL_EXPORTER_OTLP_ENDPOINT`` turns on
+(``poimenconfig.telemetry_settings``): ``OTEL_EXPORTER_OTLP_ENDPOINT`` turns on
 tracing (the ``otel`` extra), ``SENTRY_DSN`` error reporting (the ``sentry``
 extra). A variable set without its package installed is one log line, and the
 process runs on without it: telemetry must never stop a run.
@@ -36,8 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import logconfig
-
-from .config import TelemetrySettings, telemetry_settings
+from poimenconfig import TelemetrySettings, telemetry_settings
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import psycopg
 
-from app.config import libpq_url  # noqa: F401 - the benchmarks' URL conversion
 from poimen_dev.scratch import scratch_database
+from poimenconfig import libpq_url  # noqa: F401 - the benchmarks' URL conversion
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_ENV = ("DATABASE_URL", "REDIS_URL")

@@ -402,9 +402,9 @@ def main(argv: list[str] | None = None) -> int:
 def create_tenant_and_token(db_url: str, name: str) -> tuple[int, str]:
     """Create the benchmark's tenant and a token the operator way (``app.cli``)."""
     from app import create_app
-    from app.config import database_url
     from app.extensions import db
     from app.tenants import create_tenant, create_token
+    from poimenconfig import database_url
 
     app = create_app({"SQLALCHEMY_DATABASE_URI": database_url(db_url)})
     with app.app_context():

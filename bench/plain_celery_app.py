@@ -40,8 +40,8 @@ def create(env: dict[str, str] | None = None):
     """Build the baseline's Celery app from ``env`` (default: ``os.environ``)."""
     from celery import Celery
 
-    from app.config import broker_url
     from celeryconfig import celery_settings
+    from poimenconfig import broker_url
 
     env = dict(os.environ if env is None else env)
     env["POIMEN_QUEUE"] = env["BENCH_PLAIN_QUEUE"]

@@ -37,7 +37,7 @@ from datetime import UTC, datetime, timedelta
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from app.config import consumer_group, kafka_client_settings, topic_prefix
+from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
 from .inbox_faults import MessageFault, run_request_body
 from .topics import dead_letter_topic, dispatch_topic

@@ -20,7 +20,7 @@ code is retried, and becomes a message fault on the third consecutive try on
 the same offset: a bug must not strand a partition.
 
 Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
-from the environment when it starts: ``app.config.inbox_settings``.
+from the environment when it starts: ``poimenconfig.inbox_settings``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from prometheus_client import (
 )
 
 import logconfig
-from app.config import InboxSettings, inbox_settings
+from poimenconfig import InboxSettings, inbox_settings
 
 from .inbox_faults import (
     DETAIL_CHARS,

@@ -1,6 +1,6 @@
-"""Kafka client settings for log lines; the settings themselves come from ``app.config``.
+"""Kafka client settings for log lines; the settings themselves come from ``poimenconfig``.
 
-``app.config.kafka_client_settings`` reads them when a process starts:
+``poimenconfig.kafka_client_settings`` reads them when a process starts:
 ``KAFKA_BOOTSTRAP_SERVERS`` names the brokers, any other ``KAFKA_*`` variable is a
 librdkafka setting, and Heroku's ``KAFKA_URL`` and PEM variables are translated.
 Only confluent-kafka talks to the broker, so the same code runs against Apache

@@ -49,10 +49,9 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from app.config import LeaseSettings, OutboxSettings, outbox_settings
-from app.state.outbox import MARK_PUBLISHED, PRUNE_PUBLISHED
 from lease import bound_lock_session, lock_connect_kwargs, probe_lock
 from lease import problems as lease_problems
+from poimenconfig import LeaseSettings, OutboxSettings, outbox_settings
 
 from .kafka import describe
 from .process import backoff_delay, configure_logging, serve
@@ -98,6 +97,20 @@ SELECT o.id,
    AND o.txid < pg_snapshot_xmin(pg_current_snapshot())
  ORDER BY o.id
  LIMIT %s
+"""
+
+
+# Events Kafka acknowledged, by id.
+MARK_PUBLISHED = "UPDATE outbox SET published_at = now() WHERE id = ANY(%s::bigint[])"
+
+# Published events older than the retention, a batch at a time.
+PRUNE_PUBLISHED = """
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox
+     WHERE published_at < now() - make_interval(secs => %s)
+     ORDER BY published_at
+     LIMIT %s
+       FOR UPDATE SKIP LOCKED)
 """
 
 

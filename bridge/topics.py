@@ -18,8 +18,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 # The prefix (POIMEN_TOPIC_PREFIX after Heroku's KAFKA_PREFIX) and the client
-# settings are read by app.config; the names below are built from what it read.
-from app.config import (
+# settings are read by poimenconfig; the names below are built from what it read.
+from poimenconfig import (
     DEFAULT_TOPIC_PARTITIONS,
     kafka_client_settings,
     topic_prefix,

@@ -84,13 +84,13 @@ def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
         # The inbox only admits runs: its token can do nothing else.
         service_token = _ensure_token(d / "service-token", None, True, "make run inbox",
                                       scope=ADMIT)
-    from app.config import (
+    from bridge.topics import declare_topics
+    from poimenconfig import (
         DEFAULT_TOPIC_PARTITIONS,
         kafka_client_settings,
         topic_prefix,
         topic_replication,
     )
-    from bridge.topics import declare_topics
 
     settings = kafka_client_settings(env)
     declare_topics(settings["bootstrap.servers"], topic_prefix(env), [DEV_TENANT],

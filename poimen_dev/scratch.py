@@ -23,7 +23,7 @@ def scratch_database(server_url: str, prefix: str, env: Mapping[str, str]) -> It
     import psycopg
     from sqlalchemy.engine import make_url
 
-    from app.config import libpq_url
+    from poimenconfig import libpq_url
 
     server = make_url(libpq_url(server_url))
     admin = server.render_as_string(hide_password=False)

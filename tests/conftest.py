@@ -18,8 +18,8 @@ import redis as redis_lib
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
-from app.config import libpq_url
 from poimen_dev.scratch import scratch_database
+from poimenconfig import libpq_url
 from tests.processes import free_port, start_tansu_broker, start_web
 
 # The `processes` mark and its guard (make check leaves marked tests out); pytester
@@ -41,7 +41,7 @@ def base_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def database_url(base_env) -> str:
     """Create ``poimen_test_<id>``, migrate it with ``flask db upgrade``, drop it after."""
-    from app.config import database_url as to_sqlalchemy
+    from poimenconfig import database_url as to_sqlalchemy
 
     saved = {name: os.environ.get(name)
              for name in ("DATABASE_URL", "POIMEN_QUEUE", "POIMEN_WORKFLOW_MODULES")}

@@ -20,9 +20,9 @@ import uuid
 import psycopg
 import pytest
 
-from app.config import DEFAULT_TAKEOVER_DELAY, lease_settings
 from lease import KILL_SECONDS, LeaseOrderingError, LeaseSettings, check_ordering, probe_lock
 from lease import problems as lease_problems
+from poimenconfig import DEFAULT_TAKEOVER_DELAY, lease_settings
 from tests.conftest import libpq_url
 from tests.processes import ROOT, start_beat, start_worker, wait_until
 from tests.proxy import StallingProxy

@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [p for top in ("app", "workers", "bridge") for p in (ROOT / top).rglob("*.py")] + [
-    ROOT / name for name in ("celeryconfig.py", "gunicorn.conf.py", "lease.py", "logconfig.py")]
+    ROOT / name for name in ("celeryconfig.py", "gunicorn.conf.py", "lease.py", "logconfig.py",
+                             "poimenconfig.py")]
 STATE_TABLES = ("runs", "step_entries", "step_markers", "step_children", "outbox", "worker_boots")
 WRITE = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(" + "|".join(STATE_TABLES) + r")\b")
 ORM_WRITE = re.compile(r"\b(update|delete|insert)\((Run|StepEntry|StepMarker|StepChild|OutboxEvent|"
@@ -32,7 +33,7 @@ def test_every_statement_is_named_in_the_rendered_file():
     names = [where for where, _ in rendered.statements()]
     for transition in ("ADMIT", "CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "RELEASE", "RETRY", "FINISH",
                        "WAIT", "CANCEL", "DEAD_BOOT_RUNS", "ENTER", "CLAIM_MARKER",
-                       "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "MARK_PUBLISHED",
+                       "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "INSERT_EVENT",
                        "CLAIM_SLOT", "TAKE_OVER_SLOT", "LOCK_SLOTS", "WAKE_WAITING"):
         assert any(name.endswith(f": {transition}") for name in names), transition
 
@@ -49,14 +50,25 @@ def _strings(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def _relay_bookkeeping() -> set[str]:
+    """The one exception: the outbox relay, outside the app's lifecycle (it imports nothing of
+    app/), marks published events and prunes old published ones; never a run's state."""
+    from bridge.outbox import MARK_PUBLISHED, PRUNE_PUBLISHED
+
+    assert MARK_PUBLISHED.startswith("UPDATE outbox SET published_at = now() WHERE id")
+    assert "WHERE published_at <" in PRUNE_PUBLISHED
+    return {MARK_PUBLISHED, PRUNE_PUBLISHED}
+
+
 def test_no_module_outside_the_store_writes_run_state():
     state = ROOT / "app" / "state"
+    allowed = _relay_bookkeeping()
     offenders = []
     for path in PRODUCT:
         if state in path.parents:
             continue
         for lineno, value in _strings(path):
-            if WRITE.search(value):
+            if WRITE.search(value) and value not in allowed:
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {WRITE.search(value)[0]}")
         source = path.read_text()
         for match in ORM_WRITE.finditer(source):

@@ -60,7 +60,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 # app/ may use the workflow registry (to validate and pin workflow_ref) and
 # nothing else of workers/: dependencies point from workers/ to app/.
-APP_MAY_IMPORT_FROM_WORKERS = {"workers", "workers.registry", "workers.ticks"}
+APP_MAY_IMPORT_FROM_WORKERS = {"workers", "workers.registry"}
 
 
 def test_app_imports_nothing_from_workers_but_the_registry():
@@ -103,7 +103,7 @@ def test_celery_settings_are_at_least_once():
 
 
 def test_heroku_postgres_urls_are_accepted():
-    from app.config import broker_url, database_url
+    from poimenconfig import broker_url, database_url
 
     assert database_url("postgres://u:p@h:5432/d") == "postgresql+psycopg://u:p@h:5432/d"
     assert database_url("postgresql://u@h/d") == "postgresql+psycopg://u@h/d"
@@ -121,24 +121,17 @@ def test_importing_the_packages_reads_no_settings():
     assert proc.returncode == 0, proc.stderr
 
 
-# bridge/ is a client of the API, never an in-process caller: of app/ it may import only
-# its settings (app.config, standard library only) and the run-state store's outbox
-# statements (the relay's marks write the outbox, which the store owns), and nothing of
-# workers/. Neither loads a web or task framework (app/__init__.py imports them lazily).
-BRIDGE_MAY_IMPORT_FROM_APP = {"app", "app.config", "app.state", "app.state.outbox"}
-
-
+# bridge/ is a client of the API, never an in-process caller, and outside the app's
+# lifecycle: it imports nothing of app/ or workers/. Its settings come from the top-level
+# poimenconfig.py (standard library only), which loads no web or task framework.
 @pytest.mark.processes  # a fresh interpreter: what importing loads
-def test_bridge_imports_nothing_from_app_or_workers_but_its_settings():
+def test_bridge_imports_nothing_from_app_or_workers():
     modules = [p.stem for p in (ROOT / "bridge").glob("*.py") if p.stem != "__init__"]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module('bridge.' + m)\n"
-        f"allowed = {sorted(BRIDGE_MAY_IMPORT_FROM_APP)!r}\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')\n"
-        "             and m not in allowed)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers'))\n"
         "assert not bad, bad\n"
-        # The settings cost the relays nothing: no web or task framework comes with them.
         "heavy = sorted(m for m in ('flask', 'celery', 'sqlalchemy') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
@@ -146,10 +139,7 @@ def test_bridge_imports_nothing_from_app_or_workers_but_its_settings():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for path in sorted((ROOT / "bridge").rglob("*.py")):
-        bad = sorted(m for m in _imported_modules(path)
-                     if m.split(".")[0] in ("app", "workers")
-                     and m not in BRIDGE_MAY_IMPORT_FROM_APP
-                     and not m.startswith(("app.config.", "app.state.outbox.")))
+        bad = sorted(m for m in _imported_modules(path) if m.split(".")[0] in ("app", "workers"))
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
@@ -157,7 +147,7 @@ def test_bridge_imports_nothing_from_app_or_workers_but_its_settings():
 
 # The one module that reads the environment, and the framework entry points that
 # Celery, gunicorn and the relays' logging load before any factory runs.
-SETTINGS_READER = "app/config.py"
+SETTINGS_READER = "poimenconfig.py"
 ENTRY_POINTS = {"celeryconfig.py", "gunicorn.conf.py", "logconfig.py"}
 
 
@@ -198,7 +188,7 @@ def test_only_app_config_reads_the_environment():
         where = str(path.relative_to(ROOT))
         if where != SETTINGS_READER and environment_reads(path):
             readers[where] = environment_reads(path)
-    assert not readers, ("read the environment outside app/config.py (take the value from "
+    assert not readers, ("read the environment outside poimenconfig.py (take the value from "
                          f"app.config instead): {readers}")
     # The scan sees what it must: the reader reads, and so do the entry points.
     assert environment_reads(ROOT / SETTINGS_READER)

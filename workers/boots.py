@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from app.config import lease_settings as read_lease_settings
 from app.liveness import LOCK_NAMESPACE
 from app.state.boots import register_boot
 from lease import (
@@ -50,6 +49,7 @@ from lease import (
     lock_connect_kwargs,
     probe_lock,
 )
+from poimenconfig import lease_settings as read_lease_settings
 
 log = logging.getLogger(__name__)
 

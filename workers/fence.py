@@ -28,7 +28,6 @@ from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from app.admission import admit_run
-from app.config import libpq_url
 from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
@@ -37,6 +36,7 @@ from app.state.ledger import EntryClose, MarkerClaim
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
 from app.tracecontext import TraceContext
+from poimenconfig import libpq_url
 
 from . import boots
 from .actions import Emit, Output, Spawn

@@ -26,8 +26,8 @@ import time
 import psycopg
 from celery import bootsteps
 
-from app.config import lease_settings
 from lease import LeaseSettings, lock_connect_kwargs, probe_lock
+from poimenconfig import lease_settings
 
 log = logging.getLogger(__name__)
 

@@ -66,7 +66,7 @@ def _count_in_shared_files() -> str:
 
     _private_dir = tempfile.mkdtemp(prefix="poimen-metrics-worker-")
     # A write, for prometheus_client (and app.metrics, which reads it through
-    # app.config.prometheus_multiproc_dir at scrape time).
+    # poimenconfig.prometheus_multiproc_dir at scrape time).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _private_dir
     values.ValueClass = values.MultiProcessValue()
     return _private_dir
@@ -90,7 +90,7 @@ def serve_metrics(flask_app, celery_app) -> None:
 
     from app.metrics import multiprocess_registry
 
-    port = flask_app.config["METRICS_PORT"]  # app.config.metrics_port
+    port = flask_app.config["METRICS_PORT"]  # poimenconfig.metrics_port
     if port is None:
         return
     path = _count_in_shared_files()
@@ -110,7 +110,7 @@ def serve_global_metrics(flask_app, celery_app) -> None:
 
     from app.metrics import GlobalGauges
 
-    port = flask_app.config["METRICS_PORT"]  # app.config.metrics_port
+    port = flask_app.config["METRICS_PORT"]  # poimenconfig.metrics_port
     if port is None:
         return
     registry = CollectorRegistry()

@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ticks import check_schedule
-
 BUILTIN_MODULES = ("workers.examples",)
 REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Za-z0-9_.-]{1,64}))?$")
 # Step ids appear in fan-out dispatch keys, separated by '/': no '/' in them.
@@ -245,6 +243,24 @@ class Workflow:
     def has_step(self, step_id: str) -> bool:
         return any(step.id == step_id for step in self.steps)
 
+    @property
+    def schedule_key_prefix(self) -> str:
+        """What the dispatch key of every scheduled run of this workflow starts with."""
+        from .ticks import KEY_PREFIX
+
+        return f"{KEY_PREFIX}{self.name}:"
+
+    def schedule_description(self) -> str:
+        from .ticks import describe
+
+        return describe(self.schedule)
+
+    def next_tick(self, now: Any) -> Any:
+        """The schedule's first tick after ``now`` (aware, UTC)."""
+        from .ticks import next_tick
+
+        return next_tick(self.schedule, now)
+
     def send_options(self) -> dict[str, Any]:
         """The ``send_task`` options of this workflow's runs (only those that are set)."""
         options = {"queue": self.queue, "time_limit": self.time_limit,
@@ -320,6 +336,8 @@ def _validate_admission(wf: Workflow) -> None:
             raise InvalidDefinition(f"{wf.ref}: schedule_tenant and schedule_input need a "
                                     "schedule")
         return
+    from .ticks import check_schedule  # (ticks loads celery's crontab: only when scheduled)
+
     problem = check_schedule(wf.schedule)
     if problem:
         raise InvalidDefinition(f"{wf.ref}: {problem}")

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 
-from app.config import DEFAULT_SHUTDOWN_GRACE
+from poimenconfig import DEFAULT_SHUTDOWN_GRACE
 
 log = logging.getLogger(__name__)
 

@@ -326,18 +326,15 @@ def _kafka() -> dict:
 @signed_in
 def schedules():
     """This tenant's schedules: each workflow beat admits on a tick, its next tick, its last run."""
-    from workers import ticks
-
     now = datetime.now(UTC)
     rows = []
     for wf in registry.scheduled():
         if wf.schedule_tenant != g.principal.tenant_name:
             continue
-        prefix = f"{ticks.KEY_PREFIX}{wf.name}:"
-        rows.append({"workflow": wf.name, "schedule": ticks.describe(wf.schedule),
-                     "catch_up": wf.catch_up, "next": ticks.next_tick(wf.schedule, now),
-                     "prefix": prefix,
-                     "last": run_service.last_run_keyed(db.session, wf.schedule_tenant, prefix)})
+        rows.append({"workflow": wf.name, "schedule": wf.schedule_description(),
+                     "catch_up": wf.catch_up, "next": wf.next_tick(now),
+                     "last": run_service.last_run_keyed(db.session, wf.schedule_tenant,
+                                                        wf.schedule_key_prefix)})
     return render_template("console/schedules.html", schedules=rows)
 
 

@@ -1316,14 +1316,3 @@ DELETE FROM worker_boots b
 
 -- app/state/outbox.py: INSERT_EVENT
 INSERT INTO outbox (tenant_id, run_id, event_type, payload) VALUES (:tenant_id, :run_id, :event_type, CAST(:payload AS jsonb));
-
--- app/state/outbox.py: MARK_PUBLISHED
-UPDATE outbox SET published_at = now() WHERE id = ANY(%s::bigint[]);
-
--- app/state/outbox.py: PRUNE_PUBLISHED
-DELETE FROM outbox WHERE id IN (
-    SELECT id FROM outbox
-     WHERE published_at < now() - make_interval(secs => %s)
-     ORDER BY published_at
-     LIMIT %s
-       FOR UPDATE SKIP LOCKED);

@@ -435,7 +435,7 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
     from sqlalchemy.pool import NullPool
 
     from app.admission import admit_run
-    from app.config import load_config
+    from poimenconfig import load_config
 
     # The app's own engine settings, on a database whose default isolation may be
     # another one (default_transaction_isolation set by a DBA or a provider).

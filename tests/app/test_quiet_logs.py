@@ -67,8 +67,8 @@ def test_an_exception_message_with_the_input_is_not_logged(client, tx_tenant, mo
 
 def test_kafka_settings_printed_at_start_hide_credentials():
     """The inbox and outbox log their Kafka settings through ``describe`` when they start."""
-    from app.config import kafka_client_settings
     from bridge.kafka import describe
+    from poimenconfig import kafka_client_settings
 
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": "broker-1:9096",

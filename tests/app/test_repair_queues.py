@@ -96,8 +96,8 @@ def test_a_second_repair_while_one_runs_re_sends_nothing(app, admit, pg, sent, q
     nothing; once it is free, repair goes on."""
     import psycopg
 
-    from app.config import libpq_url
     from app.state.runs import REPAIR_LOCK_NAMESPACE
+    from poimenconfig import libpq_url
 
     for n in range(10):
         admit("noop", {"n": n})

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 import logconfig
-from app.config import telemetry_settings
 from app.telemetry import SCRUBBED, scrub_event
+from poimenconfig import telemetry_settings
 from tests.processes import ROOT
 
 TELEMETRY_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "SENTRY_DSN",

@@ -22,8 +22,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from app.config import topic_prefix
 from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
+from poimenconfig import topic_prefix
 from tests.processes import ROOT, metric, start_inbox, start_web, wait_until
 
 pytestmark = pytest.mark.slow

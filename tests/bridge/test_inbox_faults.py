@@ -13,7 +13,6 @@ from dataclasses import fields
 
 import pytest
 
-from app.config import INBOX_VARIABLES, InboxSettings, inbox_settings
 from bridge.inbox import dead_letter_record, traceback_summary
 from bridge.inbox_faults import (
     FaultKind,
@@ -22,6 +21,7 @@ from bridge.inbox_faults import (
     response_fault,
     run_request_body,
 )
+from poimenconfig import INBOX_VARIABLES, InboxSettings, inbox_settings
 from tests.processes import ROOT
 
 JSON = "application/json"

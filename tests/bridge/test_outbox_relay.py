@@ -27,11 +27,11 @@ import pytest
 import requests
 from confluent_kafka import Consumer, TopicPartition
 
-from app.config import libpq_url, parse_retention
 from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE
 from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
+from poimenconfig import libpq_url, parse_retention
 from tests.processes import (
     BIN,
     ROOT,
@@ -637,14 +637,13 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
 # -- Verify 6: the bridge stands alone -----------------------------------------------------------
 
 
-def test_the_bridge_imports_nothing_from_app_or_workers_but_its_settings():
-    """Of app/: its settings, and the run-state store's outbox statements (the relay's marks
-    write the outbox, which the store owns)."""
+def test_the_bridge_imports_nothing_from_app_or_workers():
+    """The relays stay outside the app's lifecycle: their settings come from poimenconfig."""
     code = ("import sys, bridge.outbox, bridge.inbox, bridge.topics, bridge.kafka; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'workers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=60)
-    assert out.stdout.strip() == "['app', 'app.config', 'app.state', 'app.state.outbox']"
+    assert out.stdout.strip() == "[]"
 
 
 # -- shutdown, retention -------------------------------------------------------------------------

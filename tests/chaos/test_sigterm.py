@@ -171,6 +171,6 @@ def test_an_idle_pool_process_or_a_second_sigterm_ends_it_at_once():
 def test_gunicorn_grace_is_below_herokus_kill():
     web = procfile_commands()["web"]
     assert "--graceful-timeout ${POIMEN_SHUTDOWN_GRACE:-25}" in web
-    from app.config import DEFAULT_SHUTDOWN_GRACE, shutdown_grace
+    from poimenconfig import DEFAULT_SHUTDOWN_GRACE, shutdown_grace
 
     assert DEFAULT_SHUTDOWN_GRACE == shutdown_grace({}) < HEROKU_KILL_AFTER

@@ -2,7 +2,7 @@
 
 Every environment variable the code reads must be in ``app/settings_reference.py``
 (which generates ``docs/operations/configuration.md``). The product reads the environment in
-one module, ``app/config.py`` (``tests/test_wiring.py`` fails on a read anywhere
+one module, ``poimenconfig.py`` (``tests/test_wiring.py`` fails on a read anywhere
 else in ``app/``, ``workers/``, ``bridge/`` or ``lease.py``), plus the framework
 entry points ``celeryconfig.py``, ``gunicorn.conf.py`` and ``logconfig.py``; the dev
 tooling (``poimen_dev/``) reads its own. Reads are found there with ``ast``:
@@ -27,7 +27,7 @@ import pytest
 from app import settings_reference
 from tests.processes import ROOT
 
-READERS = ("app/config.py", "celeryconfig.py", "logconfig.py", "gunicorn.conf.py")
+READERS = ("poimenconfig.py", "celeryconfig.py", "logconfig.py", "gunicorn.conf.py")
 SOURCES = ("poimen_dev",)
 SHELL_FILES = ("Procfile", "bin/docker-entrypoint")
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
@@ -130,10 +130,10 @@ def documented(name: str, names: set[str]) -> bool:
 def test_every_variable_the_code_reads_is_in_the_reference():
     reads = variables_read()
     # The scan itself must see reads of each kind, or it proves nothing.
-    assert reads["DATABASE_URL"].startswith("app/config.py")
-    assert reads["POIMEN_LEASE_SERVER_SECONDS"].startswith("app/config.py")
-    assert reads["POIMEN_SHUTDOWN_GRACE"].startswith("app/config.py")
-    assert "POIMEN_INBOX_CONCURRENCY" in reads      # app/config.py reads INBOX_VARIABLES by variable
+    assert reads["DATABASE_URL"].startswith("poimenconfig.py")
+    assert reads["POIMEN_LEASE_SERVER_SECONDS"].startswith("poimenconfig.py")
+    assert reads["POIMEN_SHUTDOWN_GRACE"].startswith("poimenconfig.py")
+    assert "POIMEN_INBOX_CONCURRENCY" in reads      # poimenconfig.py reads INBOX_VARIABLES by variable
     assert "POIMEN_VISIBILITY_TIMEOUT" in reads     # celeryconfig.py
     assert "WEB_CONCURRENCY" in reads               # Procfile
     assert "PATH_INFO" not in reads                 # a WSGI environ, not the process's
@@ -171,8 +171,8 @@ def test_docs_configuration_md_is_generated_from_the_reference():
     assert proc.returncode == 0, proc.stderr + " (run `make docs` and commit docs/operations/configuration.md)"
 
 
-def test_the_reference_states_the_defaults_app_config_uses():
-    from app import config
+def test_the_reference_states_the_defaults_poimenconfig_uses():
+    import poimenconfig as config
 
     constants = {
         "POIMEN_SHUTDOWN_GRACE": config.DEFAULT_SHUTDOWN_GRACE,

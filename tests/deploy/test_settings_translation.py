@@ -24,7 +24,10 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from app.config import (
+from bridge.dlq import REPLAY_GROUP
+from bridge.kafka import describe
+from bridge.topics import dead_letter_topic, dispatch_topic, events_topic
+from poimenconfig import (
     consumer_group,
     inbox_settings,
     kafka_client_settings,
@@ -33,9 +36,6 @@ from app.config import (
     redis_ssl_options,
     topic_prefix,
 )
-from bridge.dlq import REPLAY_GROUP
-from bridge.kafka import describe
-from bridge.topics import dead_letter_topic, dispatch_topic, events_topic
 from tests.processes import Process, free_port, wait_until
 
 

@@ -289,7 +289,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "prepared_statements_behind_a_pooler",
         "the app's pooled connections prepare no statements (a transaction pooler mixes them)",
-        "app/config.py",
+        "poimenconfig.py",
         'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "off")',
         'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "5")',
         ("tests/chaos/test_pooler.py::"
