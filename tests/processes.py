@@ -199,13 +199,18 @@ def start_kafka_broker(data_dir: Path, port: int, log_dir: Path,
         os.environ, log_dir,
     ).start()
 
+    return _listening(proc, port)
+
+
+def _listening(proc: Process, port: int) -> Process:
+    """Return ``proc`` once it accepts connections on ``port`` (fail if it exits first)."""
     def listening() -> bool:
         if not proc.alive():
-            raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
+            raise AssertionError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
 
-    wait_until(listening, timeout=30, what=f"{name} on port {port}")
+    wait_until(listening, timeout=30, what=f"{proc.name} on port {port}")
     return proc
 
 
@@ -254,11 +259,4 @@ def start_tansu_broker(port: int, log_dir: Path, name: str = "tansu") -> Process
         {**os.environ, "RUST_LOG": "warn"}, log_dir,
     ).start()
 
-    def listening() -> bool:
-        if not proc.alive():
-            raise AssertionError(f"{name} exited:\n{proc.log()[-3000:]}")
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-
-    wait_until(listening, timeout=30, what=f"{name} on port {port}")
-    return proc
+    return _listening(proc, port)
