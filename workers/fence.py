@@ -28,7 +28,7 @@ from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from app.admission import admit_run
-from app.extensions import db
+from app.extensions import autocommit_next, db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
@@ -90,15 +90,21 @@ class Fence:
 
     # -- the transaction -------------------------------------------------------------------
 
-    def _commit(self, write: Write) -> Any:
+    def _commit(self, write: Write, *, autocommit: bool = False) -> Any:
         """Run ``write`` in one transaction, committed or rolled back as it says; retried
-        while the database is unreachable. Return its value."""
+        while the database is unreachable. Return its value.
+
+        ``autocommit``: each statement of ``write`` is whole on its own (one round
+        trip each, no BEGIN and COMMIT); what it "rolls back" is only reads.
+        """
         deadline = record_deadline()
         retrying = False
         delay = 0.2
         while True:
             session = db.session
             try:
+                if autocommit:
+                    autocommit_next(session)
                 commit, value = write(session, boots.holders(self.run_id), retrying)
                 if commit:
                     session.commit()
@@ -116,11 +122,13 @@ class Fence:
                 delay = min(2.0, delay * 2)
 
     def _end(self, write: Callable[[Session, list[uuid.UUID]], bool],
-             already_done: Callable[[Row], bool]) -> bool:
+             already_done: Callable[[Row], bool], *, single: bool = False) -> bool:
         """One fenced write that ends the run's hold; False if the claim was lost.
 
         When an earlier try's commit may have applied with its reply lost,
-        ``already_done(row)`` recognises our own write.
+        ``already_done(row)`` recognises our own write. ``single``: ``write`` is one
+        statement, so a run that holds no slot (no locks to take first) ends in
+        autocommit, one round trip.
         """
         def attempt(session: Session, ours: list[uuid.UUID], retrying: bool
                     ) -> tuple[bool, bool]:
@@ -135,7 +143,7 @@ class Fence:
                 return (True, True) if write(session, now_ours) else (False, False)
             return False, retrying and row is not None and already_done(row)
 
-        return self._commit(attempt)
+        return self._commit(attempt, autocommit=single and not self.slots)
 
     def _finished_by_us(self, row: Row) -> bool:
         return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)
@@ -310,10 +318,10 @@ class Fence:
 
     def finish(self, close: EntryClose | None, *, status: str, result: Any = None,
                error: dict | None = None) -> bool:
-        """Close the last entry and end the run in one transaction; False if not ours."""
-        return self._end(lambda session, ours: self._closed(session, ours, close) and finish_run(
-            session, self.run_id, ours, status=status, result=result, error=error),
-            self._finished_by_us)
+        """Close the last entry and end the run in one statement; False if not ours."""
+        return self._end(lambda session, ours: finish_run(
+            session, self.run_id, ours, status=status, result=result, error=error, close=close,
+            slots=self.slots), self._finished_by_us, single=True)
 
     def retry(self, close: EntryClose | None, *, delay: float, error: dict) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""

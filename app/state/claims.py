@@ -56,6 +56,7 @@ from .compose import (
     with_event,
     with_woken,
 )
+from .ledger import CLOSE_EVENT_FIELDS, ENTRY_EVENT_FIELDS, EntryClose
 from .runs import finish_requested_cancel, lock_slots
 
 
@@ -282,22 +283,81 @@ def _adopt(slots: bool):
 ADOPT = _adopt(slots=False)
 ADOPT_SLOT = _adopt(slots=True)
 
-FINISH = with_event(
-    """
+# A run's end, its last step entry's close and their events: one statement, so a
+# run that ends costs one round trip (in autocommit unless the run holds a slot).
+# ``close``: None (no entry to close), "insert" (an entry that needed no row while it
+# ran is written now, with its step.entered event) or "update" (the entry's row is
+# closed; the run ends only if that entry is still open). Events are one INSERT in
+# order: step.entered, step.<status>, run.<status>.
+# ``slots``: the run holds a slot of a limited group (after ``LOCK_SLOTS``, in a
+# transaction): its end re-queues the next run waiting for the slot. A run claimed
+# outside every group leaves slot_release out (its statement costs Postgres a third
+# less to plan); a tenant cap set while it ran is woken by beat (``WAKE_WAITING``).
+def _finish(close: str | None, slots: bool):
+    entry_open = ("\n       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry "
+                  "AND e.run_id = :run\n                   AND e.status IN ('running', 'waiting'))"
+                  if close == "update" else "")
+    ctes = [f"""
+    WITH changed AS (
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
-    """,
-    _RUN_COLUMNS + ", status",
-    "CAST(:event_type AS text)",
-    f"{_ATTEMPT} || coalesce(CAST(:event_extra AS jsonb), '{{}}'::jsonb)",
-    # A child's finish counts for its parent's join and may re-queue the parent:
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots){entry_open}
+     RETURNING {_RUN_COLUMNS}, status)"""]
+    events = []
+    if close == "insert":
+        ctes.append("""
+    entry AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                                  next_step, finished_at)
+        SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
+               CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
+          FROM changed
+        RETURNING id, run_id, entry_no, step_id, next_step, error)""")
+        events.append(f"SELECT 1, 'step.entered', {ENTRY_EVENT_FIELDS} FROM entry "
+                      "WHERE CAST(:events AS boolean)")
+    elif close == "update":
+        ctes.append("""
+    entry AS (
+        UPDATE step_entries e
+           SET status = :entry_status, actions = CAST(:actions AS jsonb),
+               outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
+               next_step = :next_step, finished_at = now()
+          FROM changed
+         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
+        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error)""")
+    if close is not None:
+        events.append(f"SELECT 2, CAST(:entry_event AS text), {CLOSE_EVENT_FIELDS} FROM entry "
+                      "WHERE CAST(:events AS boolean)")
+    events.append(f"SELECT 3, CAST(:event_type AS text), {_ATTEMPT} || "
+                  "coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed")
+    union = "\n                 UNION ALL ".join(events)
+    ctes.append(f"""
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c,
+               ({union}) AS e(ord, type, fields)
+         ORDER BY e.ord)""")
+    # A child's end counts for its parent's join and may re-queue the parent:
     # decided here, in the finish statement (see app/runs.py); the end of a run of
     # a limited group re-queues the next run waiting for its slot.
-    then=JOIN_RELEASE + slot_release(),
-    select=with_woken(join=True),
-)
+    then = JOIN_RELEASE + (slot_release() if slots else "")
+    select = with_woken(join=True) if slots else WITH_WOKEN
+    return text(",".join(ctes) + then + f"\n    SELECT {select} FROM changed\n")
+
+
+FINISH = _finish(None, slots=True)
+FINISH_INSERTED = _finish("insert", slots=True)
+FINISH_CLOSED = _finish("update", slots=True)
+FINISH_UNLIMITED = _finish(None, slots=False)
+FINISH_INSERTED_UNLIMITED = _finish("insert", slots=False)
+FINISH_CLOSED_UNLIMITED = _finish("update", slots=False)
+_FINISHES = {(None, True): FINISH, ("insert", True): FINISH_INSERTED,
+             ("update", True): FINISH_CLOSED, (None, False): FINISH_UNLIMITED,
+             ("insert", False): FINISH_INSERTED_UNLIMITED,
+             ("update", False): FINISH_CLOSED_UNLIMITED}
 
 RELEASE = with_event(
     """
@@ -487,14 +547,30 @@ def finish_run(
     status: str,
     result: Any = None,
     error: dict | None = None,
+    close: EntryClose | None = None,
+    slots: bool = True,
 ) -> bool:
-    """Record a terminal state, fenced by this boot's claim; False if the claim was lost."""
+    """Record a terminal state, fenced by this boot's claim; False if the claim was lost.
+
+    ``close``: the run's last step entry, closed in the same statement (the run
+    ends only if that entry is still open). ``slots``: False for a run claimed
+    outside every limited group (no slot to hand on).
+    """
     assert status in TERMINAL_STATUSES
-    row = session.execute(FINISH, {
+    params = {
         "run": run_id, "boots": _fence(boot_id), "status": status, "result": _json(result),
         "error": _json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
-    }).one_or_none()
+    }
+    kind = None
+    if close is not None:
+        kind = "insert" if close.entry_id is None else "update"
+        params.update(entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
+                      entry_status=close.status, actions=_json(close.actions),
+                      outputs=_json(close.outputs), entry_error=_json(close.error),
+                      next_step=close.next_step, events=close.events,
+                      entry_event=f"step.{close.status}")
+    row = session.execute(_FINISHES[kind, slots], params).one_or_none()
     send_woken(session, row)
     return row is not None
 

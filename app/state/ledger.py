@@ -108,7 +108,7 @@ FENCE = """
 # The claimer's liveness, evaluated in the claim statement itself.
 LIVE = f"live AS (SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :claimer) AS ok)"
 
-_ENTRY_FIELDS = ("jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, "
+ENTRY_EVENT_FIELDS = ("jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, "
                  "'entry_id', entry.id)")
 
 ENTER = text(f"""
@@ -119,7 +119,7 @@ ENTER = text(f"""
         RETURNING id, run_id, entry_no, step_id, children_total, children_done
     ),
     event AS ({outbox_rows("entry JOIN run ON run.id = entry.run_id", "'step.entered'",
-                           _ENTRY_FIELDS, "CAST(:events AS boolean)", run_id="entry.run_id",
+                           ENTRY_EVENT_FIELDS, "CAST(:events AS boolean)", run_id="entry.run_id",
                            tenant_id="run.tenant_id")})
     SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id
 """)
@@ -200,7 +200,7 @@ def _complete_marker_sql(spawned: bool) -> str:
 COMPLETE_MARKER = text(_complete_marker_sql(spawned=False))
 COMPLETE_SPAWN = text(_complete_marker_sql(spawned=True))
 
-_CLOSE_FIELDS = (f"{_ENTRY_FIELDS} || jsonb_build_object('next_step', entry.next_step) || "
+CLOSE_EVENT_FIELDS = (f"{ENTRY_EVENT_FIELDS} || jsonb_build_object('next_step', entry.next_step) || "
                  "CASE WHEN entry.error IS NULL THEN '{}'::jsonb "
                  "ELSE jsonb_build_object('error', entry.error - 'traceback') END")
 
@@ -216,7 +216,7 @@ CLOSE_ENTRY = text(f"""
         RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error, run.tenant_id,
                   run.cancel_requested
     ),
-    event AS ({outbox_rows("entry", "CAST(:event_type AS text)", _CLOSE_FIELDS,
+    event AS ({outbox_rows("entry", "CAST(:event_type AS text)", CLOSE_EVENT_FIELDS,
                            "CAST(:events AS boolean)", run_id="entry.run_id",
                            tenant_id="entry.tenant_id")})
     SELECT id, cancel_requested FROM entry
@@ -237,7 +237,7 @@ INSERT_CLOSED = text(f"""
     event AS ({outbox_rows(
         "entry JOIN run ON run.id = entry.run_id, (VALUES (1, 'step.entered'), "
         "(2, CAST(:event_type AS text))) AS t(ord, type)", "t.type",
-        f"CASE t.ord WHEN 1 THEN {_ENTRY_FIELDS} ELSE {_CLOSE_FIELDS} END",
+        f"CASE t.ord WHEN 1 THEN {ENTRY_EVENT_FIELDS} ELSE {CLOSE_EVENT_FIELDS} END",
         "CAST(:events AS boolean)", run_id="entry.run_id", tenant_id="run.tenant_id",
         order_by="t.ord")})
     SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id

@@ -843,21 +843,19 @@ WITH
         SELECT * FROM changed;
 
 -- app/state/claims.py: FINISH
-WITH  changed AS (
+WITH changed AS (
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
      WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-        event AS (
+    event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, CAST(:event_type AS text),
-               jsonb_build_object('run_id', (id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb)
-          FROM changed
-         WHERE true
-
-    )
-        ,
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c,
+               (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         ORDER BY e.ord),
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -916,7 +914,327 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+
+-- app/state/claims.py: FINISH_INSERTED
+WITH changed AS (
+    UPDATE runs
+       SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + :failed
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+    entry AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                                  next_step, finished_at)
+        SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
+               CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
+          FROM changed
+        RETURNING id, run_id, entry_no, step_id, next_step, error),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c,
+               (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
+                 UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+                 UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         ORDER BY e.ord),
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+
+-- app/state/claims.py: FINISH_CLOSED
+WITH changed AS (
+    UPDATE runs
+       SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + :failed
+     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
+                   AND e.status IN ('running', 'waiting'))
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+    entry AS (
+        UPDATE step_entries e
+           SET status = :entry_status, actions = CAST(:actions AS jsonb),
+               outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
+               next_step = :next_step, finished_at = now()
+          FROM changed
+         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
+        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c,
+               (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+                 UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         ORDER BY e.ord),
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.status = 'waiting'
+                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+
+-- app/state/claims.py: FINISH_UNLIMITED
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c,
+           (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     ORDER BY e.ord),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- app/state/claims.py: FINISH_INSERTED_UNLIMITED
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+entry AS (
+    INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                              next_step, finished_at)
+    SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
+           CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
+      FROM changed
+    RETURNING id, run_id, entry_no, step_id, next_step, error),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c,
+           (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     ORDER BY e.ord),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- app/state/claims.py: FINISH_CLOSED_UNLIMITED
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+   AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
+               AND e.status IN ('running', 'waiting'))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+entry AS (
+    UPDATE step_entries e
+       SET status = :entry_status, actions = CAST(:actions AS jsonb),
+           outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
+           next_step = :next_step, finished_at = now()
+      FROM changed
+     WHERE e.id = :entry AND e.status IN ('running', 'waiting')
+    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c,
+           (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     ORDER BY e.ord),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: RELEASE
 WITH  changed AS (

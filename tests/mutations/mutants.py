@@ -214,6 +214,14 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_a_claim_is_one_statement_in_autocommit",),
     ),
     Mutant(
+        "finish_in_a_transaction",
+        "a run outside every limited group ends in one statement in autocommit (issue 25)",
+        "workers/fence.py",
+        "autocommit=single and not self.slots",
+        "autocommit=False",
+        (f"{CLAIM_TESTS}::test_a_run_ends_in_one_statement_in_autocommit",),
+    ),
+    Mutant(
         "unrecordable_outcome_keeps_the_boot",
         "a claim whose outcome cannot be recorded ends the boot (the run becomes wreckage)",
         "workers/execution.py",

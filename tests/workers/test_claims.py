@@ -195,6 +195,30 @@ def test_a_claim_is_one_statement_in_autocommit(app, admit, pg, fresh_boot, stat
         "succeeded",)
 
 
+def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, statements):
+    """Issue 25: a run outside every limited group ends (its last entry closed, the run
+    finished, their events) in one statement, in autocommit: a run costs two round trips."""
+    from workers.execution import execute_run
+
+    warm, run_id = admit("echo", {"x": 0}), admit("echo", {"x": 1})
+    with app.app_context():
+        execute_run(str(warm))  # this process's boot is registered by its first claim
+    statements.clear()
+    with app.app_context():
+        assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
+    assert len(statements) == 2, [sql for sql, _ in statements]
+    (claim, claim_autocommit), (finish, finish_autocommit) = statements
+    assert "SET status = 'running'" in claim and claim_autocommit
+    assert "INSERT INTO step_entries" in finish and "SET status = %(status)s" in finish
+    assert finish_autocommit, "the finish ran inside a transaction (BEGIN ... COMMIT)"
+    assert "slot_woken" not in finish  # a run that holds no slot hands none on
+    events = [r[0] for r in pg.execute(
+        "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
+    assert events == ["run.admitted", "run.started", "run.succeeded"]  # a bare function: no
+    # step events (a workflow of steps gets step.entered, step.<status>, run.<status> in
+    # that order from the same statement: tests/workers/test_step_entry_dispatch.py)
+
+
 def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app, admit, pg,
                                                                              fresh_boot):
     """The worker cannot load the run's workflow (a rolling deploy): back to queued, the
