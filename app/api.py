@@ -319,7 +319,7 @@ def create_runs():
                   origin_detail=(request.headers.get("User-Agent") or "")[:255] or None)
     # Two statements, each whole on its own (the insert with its events; the read of the
     # keys it found taken): autocommit, as the single endpoint's admission.
-    autocommit_next(db.session)
+    autocommit_next(db.session)  # a batch: ADMIT_MANY, then HOLDERS if a key was taken
     try:
         outcomes: list[Any] = admit_many(db.session, [req for _, _, req in valid], **common)
     except sa_exc.DataError:
