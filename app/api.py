@@ -328,7 +328,7 @@ def create_runs():
         db.session.rollback()
         outcomes = [_admit_in_savepoint(req, common) for _, _, req in valid]
     counts = {"created": 0, "replayed": 0, "conflict": 0}
-    for (position, fields, _), outcome in zip(valid, outcomes):
+    for (position, fields, _), outcome in zip(valid, outcomes, strict=True):
         if isinstance(outcome, Admission):
             counts["created" if outcome.created else "replayed"] += 1
             results[position] = {"status": 201 if outcome.created else 200,

@@ -238,7 +238,7 @@ class Fence:
             tenant_id=self.tenant_id, origin=AdmissionOrigin.FANOUT,
             origin_detail=f"spawn_each {key}"[:255], parent_run_id=self.run_id)
         children, admitted, replayed = [], [], 0
-        for ordinal, ((ikey, _, _), admission) in enumerate(zip(effect.children, outcomes)):
+        for ordinal, ((ikey, _, _), admission) in enumerate(zip(effect.children, outcomes, strict=True)):
             if not isinstance(admission, Admission):
                 raise admission  # a child admission refuses: the marker fails, as before
             children.append((admission.run.id, ordinal, ikey))
