@@ -282,3 +282,23 @@ def test_batches_with_overlapping_keys_in_reverse_order_do_not_deadlock(app, ten
     assert created == len(keys)
     a_ids = [run for run, _ in a["results"]]
     assert [run for run, _ in b["results"]] == a_ids[::-1]
+
+
+def test_over_real_http_a_refused_value_fails_only_its_item(live_api, tenant, pg):
+    """Through gunicorn, where the batch runs in autocommit: Postgres refusing one item's
+    value fails the whole insert, and the items are then admitted each alone."""
+    import requests
+
+    body = ('{"runs": [{"workflow_ref": "echo", "input": {"n": 1e-16384}}, '
+            '{"workflow_ref": "echo", "dispatch_key": "x"}, '
+            '{"workflow_ref": "echo", "dispatch_key": "x"}]}')
+    first = requests.post(f"{live_api}/v1/runs/batch", data=body, timeout=30,
+                          headers={**tenant.headers, "Content-Type": "application/json"})
+    assert first.status_code == 200, first.text
+    assert [r["status"] for r in first.json()["results"]] == [422, 201, 200]
+    again = requests.post(f"{live_api}/v1/runs/batch", timeout=30, headers=tenant.headers,
+                          json={"runs": [{"workflow_ref": "echo", "dispatch_key": "x"},
+                                         {"workflow_ref": "echo"}]})
+    assert [r["status"] for r in again.json()["results"]] == [200, 201]
+    assert pg.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
+    assert pg.execute("SELECT count(*) FROM outbox").fetchone()[0] == 2
