@@ -79,6 +79,29 @@ def openapi_document() -> dict[str, Any]:
     }
     run_id = {"name": "run_id", "in": "path", "required": True,
               "schema": {"type": "string", "format": "uuid"}}
+    run_request = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["workflow_ref"],
+        "properties": {
+            "workflow_ref": {"type": "string", "minLength": 1, "maxLength": 200,
+                             "pattern": "\\S",
+                             "description": "'name' or 'name@version' of a "
+                                            "registered workflow"},
+            "input": {"type": "object", "default": {}},
+            "goal_id": {"type": "string", "minLength": 1, "maxLength": 255,
+                        "nullable": True},
+            "dispatch_key": {"type": "string", "minLength": 1, "maxLength": 255,
+                             "nullable": True},
+            "concurrency_key": {
+                "type": "string", "minLength": 1, "maxLength": 255,
+                "nullable": True,
+                "description": "The run's concurrency group within its workflow "
+                               "(default: the workflow's concurrency_key(input), "
+                               "else none); a workflow with a concurrency_limit "
+                               "runs at most that many runs of one key at once"},
+        },
+    }
     return {
         "openapi": "3.0.3",
         "info": {"title": "Poimen", "version": "1",
@@ -169,6 +192,53 @@ def openapi_document() -> dict[str, Any]:
                     },
                 },
             },
+            "/v1/runs/batch": {
+                "post": {
+                    "operationId": "createRuns",
+                    "summary": "Admit many runs at once, each as POST /v1/runs would alone",
+                    "description": "Answers 200 with one result per item, in request order: "
+                                   "201 and the run (created), 200 and the run (a replay, "
+                                   "also for an item repeating an earlier item's "
+                                   "dispatch_key), or the status and error the single "
+                                   "endpoint would give that item alone (400, 409, 422). A "
+                                   "bad item never fails its neighbours. At most "
+                                   "POIMEN_BATCH_MAX items (1000 by default).",
+                    "parameters": [tenant_header, {
+                        "name": "Idempotency-Key", "in": "header", "required": False,
+                        "description": "Not accepted on a batch (a 422): send dispatch_key "
+                                       "per item.",
+                        "schema": {"type": "string"}}],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["runs"],
+                            "properties": {"runs": {
+                                "type": "array",
+                                "items": {"$ref": "#/components/schemas/BatchRunRequest"}}},
+                        }}},
+                    },
+                    "responses": {
+                        "200": {"description": "One result per item, in request order",
+                                "content": {"application/json": {"schema": {
+                                    "type": "object",
+                                    "required": ["results"],
+                                    "properties": {"results": {
+                                        "type": "array",
+                                        "items": {"$ref": "#/components/schemas/BatchResult"},
+                                    }}}}}},
+                        **_auth_errors("malformed JSON, or a body that is not an object",
+                                       scoped=False),
+                        "413": _error("Body over 1 MiB, or batch_too_large: more items than "
+                                      "POIMEN_BATCH_MAX (details: max, given); nothing is "
+                                      "admitted"),
+                        "415": _error("Body is not application/json"),
+                        "422": _error("The body has no runs array (or other fields), or an "
+                                      "Idempotency-Key header was sent"),
+                    },
+                },
+            },
             "/v1/runs/{run_id}": {
                 "get": {
                     "operationId": "getRun",
@@ -204,27 +274,34 @@ def openapi_document() -> dict[str, Any]:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
-                "RunRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["workflow_ref"],
+                "RunRequest": run_request,
+                "BatchRunRequest": {
+                    **run_request,
                     "properties": {
-                        "workflow_ref": {"type": "string", "minLength": 1, "maxLength": 200,
-                                         "pattern": "\\S",
-                                         "description": "'name' or 'name@version' of a "
-                                                        "registered workflow"},
-                        "input": {"type": "object", "default": {}},
-                        "goal_id": {"type": "string", "minLength": 1, "maxLength": 255,
-                                    "nullable": True},
-                        "dispatch_key": {"type": "string", "minLength": 1, "maxLength": 255,
-                                         "nullable": True},
-                        "concurrency_key": {
-                            "type": "string", "minLength": 1, "maxLength": 255,
-                            "nullable": True,
-                            "description": "The run's concurrency group within its workflow "
-                                           "(default: the workflow's concurrency_key(input), "
-                                           "else none); a workflow with a concurrency_limit "
-                                           "runs at most that many runs of one key at once"},
+                        **run_request["properties"],
+                        "traceparent": {
+                            "type": "string", "nullable": True,
+                            "description": "W3C Trace Context of this item, as the "
+                                           "traceparent header of POST /v1/runs: kept on a "
+                                           "new run when valid, ignored (never an error) if "
+                                           "not"},
+                        "tracestate": {"type": "string", "nullable": True,
+                                       "description": "W3C Trace Context of this item, "
+                                                      "as the tracestate header"},
+                    },
+                },
+                "BatchResult": {
+                    "type": "object",
+                    "required": ["status"],
+                    "properties": {
+                        "status": {"type": "integer", "enum": [200, 201, 400, 409, 422]},
+                        "run": {"$ref": "#/components/schemas/Run"},
+                        "error": {
+                            "type": "object",
+                            "required": ["code", "message", "details"],
+                            "properties": {"code": {"type": "string"},
+                                           "message": {"type": "string"},
+                                           "details": {"type": "object"}}},
                     },
                 },
                 "Run": {

@@ -31,7 +31,7 @@ def test_every_statement_is_named_in_the_rendered_file():
     from app.state import rendered
 
     names = [where for where, _ in rendered.statements()]
-    for transition in ("ADMIT", "CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "RELEASE", "RETRY", "FINISH",
+    for transition in ("ADMIT", "ADMIT_MANY", "HOLDERS", "CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "RELEASE", "RETRY", "FINISH",
                        "WAIT", "CANCEL", "DEAD_BOOT_RUNS", "ENTER", "CLAIM_MARKER",
                        "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "INSERT_EVENT",
                        "CLAIM_SLOT", "TAKE_OVER_SLOT", "LOCK_SLOTS", "WAKE_WAITING"):

@@ -338,3 +338,22 @@ def test_the_trace_context_headers_and_field_are_documented():
     assert {"traceparent", "tracestate"} <= params
     run = document["components"]["schemas"]["Run"]
     assert "traceparent" in run["required"] and run["properties"]["traceparent"]["nullable"]
+
+
+def test_batch_answers_conform(api, app, monkeypatch):
+    """Issue 25: POST /v1/runs/batch's answers, each item's included, are the documented ones."""
+    def batch(body, **kwargs):
+        return api.send("POST", "/v1/runs/batch", json=body, **kwargs)
+
+    results = batch({"runs": [
+        {"workflow_ref": "versioned", "dispatch_key": "b1", "traceparent": "nope"},
+        {"workflow_ref": "versioned", "dispatch_key": "b1"},
+        {"workflow_ref": "versioned", "input": {"other": 1}, "dispatch_key": "b1"},
+        {"workflow_ref": "no-such-flow"}, 7]}).get_json()["results"]
+    assert [r["status"] for r in results] == [201, 200, 409, 422, 400]
+    assert batch({"runs": []}).get_json() == {"results": []}
+    assert batch({"runs": {}}).status_code == 422
+    assert batch([]).status_code == 400
+    assert batch({"runs": []}, headers={"Idempotency-Key": "k"}).status_code == 422
+    monkeypatch.setitem(app.config, "POIMEN_BATCH_MAX", 1)
+    assert batch({"runs": [{"workflow_ref": "versioned"}] * 2}).status_code == 413

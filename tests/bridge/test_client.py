@@ -235,6 +235,42 @@ def test_wait_times_out_with_the_run_as_last_seen(live_api, tenant):
     assert err.value.run.id == run.id and err.value.run.status == "queued"
 
 
+# -- batches (issue 25) ------------------------------------------------------------------------
+
+
+def test_admit_many_answers_each_item_in_order_with_runs_or_errors(live_api, tenant, pg):
+    with fast(live_api, tenant.token) as runs:
+        first = runs.admit("echo", {"v": 1}, dispatch_key="batch-1")
+        results = runs.admit_many([
+            {"workflow_ref": "echo", "input": {"v": 2}},                          # created
+            {"workflow_ref": "echo", "input": {"v": 1}, "dispatch_key": "batch-1"},  # replay
+            {"workflow_ref": "echo", "input": {"v": 9}, "dispatch_key": "batch-1"},  # conflict
+            {"workflow_ref": "no-such-flow"},                                      # 422
+        ])
+        assert runs.admit_many([]) == []
+    created, replay, conflict, unknown = results
+    assert not created.replayed and created.dispatch_key.startswith("client-")
+    assert replay.replayed and replay.id == first.id
+    assert isinstance(conflict, DispatchKeyConflict) and conflict.run_id == first.id
+    assert isinstance(unknown, InvalidRequest) and unknown.code == "unknown_workflow"
+    assert len(rows(pg, tenant.id)) == 2
+
+
+def test_every_run_of_a_batch_executes(live_api, tenant, test_env, tmp_path):
+    """Real processes (gunicorn and a worker): each run a batch admitted is sent after its
+    commit and reaches succeeded."""
+    worker = start_worker(test_env, tmp_path, "batch-worker")
+    try:
+        with fast(live_api, tenant.token) as runs:
+            admitted = runs.admit_many([{"workflow_ref": "echo", "input": {"n": n}}
+                                        for n in range(12)])
+            done = [runs.wait(run.id, timeout=120) for run in admitted]
+    finally:
+        worker.teardown()  # SIGKILL: the worker's shutdown is not what this tests
+    assert [run.status for run in done] == ["succeeded"] * 12
+    assert [run.result for run in done] == [{"n": n} for n in range(12)]
+
+
 # -- what is retried, and what is not ----------------------------------------------------------
 
 

@@ -84,6 +84,28 @@ MUTANTS: list[Mutant] = [
         "input::text::numeric IS NULL OR true AS same_input",
         ("tests/app/test_hostile_input.py::test_true_and_1_under_one_key_are_a_conflict",),
     ),
+    Mutant(
+        "batch_check_then_insert",
+        "a batch's keys are decided by the index too: it never reads which keys exist, "
+        "then inserts the missing ones",
+        "app/state/runs.py",
+        "     ORDER BY r.dispatch_key, r.ord\n"
+        "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
+        "     WHERE NOT EXISTS (SELECT 1 FROM runs x WHERE x.tenant_id = :tenant_id\n"
+        "                          AND x.dispatch_key = r.dispatch_key)\n"
+        "     ORDER BY r.dispatch_key, r.ord\n",
+        ("tests/app/test_batch_admission.py::"
+         "test_the_index_decides_a_key_held_by_an_uncommitted_batch",),
+    ),
+    Mutant(
+        "batch_insert_in_request_order",
+        "a batch inserts its rows in key order, so two batches sharing keys cannot deadlock",
+        "app/state/runs.py",
+        "     ORDER BY r.dispatch_key, r.ord\n",
+        "     ORDER BY r.ord\n",
+        ("tests/app/test_batch_admission.py::"
+         "test_batches_with_overlapping_keys_in_reverse_order_do_not_deadlock",),
+    ),
     # -- claims -------------------------------------------------------------------------------
     Mutant(
         "claim_without_claimer_liveness",

@@ -329,6 +329,36 @@ class Runs:
         answer, doc = self._call("POST", "/v1/runs", json.dumps(request).encode())
         return Run.from_json(doc, replayed=answer.status == 200)
 
+    def admit_many(self, items: Sequence[Mapping[str, Any]]) -> list[Run | ApiError]:
+        """Admit many runs in one request (``POST /v1/runs/batch``); one result per item, in
+        order: the ``Run`` (``replayed`` if the API answered with an existing one), or the
+        ``ApiError`` the API gave that item (``DispatchKeyConflict``, ``InvalidRequest``).
+
+        An item is ``admit``'s arguments as a mapping: ``workflow_ref``, and optionally
+        ``input``, ``dispatch_key``, ``goal_id``, ``concurrency_key``, ``traceparent`` and
+        ``tracestate``. An item without ``dispatch_key`` gets one generated for this call,
+        so a retry of the whole batch replays every item instead of admitting it twice.
+        A batch the API refuses whole (more items than its ``POIMEN_BATCH_MAX``: a 413)
+        raises ``InvalidRequest``.
+        """
+        runs = []
+        for item in items:
+            request = dict(item)
+            request["input"] = dict(request.get("input") or {})
+            if request.get("dispatch_key") is None:
+                request["dispatch_key"] = f"{GENERATED_KEY_PREFIX}{uuid.uuid4()}"
+            runs.append(request)
+        _, doc = self._call("POST", "/v1/runs/batch", json.dumps({"runs": runs}).encode(),
+                            expect_run=False)
+        results: list[Run | ApiError] = []
+        for result in doc["results"]:
+            status = int(result["status"])
+            if status in (200, 201) and _is_run(result.get("run")):
+                results.append(Run.from_json(result["run"], replayed=status == 200))
+            else:
+                results.append(_api_error(status, {"error": result.get("error")}, None))
+        return results
+
     def get(self, run_id: str) -> Run:
         """Return the run; raise ``RunNotFound`` if this tenant has no such run."""
         return Run.from_json(self._call("GET", f"/v1/runs/{run_id}")[1])
