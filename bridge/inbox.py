@@ -343,6 +343,7 @@ class PartitionWork:
         """Record one call's outcomes, each slot its own; a retry in it holds the whole
         partition for ``retry_delay``.
         """
+        settled = list(settled)
         self.calls -= 1
         retried = False
         for slot, outcome in settled:
