@@ -43,6 +43,8 @@ DEFAULT_TOPIC_PARTITIONS = 4
 DEFAULT_OUTBOX_RETENTION = 7 * 86400.0  # published outbox rows are kept a week
 
 MAX_BODY_BYTES = 1024 * 1024
+# The most items one POST /v1/runs/batch may carry (more is a 413, nothing admitted).
+DEFAULT_BATCH_MAX = 1000
 REDIS_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
                    "none": ssl.CERT_NONE}
 
@@ -160,6 +162,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY",
                                                DEFAULT_TAKEOVER_DELAY)),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
+        # The most runs one POST /v1/runs/batch may admit.
+        "POIMEN_BATCH_MAX": int(env.get("POIMEN_BATCH_MAX", DEFAULT_BATCH_MAX)),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
         "POIMEN_SHUTDOWN_GRACE": shutdown_grace(env),
         # How long a worker retries recording a run's outcome while the database is away.

@@ -1,8 +1,9 @@
 """Admission: the one function that creates runs.
 
-The HTTP view, a parent run's fan-out and the tests all call ``admit_run``;
-nothing else creates runs. Its statement is the store's (``app/state/runs.py``:
-``ADMIT``). Exactly-once is decided by the partial unique index on ``(tenant_id, dispatch_key)``: the insert is ``ON CONFLICT DO
+The HTTP view, a parent run's fan-out and the tests all call ``admit_run`` (or,
+for many runs at once, ``admit_many``: the same rule, one multi-row statement);
+nothing else creates runs. Its statements are the store's (``app/state/runs.py``:
+``ADMIT``, ``ADMIT_MANY``). Exactly-once is decided by the partial unique index on ``(tenant_id, dispatch_key)``: the insert is ``ON CONFLICT DO
 NOTHING RETURNING id`` and a miss reads the row that won, compared with the
 request by Postgres. There is no check-then-insert, so concurrent callers with
 one key cannot both create.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from json.encoder import (  # the C string encoders the json module uses itself
     encode_basestring,
@@ -245,9 +246,130 @@ def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: s
         input_json=input_json, goal_id=goal_id)
     if existing is None:
         return None
+    outcome = _replay_of(session, existing)
+    if isinstance(outcome, AdmissionConflict):
+        raise outcome
+    return outcome
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run ``admit_many`` is asked for: what ``admit_run`` takes per run."""
+
+    workflow_ref: str
+    input: dict[str, Any]
+    goal_id: str | None = None
+    dispatch_key: str | None = None
+    concurrency_key: str | None = None
+    trace: TraceContext | None = None
+
+
+# What admit_many answers per request: the admission, or what admit_run would have raised.
+Outcome = Admission | AdmissionConflict | registry.UnknownWorkflow | registry.InvalidConcurrencyKey
+
+
+def admit_many(
+    session: Session,
+    requests: Sequence[RunRequest],
+    *,
+    tenant_id: int,
+    origin: AdmissionOrigin = AdmissionOrigin.INTERNAL,
+    origin_detail: str | None = None,
+    parent_run_id: uuid.UUID | None = None,
+) -> list[Outcome]:
+    """Admit ``requests`` in ``session``'s transaction, as ``admit_run`` would one by one,
+    in one insert (``ADMIT_MANY``) and one read of the keys it found taken (``HOLDERS``).
+
+    Return one outcome per request, in order: an ``Admission``, or the exception
+    ``admit_run`` would have raised for that request alone (``AdmissionConflict``,
+    ``registry.UnknownWorkflow``, ``registry.InvalidConcurrencyKey``). A request
+    repeating an earlier request's ``dispatch_key`` is a replay of that run (or a
+    conflict). A value Postgres refuses (``DataError``) fails the whole statement:
+    the caller decides (the API admits each request alone to find the bad one).
+    Sends follow the caller's commit, as ``admit_run``'s do.
+    """
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    inserts: list[dict[str, Any]] = []
+    workflows: dict[int, registry.Workflow] = {}
+    taken: list[int] = []  # requests whose key must be read back: ON CONFLICT skipped them
+    for ordinal, req in enumerate(requests):
+        try:
+            workflow = registry.resolve(req.workflow_ref)
+        except registry.UnknownWorkflow as err:
+            # As in admit_run: a replay of a run whose version left the registry is a replay.
+            outcomes[ordinal] = err
+            if req.dispatch_key is not None:
+                taken.append(ordinal)
+            continue
+        try:
+            key, limit = registry.concurrency_of(workflow, req.input, req.concurrency_key)
+        except registry.InvalidConcurrencyKey as err:
+            outcomes[ordinal] = err
+            continue
+        workflows[ordinal] = workflow
+        inserts.append(dict(
+            ord=ordinal, id=str(uuid.uuid4()), workflow_ref=req.workflow_ref,
+            workflow_name=workflow.name, workflow_version=workflow.version, input=req.input,
+            goal_id=req.goal_id, dispatch_key=req.dispatch_key,
+            definition_hash=workflow.definition_hash, concurrency_key=key,
+            concurrency_limit=limit,
+            traceparent=req.trace.traceparent if req.trace is not None else None,
+            tracestate=req.trace.tracestate if req.trace is not None else None,
+        ))
+    origin_value = AdmissionOrigin(origin).value
+    if inserts:
+        rows = state_runs.admit_many(session, tenant_id=tenant_id, runs_json=dumps(inserts),
+                                     origin=origin_value, origin_detail=origin_detail,
+                                     parent_run_id=parent_run_id)
+        by_id = {str(row.id): row for row in rows}
+        for values in inserts:
+            row = by_id.get(values["id"])
+            if row is not None:
+                outcomes[values["ord"]] = Admission(run=row, created=True)
+            elif registry.KEY_REUSE_POLICIES[workflows[values["ord"]].key_reuse]:
+                # Rare: a policy may let this request take an ended run's key. The single
+                # path decides that (RELEASE_KEY, then ADMIT; else a replay or a conflict).
+                outcomes[values["ord"]] = _admit_alone(
+                    session, requests[values["ord"]], tenant_id=tenant_id, origin=origin,
+                    origin_detail=origin_detail, parent_run_id=parent_run_id)
+            else:
+                taken.append(values["ord"])
+    if taken:
+        # Under READ COMMITTED this statement sees the rows ON CONFLICT waited for (and
+        # those this batch inserted itself); Postgres compares them with each request.
+        holders = {row.request_ord: row for row in state_runs.holders_of_keys(
+            session, tenant_id=tenant_id, requests_json=dumps([
+                {"ord": i, "dispatch_key": requests[i].dispatch_key,
+                 "workflow_ref": requests[i].workflow_ref, "input": requests[i].input,
+                 "goal_id": requests[i].goal_id} for i in sorted(taken)]))}
+        for ordinal in taken:
+            existing = holders.get(ordinal)
+            if existing is None:
+                if outcomes[ordinal] is None:
+                    # The key's holder moved on between the two statements (key reuse by
+                    # another caller): decide this one alone, as admit_run does.
+                    outcomes[ordinal] = _admit_alone(
+                        session, requests[ordinal], tenant_id=tenant_id, origin=origin,
+                        origin_detail=origin_detail, parent_run_id=parent_run_id)
+                continue  # an unknown workflow and no run holds its key: stays UnknownWorkflow
+            outcomes[ordinal] = _replay_of(session, existing)
+    return outcomes  # type: ignore[return-value]
+
+
+def _admit_alone(session: Session, req: RunRequest, **common: Any) -> Outcome:
+    try:
+        return admit_run(session, workflow_ref=req.workflow_ref, input=req.input,
+                         goal_id=req.goal_id, dispatch_key=req.dispatch_key,
+                         concurrency_key=req.concurrency_key, trace=req.trace, **common)
+    except (AdmissionConflict, registry.UnknownWorkflow, registry.InvalidConcurrencyKey) as err:
+        return err
+
+
+def _replay_of(session: Session, existing: Row) -> Admission | AdmissionConflict:
+    """The outcome of a request whose key ``existing`` holds (with its ``same_*`` columns)."""
     diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
     if diffs:
-        raise AdmissionConflict(existing, diffs)
+        return AdmissionConflict(existing, diffs)
     if existing.status == RunStatus.QUEUED:
         # Its first message may have been lost; a duplicate is absorbed by claims.
         send_after_commit(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 import uuid
 from datetime import datetime
@@ -18,7 +19,10 @@ from workers import registry
 from . import logs, metrics, tracecontext
 from . import runs as run_service
 from .admission import (
+    Admission,
     AdmissionConflict,
+    RunRequest,
+    admit_many,
     admit_run,
     dumps,
     loads,
@@ -33,8 +37,11 @@ from .openapi import openapi_document
 from .state import runs as state_runs
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
+log = logging.getLogger(__name__)
 
 RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"}
+# A batch item is a POST /v1/runs body plus that item's W3C Trace Context.
+TRACE_FIELDS = ("traceparent", "tracestate")
 MAX_KEY_LEN = 255
 MAX_REF_LEN = 200
 DEFAULT_PAGE = 50
@@ -214,33 +221,12 @@ def create_run():
             trace=tracecontext.from_headers(request.headers),
             **fields,
         )
-    except registry.UnknownWorkflow as err:
+    except (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.DataError,
+            AdmissionConflict) as err:
         db.session.rollback()
-        raise ApiError(422, "unknown_workflow", str(err),
-                       {"workflow_ref": fields["workflow_ref"]}) from err
-    except registry.InvalidConcurrencyKey as err:
-        # The message names the workflow and the exception type, never the input.
-        db.session.rollback()
-        raise ApiError(422, "validation_failed", "the run request is invalid",
-                       {"fields": {"concurrency_key": str(err)}}) from err
-    except sa_exc.DataError as err:
-        # Every value in the statement came from the request, so Postgres refusing
-        # one (a number beyond numeric's range, say) is the request's fault: a 422,
-        # never a 500. The database's message is not repeated: it quotes the value.
-        db.session.rollback()
-        reason = type(err.orig).__name__
-        raise ApiError(422, "validation_failed", "the run request cannot be stored",
-                       {"fields": {"input": f"refused by the database ({reason})"}}) from err
-    except AdmissionConflict as err:
-        db.session.rollback()
-        metrics.ADMISSIONS.labels("http", "conflict").inc()
-        raise ApiError(
-            409,
-            "dispatch_key_conflict",
-            str(err),
-            {"run_id": str(err.existing.id), "dispatch_key": err.existing.dispatch_key,
-             "differs": err.fields},
-        ) from err
+        if isinstance(err, AdmissionConflict):
+            metrics.ADMISSIONS.labels("http", "conflict").inc()
+        raise refusal(err, fields) from err
     body = serialize_run(admission.run, principal.tenant_name)
     location = url_for("v1.get_run", run_id=admission.run.id)
     db.session.commit()
@@ -256,6 +242,122 @@ def create_run():
     response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = location
     return response
+
+
+def refusal(err: Exception, fields: dict[str, Any]) -> ApiError:
+    """The API's answer to an admission refusing a request (``admit_run`` raised ``err``)."""
+    if isinstance(err, registry.UnknownWorkflow):
+        return ApiError(422, "unknown_workflow", str(err), {"workflow_ref": fields["workflow_ref"]})
+    if isinstance(err, registry.InvalidConcurrencyKey):
+        # The message names the workflow and the exception type, never the input.
+        return ApiError(422, "validation_failed", "the run request is invalid",
+                        {"fields": {"concurrency_key": str(err)}})
+    if isinstance(err, sa_exc.DataError):
+        # Every value in the statement came from the request, so Postgres refusing
+        # one (a number beyond numeric's range, say) is the request's fault: a 422,
+        # never a 500. The database's message is not repeated: it quotes the value.
+        reason = type(err.orig).__name__
+        return ApiError(422, "validation_failed", "the run request cannot be stored",
+                        {"fields": {"input": f"refused by the database ({reason})"}})
+    if isinstance(err, AdmissionConflict):
+        return ApiError(409, "dispatch_key_conflict", str(err),
+                        {"run_id": str(err.existing.id),
+                         "dispatch_key": err.existing.dispatch_key, "differs": err.fields})
+    raise TypeError(f"not an admission refusal: {type(err).__name__}") from err
+
+
+def _item_error(err: ApiError) -> dict[str, Any]:
+    return {"status": err.status,
+            "error": {"code": err.code, "message": err.message, "details": err.details}}
+
+
+def _batch_item(item: Any) -> tuple[dict[str, Any], tracecontext.TraceContext | None]:
+    """The cleaned fields and trace context of one batch item, or raise its 400/422."""
+    if not isinstance(item, dict):
+        raise ApiError(400, "invalid_body", "each item of runs must be a JSON object",
+                       {"type": type(item).__name__})
+    run_body = {name: value for name, value in item.items() if name not in TRACE_FIELDS}
+    fields = validate_run_request(run_body)
+    # Like the single endpoint's headers: kept when valid, ignored (never an error) if not.
+    trace = tracecontext.from_headers(
+        {name: item[name] for name in TRACE_FIELDS if isinstance(item.get(name), str)})
+    return fields, trace
+
+
+@bp.post("/runs/batch")
+@require_token(ADMIT)
+def create_runs():
+    """Admit many runs in one request: each item as ``POST /v1/runs`` would alone, answered
+    in order; a bad item never fails its neighbours (docs/guide/api.md#batch-admission)."""
+    started = time.perf_counter()
+    if request.headers.get("Idempotency-Key") is not None:
+        raise ApiError(422, "validation_failed", "the batch request is invalid", {"fields": {
+            "Idempotency-Key": "not accepted on a batch: send dispatch_key per item"}})
+    body = _json_body()
+    items = body.get("runs")
+    problems = {name: "unknown field" for name in sorted(set(body) - {"runs"})}
+    if not isinstance(items, list):
+        problems["runs"] = "required: an array of run requests"
+    if problems:
+        raise ApiError(422, "validation_failed", "the batch request is invalid",
+                       {"fields": problems})
+    limit = current_app.config["POIMEN_BATCH_MAX"]
+    if len(items) > limit:
+        raise ApiError(413, "batch_too_large", f"a batch holds at most {limit} runs",
+                       {"max": limit, "given": len(items)})
+    principal = g.principal
+    results: list[dict[str, Any] | None] = [None] * len(items)
+    valid: list[tuple[int, dict[str, Any], RunRequest]] = []
+    for position, item in enumerate(items):
+        try:
+            fields, trace = _batch_item(item)
+        except ApiError as err:
+            results[position] = _item_error(err)
+            continue
+        valid.append((position, fields, RunRequest(trace=trace, **fields)))
+    common = dict(tenant_id=principal.tenant_id, origin=AdmissionOrigin.HTTP,
+                  origin_detail=(request.headers.get("User-Agent") or "")[:255] or None)
+    # Two statements, each whole on its own (the insert with its events; the read of the
+    # keys it found taken): autocommit, as the single endpoint's admission.
+    autocommit_next(db.session)
+    try:
+        outcomes: list[Any] = admit_many(db.session, [req for _, _, req in valid], **common)
+    except sa_exc.DataError:
+        # Postgres refused a value of some item, which failed the whole statement (nothing
+        # was admitted): admit each alone, in a savepoint, so only that item is refused.
+        db.session.rollback()
+        outcomes = [_admit_in_savepoint(req, common) for _, _, req in valid]
+    counts = {"created": 0, "replayed": 0, "conflict": 0}
+    for (position, fields, _), outcome in zip(valid, outcomes):
+        if isinstance(outcome, Admission):
+            counts["created" if outcome.created else "replayed"] += 1
+            results[position] = {"status": 201 if outcome.created else 200,
+                                 "run": serialize_run(outcome.run, principal.tenant_name)}
+        else:
+            counts["conflict"] += isinstance(outcome, AdmissionConflict)
+            results[position] = _item_error(refusal(outcome, fields))
+    db.session.commit()
+    for outcome, count in counts.items():
+        if count:
+            metrics.ADMISSIONS.labels("batch", outcome).inc(count)
+    metrics.ADMISSION_SECONDS.labels("batch").observe(time.perf_counter() - started)
+    # One line per batch: counts only (no input, no key: a line must not carry a request's data).
+    log.info("batch admission: %d item(s), %d created, %d replayed, %d refused",
+             len(items), counts["created"], counts["replayed"],
+             len(items) - counts["created"] - counts["replayed"])
+    return _json({"results": results})
+
+
+def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
+    """One batch item admitted alone (``admit_run``), its refusal returned, not raised."""
+    try:
+        with db.session.begin_nested():
+            return admit_run(db.session, workflow_ref=req.workflow_ref, input=req.input,
+                             goal_id=req.goal_id, dispatch_key=req.dispatch_key,
+                             concurrency_key=req.concurrency_key, trace=req.trace, **common)
+    except (AdmissionConflict, registry.UnknownWorkflow, registry.InvalidConcurrencyKey,
+            sa_exc.DataError) as err:
+        return err
 
 
 def _load_run(run_id: str) -> Run:

@@ -123,6 +123,9 @@ SETTINGS: tuple[Setting, ...] = (
           "The inbox's token: a service token with `--scope admit`. Required."),
     _proc("POIMEN_TOKEN_CACHE_SECONDS", "10", WEB,
           "How long a looked-up token is trusted (a revocation takes up to this long)."),
+    _proc("POIMEN_BATCH_MAX", "1000", WEB,
+          "The most items one `POST /v1/runs/batch` may carry; more is a 413 "
+          "(`batch_too_large`) and nothing is admitted. The body must also fit in 1 MiB."),
     # -- database pool
     _db("POIMEN_DB_PRE_PING", "1", APP,
         "`1`: ping a pooled connection at checkout when the server wrote to its socket "

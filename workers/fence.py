@@ -27,7 +27,7 @@ from psycopg import Error as PsycopgError
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.admission import admit_run
+from app.admission import Admission, RunRequest, admit_many
 from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
@@ -228,13 +228,19 @@ class Fence:
                          event_type=effect.event_type, idempotency_key=key, step=step_id,
                          entry=entry_no, data=effect.data)
             return {"event": effect.event_type}, None
+        # Every child in one statement (ADMIT_MANY) and one read of the keys taken already
+        # (a resumed entry re-derives its keys: those children are replays).
+        outcomes = admit_many(
+            session,
+            [RunRequest(workflow_ref=effect.workflow_ref, input=child_input,
+                        goal_id=self.goal_id, dispatch_key=dispatch_key, trace=self.trace)
+             for _, dispatch_key, child_input in effect.children],
+            tenant_id=self.tenant_id, origin=AdmissionOrigin.FANOUT,
+            origin_detail=f"spawn_each {key}"[:255], parent_run_id=self.run_id)
         children, admitted, replayed = [], [], 0
-        for ordinal, (ikey, dispatch_key, child_input) in enumerate(effect.children):
-            admission = admit_run(
-                session, tenant_id=self.tenant_id, workflow_ref=effect.workflow_ref,
-                input=child_input, goal_id=self.goal_id, dispatch_key=dispatch_key,
-                origin=AdmissionOrigin.FANOUT, origin_detail=f"spawn_each {key}"[:255],
-                parent_run_id=self.run_id, trace=self.trace)
+        for ordinal, ((ikey, _, _), admission) in enumerate(zip(effect.children, outcomes)):
+            if not isinstance(admission, Admission):
+                raise admission  # a child admission refuses: the marker fails, as before
             children.append((admission.run.id, ordinal, ikey))
             admitted.append(str(admission.run.id))
             replayed += not admission.created

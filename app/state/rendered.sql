@@ -34,6 +34,44 @@ SELECT runs.*,
   FROM runs
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
 
+-- app/state/runs.py: ADMIT_MANY
+WITH  changed AS (
+INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
+                  goal_id, dispatch_key, status, attempt, failures, cancel_requested,
+                  origin, origin_detail, parent_run_id, definition_hash,
+                  traceparent, tracestate, concurrency_key, concurrency_limit)
+SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
+       r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
+       :origin_detail, :parent_run_id, r.definition_hash,
+       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
+  FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
+       ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
+       input jsonb, goal_id text, dispatch_key text, definition_hash text,
+       traceparent text, tracestate text, concurrency_key text, concurrency_limit int)
+ ORDER BY r.dispatch_key, r.ord
+ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+ RETURNING *),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.admitted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.admitted') || jsonb_build_object('workflow_ref', workflow_name || '@' || workflow_version, 'goal_id', goal_id, 'dispatch_key', dispatch_key, 'origin', origin)
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- app/state/runs.py: HOLDERS
+SELECT q.ord AS request_ord, runs.*,
+       runs.workflow_ref IS NOT DISTINCT FROM q.workflow_ref AS same_workflow_ref,
+       runs.input = q.input AS same_input,
+       runs.goal_id IS NOT DISTINCT FROM q.goal_id AS same_goal_id
+  FROM jsonb_to_recordset(CAST(:requests AS jsonb)) AS q(
+       ord int, dispatch_key text, workflow_ref text, input jsonb, goal_id text)
+  JOIN runs ON runs.tenant_id = :tenant_id AND runs.dispatch_key = q.dispatch_key
+           AND runs.dispatch_key IS NOT NULL;
+
 -- app/state/runs.py: RELEASE_KEY
 UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key

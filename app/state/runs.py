@@ -3,6 +3,8 @@
 * admit: ``ADMIT`` inserts a run unless its ``(tenant_id, dispatch_key)`` is
   taken, decided by the partial unique index (``ON CONFLICT DO NOTHING``); a
   miss reads the run that holds the key with ``EXISTING``. Never a read first.
+  A batch is ``ADMIT_MANY`` (one multi-row insert, its rows ordered by key) and one
+  ``HOLDERS`` read for the keys it found taken.
   A workflow whose ``key_reuse`` policy allows it takes an ended run's key with
   ``RELEASE_KEY`` (conditional on the holder's status, in the statement) and
   inserts again; the index still decides who holds the key.
@@ -82,6 +84,51 @@ EXISTING = text(
 )
 
 
+# A batch (``POST /v1/runs/batch``, a parent's fan-out): ``ADMIT``'s rule for many runs in
+# one statement. The requests come as one jsonb array (``:runs``: one object per run, its
+# ``ord`` the request's position); each row the index lets in gets its ``run.admitted``
+# event in the same statement, and a key already held (or taken by an earlier request of
+# the same batch) is skipped, to be read back with ``HOLDERS``. The rows go in ordered by
+# key: two batches that share keys take them in one order, so neither can hold a key the
+# other waits for while it waits for one the other holds (a deadlock).
+ADMIT_MANY = with_event(
+    """
+    INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
+                      goal_id, dispatch_key, status, attempt, failures, cancel_requested,
+                      origin, origin_detail, parent_run_id, definition_hash,
+                      traceparent, tracestate, concurrency_key, concurrency_limit)
+    SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
+           r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
+           :origin_detail, :parent_run_id, r.definition_hash,
+           r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
+      FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
+           ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
+           input jsonb, goal_id text, dispatch_key text, definition_hash text,
+           traceparent text, tracestate text, concurrency_key text, concurrency_limit int)
+     ORDER BY r.dispatch_key, r.ord
+    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+    """,
+    "*",
+    "'run.admitted'",
+    "jsonb_build_object('workflow_ref', workflow_name || '@' || workflow_version, "
+    "'goal_id', goal_id, 'dispatch_key', dispatch_key, 'origin', origin)",
+)
+
+# A batch's misses: for each request (``:requests``, its ``ord``, key and compared fields)
+# whose key was taken, the run that holds it, compared by Postgres as ``EXISTING`` does.
+HOLDERS = text(
+    """
+    SELECT q.ord AS request_ord, runs.*,
+           runs.workflow_ref IS NOT DISTINCT FROM q.workflow_ref AS same_workflow_ref,
+           runs.input = q.input AS same_input,
+           runs.goal_id IS NOT DISTINCT FROM q.goal_id AS same_goal_id
+      FROM jsonb_to_recordset(CAST(:requests AS jsonb)) AS q(
+           ord int, dispatch_key text, workflow_ref text, input jsonb, goal_id text)
+      JOIN runs ON runs.tenant_id = :tenant_id AND runs.dispatch_key = q.dispatch_key
+               AND runs.dispatch_key IS NOT NULL
+    """
+)
+
 # Key reuse: move the key off the run that holds it, if that run ended in a status the
 # policy names (and, with a ttl, long enough ago), so the next insert can take it. The
 # status is checked here, in the statement that takes the row lock, never by an earlier
@@ -120,6 +167,28 @@ def admit(session: Session, values: dict, *, input_json: str, event_json: str) -
                           row.traceparent, row.tracestate)
     return row
 
+
+def admit_many(session: Session, *, tenant_id: int, runs_json: str, origin: str,
+               origin_detail: str | None, parent_run_id: uuid.UUID | None) -> list[Row]:
+    """Insert the runs ``runs_json`` describes (a JSON array of objects: ``ord``, ``id``
+    and the per-run columns), each with its ``run.admitted`` event; return the rows
+    inserted (a request whose key is taken has none). Each is sent once ``session``
+    commits."""
+    rows = session.execute(ADMIT_MANY, {
+        "tenant_id": tenant_id, "runs": runs_json, "origin": origin,
+        "origin_detail": origin_detail, "parent_run_id": parent_run_id}).all()
+    for row in rows:
+        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                          row.traceparent, row.tracestate)
+    return rows
+
+
+def holders_of_keys(session: Session, *, tenant_id: int, requests_json: str) -> list[Row]:
+    """The runs holding the keys of ``requests_json`` (a JSON array of objects: ``ord``,
+    ``dispatch_key``, ``workflow_ref``, ``input``, ``goal_id``), each with ``request_ord``
+    and the ``same_*`` columns comparing that request."""
+    return session.execute(HOLDERS, {"tenant_id": tenant_id,
+                                     "requests": requests_json}).all()
 
 def holder_of_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow_ref: str,
                   input_json: str, goal_id: str | None) -> Row | None:
