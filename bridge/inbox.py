@@ -1,4 +1,4 @@
-"""The Kafka inbox: ``<prefix>.<tenant>.dispatch`` messages become runs via ``POST /v1/runs``.
+"""The Kafka inbox: ``<prefix>.<tenant>.dispatch`` messages become runs via the API.
 
 The relay is an HTTP client of the API, never an in-process caller of
 admission, so every run it creates went through the same validation, auth and
@@ -18,6 +18,12 @@ its origin in headers, at once, so no message can stall its partition; a
 partition is paused, and is never skipped. An exception from the relay's own
 code is retried, and becomes a message fault on the third consecutive try on
 the same offset: a bug must not strand a partition.
+
+Each partition's messages are posted in batches, one ``POST /v1/runs/batch`` per
+batch (up to ``batch_max`` messages, lingering ``batch_linger_ms`` for more), and
+each message ends as it would have alone: its item of the answer is judged by the
+single request's table, a whole-batch fault is every message's, and a batch the
+server refuses as such (413) is split, down to a lone ``POST /v1/runs``.
 
 Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
 from the environment when it starts: ``poimenconfig.inbox_settings``.

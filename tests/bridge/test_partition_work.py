@@ -292,7 +292,7 @@ def test_a_batch_commits_only_past_items_admitted_or_dead_lettered_in_order(
     batch = work.take_many(now=0, window=1, limit=100)
     assert [s.message.offset() for s in batch] == list(range(10, 10 + len(outcomes)))
     assert (work.calls, work.in_flight, work.waiting) == (1, len(outcomes), 0)
-    work.settle_many(zip(batch, (OUTCOMES[o] for o in outcomes)), now=0, retry_delay=2.0)
+    work.settle_many(zip(batch, (OUTCOMES[o] for o in outcomes), strict=True), now=0, retry_delay=2.0)
     assert work.commit_offset == expected
     assert work.calls == 0 and work.in_flight == 0
     if retried:
@@ -306,7 +306,7 @@ def test_batch_commits_past_failed_item_never():
     """The named rule of mutant ``batch_commits_past_failed_item``."""
     work = work_with(10, 11, 12)
     batch = work.take_many(now=0, window=1, limit=3)
-    work.settle_many(zip(batch, (DONE, RETRY, DONE)), now=0, retry_delay=1.0)
+    work.settle_many(zip(batch, (DONE, RETRY, DONE), strict=True), now=0, retry_delay=1.0)
     assert work.commit_offset == 11 and work.revoke_offset() == 11
     assert [s.state for s in work.slots] == [SlotState.FAILED, SlotState.DONE]
 
@@ -318,9 +318,9 @@ def test_take_many_honours_the_limit_the_bytes_and_the_window():
     second = work.take_many(now=0, window=2, limit=2)
     assert [s.message.offset() for s in second] == [2, 3]
     assert work.take_many(now=0, window=2, limit=2) == []  # two calls in flight
-    work.settle_many(zip(second, (DONE, DONE)), now=0)
+    work.settle_many(zip(second, (DONE, DONE), strict=True), now=0)
     assert work.commit_offset is None  # 0 and 1 are still in flight
-    work.settle_many(zip(first, (DONE, DONE)), now=0)
+    work.settle_many(zip(first, (DONE, DONE), strict=True), now=0)
     assert work.commit_offset == 4
     # Bytes: each message costs its bytes plus the item's overhead; at least one goes.
     big = PartitionWork("poimen.acme.dispatch", 0, "acme")
@@ -353,9 +353,9 @@ def test_revoke_during_a_batch_commits_exactly_the_done_prefix():
     work = work_with(10, 11, 12, 13)
     first = work.take_many(now=0, window=2, limit=2)   # 10, 11
     second = work.take_many(now=0, window=2, limit=2)  # 12, 13
-    work.settle_many(zip(second, (DONE, DONE)), now=0)
+    work.settle_many(zip(second, (DONE, DONE), strict=True), now=0)
     work.close()
     assert work.revoke_offset() is None  # 10 and 11 are in flight
     assert work.take_many(now=10, window=8, limit=8) == []
-    work.settle_many(zip(first, (DONE, RETRY)), now=0, retry_delay=1.0)
+    work.settle_many(zip(first, (DONE, RETRY), strict=True), now=0, retry_delay=1.0)
     assert work.revoke_offset() == 11
