@@ -382,6 +382,11 @@ class InboxSettings:
     group: str = "poimen-inbox"
     concurrency: int = 8              # parallel partitions, and so HTTP sessions (one per thread)
     partition_window: int = 1         # calls in flight per partition; 1 is strict order
+    # One POST /v1/runs/batch carries up to batch_max of a partition's messages (and
+    # under the API's 1 MiB body); a batch that is not full waits batch_linger_ms
+    # from its oldest message for more, so a lone message waits at most that long.
+    batch_max: int = 100
+    batch_linger_ms: float = 5.0
     http_timeout: float = 15.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
@@ -412,6 +417,8 @@ INBOX_VARIABLES = {
     "group": "POIMEN_INBOX_GROUP",
     "concurrency": "POIMEN_INBOX_CONCURRENCY",
     "partition_window": "POIMEN_INBOX_PARTITION_WINDOW",
+    "batch_max": "POIMEN_INBOX_BATCH_MAX",
+    "batch_linger_ms": "POIMEN_INBOX_BATCH_LINGER_MS",
     "http_timeout": "POIMEN_INBOX_HTTP_TIMEOUT",
     "backoff_initial": "POIMEN_INBOX_BACKOFF_INITIAL",
     "backoff_max": "POIMEN_INBOX_BACKOFF_MAX",
@@ -449,6 +456,10 @@ def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
     if "metrics_port" not in values and env.get("PORT"):
         values["metrics_port"] = int(env["PORT"])
     values["group"] = consumer_group(values.get("group", defaults["group"]), env)
+    if values.get("batch_max", defaults["batch_max"]) < 1:
+        raise SystemExit("POIMEN_INBOX_BATCH_MAX must be at least 1")
+    if values.get("batch_linger_ms", defaults["batch_linger_ms"]) < 0:
+        raise SystemExit("POIMEN_INBOX_BATCH_LINGER_MS must not be negative")
     if values.get("session_timeout_ms", defaults["session_timeout_ms"]) < MIN_SESSION_TIMEOUT_MS:
         # Kafka's group.min.session.timeout.ms (6 s) refuses a shorter one at JoinGroup,
         # and the relay would never get a partition.

@@ -196,6 +196,12 @@ SETTINGS: tuple[Setting, ...] = (
     _inbox("POIMEN_INBOX_CONCURRENCY", "8", INBOX, "Partitions delivered in parallel."),
     _inbox("POIMEN_INBOX_PARTITION_WINDOW", "1", INBOX,
            "Calls in flight per partition (1: strict order)."),
+    _inbox("POIMEN_INBOX_BATCH_MAX", "100", INBOX,
+           "Messages of one partition per `POST /v1/runs/batch` (also kept under the API's "
+           "1 MiB body; `1`: one message per call)."),
+    _inbox("POIMEN_INBOX_BATCH_LINGER_MS", "5", INBOX,
+           "Milliseconds a batch that is not full waits from its oldest message for more; "
+           "`0`: post what waits at once."),
     _inbox("POIMEN_INBOX_HTTP_TIMEOUT", "15", INBOX, "Seconds to wait for the API's answer."),
     _inbox("POIMEN_INBOX_BACKOFF_INITIAL", "0.5", INBOX, "First retry backoff, seconds."),
     _inbox("POIMEN_INBOX_BACKOFF_MAX", "30", INBOX, "Retry backoff cap, seconds."),

@@ -4,6 +4,9 @@
 from starting ``python -m bridge.inbox`` until all 10,000 runs are admitted.
 The baseline is the same number of ``POST /v1/runs`` from 16 threads with
 keep-alive sessions. Target: relay throughput >= 0.9 of direct admission (issue 10).
+The relay posts each partition's messages in batches (``POST /v1/runs/batch``, up to
+``POIMEN_INBOX_BATCH_MAX``); the run prints how many calls it made and their mean size,
+and fails if it made none (the batch path was not exercised).
 
 Both go to one gunicorn (``app:create_app()``) on a throwaway, migrated
 database and a throwaway Celery queue, so nothing of a developer's is touched.
@@ -38,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
 from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
 from poimen_dev.scratch import scratch_database  # noqa: E402
-from tests.processes import start_inbox, start_web  # noqa: E402
+from tests.processes import metrics, start_inbox, start_web  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## Kafka inbox (bench/inbox.py)"
@@ -162,13 +165,20 @@ def main() -> int:
         relay_env = {**env, "POIMEN_API_URL": api, "POIMEN_API_TOKEN": service_token,
                      "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"bench-{tag}"}
         started = time.monotonic()
-        relay, _ = start_inbox(relay_env, logs, name="inbox")
+        relay, relay_metrics = start_inbox(relay_env, logs, name="inbox")
         while (done := count_runs(db, "inbox")) < n:
             if time.monotonic() - started > 600:
                 raise RuntimeError(f"only {done} of {n} runs after 600 s; logs in {logs}")
             time.sleep(0.1)
         inbox_s = time.monotonic() - started
         relay_cpu = cpu_seconds_with_children(relay.pid)
+        scraped = metrics(relay_metrics)
+        calls = scraped.get(("poimen_inbox_batch_size_count", ()), 0)
+        batched = scraped.get(("poimen_inbox_batch_size_sum", ()), 0)
+        if not calls:
+            raise RuntimeError("the relay made no POST /v1/runs/batch call")
+        print(f"relay batches: {calls:.0f} calls of POST /v1/runs/batch, "
+              f"{batched / calls:.1f} messages each on average")
         print(f"inbox relay, {PARTITIONS} partitions: {n} runs in {inbox_s:.1f}s "
               f"= {n / inbox_s:.0f} runs/s")
         ratio = direct_s / inbox_s
@@ -196,7 +206,8 @@ def main() -> int:
                 f"(client CPU {client_cpu / n * 1000:.2f} ms/request)",
                 f"- inbox relay, {PARTITIONS} partitions pre-published, clock from relay start: "
                 f"{n} runs in {inbox_s:.1f} s = **{n / inbox_s:.0f} runs/s** "
-                f"(relay CPU {relay_cpu / n * 1000:.2f} ms/message)",
+                f"(relay CPU {relay_cpu / n * 1000:.2f} ms/message); {calls:.0f} calls of "
+                f"POST /v1/runs/batch, {batched / calls:.1f} messages each on average",
                 f"- first to last admission (Postgres' clock): direct {direct_span:.1f} s, "
                 f"relay {inbox_span:.1f} s (the relay's clock above includes its start-up "
                 f"and the consumer group's join: {inbox_s - inbox_span:.1f} s)",

@@ -1,4 +1,4 @@
-"""The Kafka inbox: ``<prefix>.<tenant>.dispatch`` messages become runs via ``POST /v1/runs``.
+"""The Kafka inbox: ``<prefix>.<tenant>.dispatch`` messages become runs via the API.
 
 The relay is an HTTP client of the API, never an in-process caller of
 admission, so every run it creates went through the same validation, auth and
@@ -18,6 +18,12 @@ its origin in headers, at once, so no message can stall its partition; a
 partition is paused, and is never skipped. An exception from the relay's own
 code is retried, and becomes a message fault on the third consecutive try on
 the same offset: a bug must not strand a partition.
+
+Each partition's messages are posted in batches, one ``POST /v1/runs/batch`` per
+batch (up to ``batch_max`` messages, lingering ``batch_linger_ms`` for more), and
+each message ends as it would have alone: its item of the answer is judged by the
+single request's table, a whole-batch fault is every message's, and a batch the
+server refuses as such (413) is split, down to a lone ``POST /v1/runs``.
 
 Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
 from the environment when it starts: ``poimenconfig.inbox_settings``.
@@ -52,14 +58,18 @@ from prometheus_client import (
 )
 
 import logconfig
-from poimenconfig import InboxSettings, inbox_settings
+from poimenconfig import MAX_BODY_BYTES, InboxSettings, inbox_settings
 
 from .inbox_faults import (
+    BATCH_PATH,
     DETAIL_CHARS,
     TENANT_NOT_FOUND,
     Fault,
     FaultKind,
     MessageFault,
+    batch_body,
+    batch_fault,
+    batch_item,
     response_fault,
     run_request_body,
 )
@@ -79,6 +89,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
 DLQ_RECORD_OVERHEAD = 512
 # Dead-letter writes refused for size are retried this many times, at half the size each.
 DLQ_SIZE_TRIES = 4
+# A batch's body stays under the API's limit (its 1 MiB MAX_CONTENT_LENGTH), less the
+# wrapper; a message too large to share a body goes alone.
+BATCH_MAX_BYTES = MAX_BODY_BYTES - 1024
 SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 # Incremental rebalances: a relay joining or leaving moves only the partitions that
 # change hands, so the others keep posting (eager revokes every partition of every
@@ -121,8 +134,12 @@ class InboxMetrics:
                                "Deliveries to retry (API down, 5xx, 429, timeouts), by reason.",
                                ["reason"], registry=r)
         self.api_latency = Histogram("poimen_inbox_api_latency_seconds",
-                                     "Latency of POST /v1/runs as seen by the inbox.",
-                                     registry=r)
+                                     "Latency of one call to the API (POST /v1/runs/batch) "
+                                     "as seen by the inbox.", registry=r)
+        self.batch_size = Histogram("poimen_inbox_batch_size",
+                                    "Messages per POST /v1/runs/batch.",
+                                    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+                                    registry=r)
         self.assigned = Gauge("poimen_inbox_assigned_partitions",
                               "Dispatch partitions assigned to this relay.", registry=r)
         self.derived_keys = Counter(
@@ -207,6 +224,10 @@ class SlotState(StrEnum):
     FAILED = "failed"  # its last delivery is to be retried
 
 
+# What one batch item adds to a message's bytes: the derived key, trace context, commas.
+BATCH_ITEM_OVERHEAD = 256
+
+
 def message_bytes(msg: Message) -> int:
     """What a fetched message costs the relay's memory (value and key)."""
     return len(msg.value() or b"") + len(msg.key() or b"")
@@ -219,6 +240,7 @@ class Slot:
     # Consecutive exceptions from our own code on this offset. Only the drain task
     # holding the slot (state RUNNING) touches it.
     internal_errors: int = 0
+    queued_at: float = 0.0  # when it was fetched (monotonic): the batch linger counts from it
 
 
 @dataclass
@@ -229,6 +251,10 @@ class PartitionWork:
     is a condition on it): the consumer thread appends and pauses, drain tasks take
     and settle, rebalance callbacks close. The class takes no lock of its own and
     reads no clock, so its rules are tested without threads or a broker.
+
+    Messages are delivered in batches (one ``POST /v1/runs/batch`` each): ``take_many``
+    takes several slots as one call, ``settle_many`` records each slot's own outcome.
+    The window counts calls in flight, not messages.
     """
 
     topic: str
@@ -237,9 +263,10 @@ class PartitionWork:
     slots: deque[Slot] = field(default_factory=deque)
     waiting: int = 0          # slots queued or failed
     in_flight: int = 0        # slots being delivered
+    calls: int = 0            # batches being delivered (each holds one or more slots)
     failed: int = 0           # slots whose last delivery is to be retried
     tasks: int = 0            # drain tasks submitted and not finished
-    attempts: int = 0         # consecutive retriable failures
+    attempts: int = 0         # consecutive retriable failures (calls with a retry in them)
     retry_at: float = 0.0     # no delivery before this (monotonic)
     next_offset: int = -1     # the offset after the last message appended
     buffered_bytes: int = 0   # bytes of the messages held in ``slots``
@@ -256,48 +283,98 @@ class PartitionWork:
     def failing(self) -> bool:
         return self.attempts > 0
 
-    def append(self, msg: Message) -> None:
+    def append(self, msg: Message, now: float = 0.0) -> None:
         # A resume after a pause may re-fetch from the consumer's position;
         # never hold an offset twice.
         if msg.offset() < self.next_offset:
             return
         self.next_offset = msg.offset() + 1
-        self.slots.append(Slot(msg))
+        self.slots.append(Slot(msg, queued_at=now))
         self.buffered_bytes += message_bytes(msg)
         self.waiting += 1
 
-    def take(self, now: float, window: int) -> Slot | None:
-        """Return the first message to deliver now, marked running, or None."""
-        if self.closing or now < self.retry_at or self.in_flight >= window:
-            return None
-        for slot in self.slots:
-            if slot.state in (SlotState.QUEUED, SlotState.FAILED):
-                if slot.state is SlotState.FAILED:
-                    self.failed -= 1
-                slot.state = SlotState.RUNNING
-                self.waiting -= 1
-                self.in_flight += 1
-                return slot
-        return None
+    def linger_left(self, now: float, limit: int, linger: float) -> float:
+        """Seconds to wait for more messages before posting what waits (0: post now).
 
-    def settle(self, slot: Slot, outcome: Outcome, now: float, retry_delay: float = 0.0) -> None:
-        """Record a delivery's outcome; a retry holds the whole partition for ``retry_delay``."""
-        self.in_flight -= 1
-        if not outcome.done:
+        A batch goes at once when it is full, when a message is to be retried (its
+        backoff was the wait), or when the oldest waiting message is ``linger`` old:
+        a lone message waits at most ``linger`` for company.
+        """
+        if linger <= 0 or self.waiting >= limit or self.failed:
+            return 0.0
+        for slot in self.slots:
+            if slot.state is SlotState.QUEUED:
+                return max(0.0, slot.queued_at + linger - now)
+        return 0.0
+
+    def take_many(self, now: float, window: int, limit: int, linger: float = 0.0,
+                  max_bytes: int | None = None) -> list[Slot]:
+        """Return the next messages to deliver as one call, marked running, or [].
+
+        Up to ``limit`` messages (and ``max_bytes``, but at least one), in offset
+        order, failed ones included: nothing once ``window`` calls are in flight,
+        during a retry's backoff, while the batch lingers, or once closing.
+        """
+        if (self.closing or now < self.retry_at or self.calls >= window
+                or self.linger_left(now, limit, linger) > 0):
+            return []
+        taken: list[Slot] = []
+        size = 0
+        for slot in self.slots:
+            if len(taken) >= limit:
+                break
+            if slot.state not in (SlotState.QUEUED, SlotState.FAILED):
+                continue
+            cost = message_bytes(slot.message) + BATCH_ITEM_OVERHEAD
+            if taken and max_bytes is not None and size + cost > max_bytes:
+                break
+            size += cost
+            if slot.state is SlotState.FAILED:
+                self.failed -= 1
+            slot.state = SlotState.RUNNING
+            taken.append(slot)
+        if taken:
+            self.waiting -= len(taken)
+            self.in_flight += len(taken)
+            self.calls += 1
+        return taken
+
+    def take(self, now: float, window: int) -> Slot | None:
+        """Return the first message to deliver now, alone, marked running, or None."""
+        taken = self.take_many(now, window, 1)
+        return taken[0] if taken else None
+
+    def settle_many(self, settled: Iterable[tuple[Slot, Outcome]], now: float,
+                    retry_delay: float = 0.0) -> None:
+        """Record one call's outcomes, each slot its own; a retry in it holds the whole
+        partition for ``retry_delay``.
+        """
+        settled = list(settled)
+        self.calls -= 1
+        retried = False
+        for slot, outcome in settled:
+            self.in_flight -= 1
+            if outcome.done:
+                slot.state = SlotState.DONE
+                continue
             slot.state = SlotState.FAILED
             self.failed += 1
             self.waiting += 1
+            retried = True
+        if retried:
             self.attempts += 1
             self.retry_at = now + retry_delay
-            return
-        slot.state = SlotState.DONE
-        if self.in_flight == 0 and self.failed == 0:
+        elif self.in_flight == 0 and self.failed == 0:
             self.attempts = 0
         # In-order commit: only the prefix of done messages moves the offset.
         while self.slots and self.slots[0].state is SlotState.DONE:
             done = self.slots.popleft().message
             self.buffered_bytes -= message_bytes(done)
             self.commit_offset = done.offset() + 1
+
+    def settle(self, slot: Slot, outcome: Outcome, now: float, retry_delay: float = 0.0) -> None:
+        """Record a lone delivery's outcome (``settle_many`` of one)."""
+        self.settle_many([(slot, outcome)], now, retry_delay)
 
     def close(self) -> None:
         """Take no new message: the partition is revoked or lost, or the relay stops."""
@@ -328,6 +405,16 @@ class PartitionWork:
     def should_resume(self, max_buffered: int, under_budget: bool = True) -> bool:
         return (self.paused and not self.failing and len(self.slots) <= max_buffered // 2
                 and under_budget)
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One parsed message on its way into a batch: its run request and trace context."""
+
+    message: Message
+    body: bytes
+    trace: dict[str, str]
+    derived: bool  # admitted under kafka:<topic>:<partition>:<offset>
 
 
 @dataclass(frozen=True)
@@ -396,6 +483,8 @@ class Inbox:
         self.config = config
         self.metrics = metrics or InboxMetrics()
         self._message_size = 1024.0  # running average of message bytes (for batch sizes)
+        # Items per POST /v1/runs/batch the API accepts, once a 413 batch_too_large said.
+        self._server_batch_max = config.batch_max
         self._topic = re.compile(rf"^{re.escape(config.prefix)}\.(.+)\.dispatch$")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -489,7 +578,10 @@ class Inbox:
         while not self._stop.is_set():
             messages = self._consumer.consume(num_messages=self._batch_size(),
                                               timeout=self._poll_timeout())
-            with self._lock:
+            with self._changed:
+                now = time.monotonic()
+                if messages:
+                    self._changed.notify_all()  # a lingering batch may be full now
                 for msg in messages:
                     if msg.error():
                         self._log_consumer_error(msg.error())
@@ -501,7 +593,7 @@ class Inbox:
                         # Holding it here would post it twice, and commit for a
                         # partition this relay no longer owns.
                         continue
-                    work.append(msg)
+                    work.append(msg, now)
                     self._message_size = 0.9 * self._message_size + 0.1 * message_bytes(msg)
             self._dispatch()
             now = time.monotonic()
@@ -656,6 +748,7 @@ class Inbox:
         now = time.monotonic()
         pause, resume = [], []
         window = self.config.partition_window
+        limit = self._batch_limit()
         with self._lock:
             # Memory is bounded in bytes, not only in messages: a thousand 1 MB
             # messages per partition against a slow API would be gigabytes.
@@ -665,9 +758,10 @@ class Inbox:
             under_budget = held <= self.config.buffer_bytes // 2
             for work in self._works.values():
                 if not work.closing and now >= work.retry_at:
-                    # Tasks not yet holding a slot will take one of the waiting messages.
-                    unclaimed = work.tasks - work.in_flight
-                    while work.tasks < window and work.waiting > unclaimed:
+                    # Tasks not yet holding a batch will take up to a batch of the
+                    # waiting messages each.
+                    unclaimed = work.tasks - work.calls
+                    while work.tasks < window and work.waiting > unclaimed * limit:
                         work.tasks += 1
                         unclaimed += 1
                         # Its records carry the tenant (LOG_FORMAT=json: a field).
@@ -684,29 +778,41 @@ class Inbox:
         if resume:
             self._consumer.resume(resume)
 
+    def _batch_limit(self) -> int:
+        """Messages per call: the setting, or less if the server said its limit is lower."""
+        return max(1, min(self.config.batch_max, self._server_batch_max))
+
     def _drain(self, work: PartitionWork) -> None:
-        """Deliver the partition's messages one after another until none is ready."""
+        """Deliver the partition's messages, a batch at a time, until none is ready."""
+        cfg = self.config
+        linger = cfg.batch_linger_ms / 1000
         try:
             while True:
-                with self._lock:
-                    slot = work.take(time.monotonic(), self.config.partition_window)
-                    if slot is None:
-                        work.tasks -= 1
-                        self._changed.notify_all()
-                        return
-                try:
-                    outcome = self.deliver(slot.message, work.tenant)
-                    slot.internal_errors = 0
-                except Exception as err:  # noqa: BLE001 - a bug must not strand the partition
-                    outcome = self._internal_error(slot, work.tenant, err)
+                with self._changed:
+                    while True:
+                        now = time.monotonic()
+                        limit = self._batch_limit()
+                        slots = work.take_many(now, cfg.partition_window, limit, linger,
+                                               BATCH_MAX_BYTES)
+                        if slots:
+                            break
+                        wait = work.linger_left(now, limit, linger)
+                        if (wait <= 0 or work.closing or now < work.retry_at
+                                or work.calls >= cfg.partition_window):
+                            work.tasks -= 1
+                            self._changed.notify_all()
+                            return
+                        # Not full yet: the consumer thread notifies as it appends.
+                        self._changed.wait(wait)
+                outcomes = self.deliver_batch(slots, work.tenant)
                 delay = 0.0
                 with self._lock:
-                    if not outcome.done:
-                        delay = backoff_delay(work.attempts + 1, self.config.backoff_initial,
-                                              self.config.backoff_max)
-                    work.settle(slot, outcome, time.monotonic(), delay)
+                    if not all(outcome.done for outcome in outcomes):
+                        delay = backoff_delay(work.attempts + 1, cfg.backoff_initial,
+                                              cfg.backoff_max)
+                    work.settle_many(zip(slots, outcomes, strict=True), time.monotonic(), delay)
                     attempt = work.attempts
-                self._record(slot.message, work.tenant, outcome, delay, attempt)
+                self._record(slots, work.tenant, outcomes, delay, attempt)
         except BaseException:
             with self._lock:
                 work.tasks -= 1
@@ -731,56 +837,141 @@ class Inbox:
             log.exception("could not dead-letter %s after our own errors", _where(msg))
             return Outcome(OutcomeKind.RETRY, "internal_error", detail=repr(err))
 
-    def _record(self, msg: Message, tenant: str, outcome: Outcome, delay: float,
+    def _record(self, slots: list[Slot], tenant: str, outcomes: list[Outcome], delay: float,
                 attempt: int) -> None:
         m = self.metrics
-        kind = outcome.kind
+        retries = [(slot.message, o) for slot, o in zip(slots, outcomes, strict=True)
+                   if o.kind is OutcomeKind.RETRY]
         with self._lock:
-            self._counts["retries" if kind is OutcomeKind.RETRY else kind.value] += 1
-        if kind is OutcomeKind.ADMITTED:
-            m.admitted.inc()
-        elif kind is OutcomeKind.REPLAYED:
-            m.replayed.inc()
-        elif kind is OutcomeKind.DEAD_LETTERED:
-            m.dead_lettered.labels(outcome.reason).inc()
-            m.dlq.labels(outcome.reason).inc()
-            log.warning("dead-lettered %s (message fault): reason=%s status=%s %s", _where(msg),
-                        outcome.reason, outcome.status or "-", outcome.detail)
-        else:
-            m.retries.labels(outcome.reason).inc()
-            if outcome.reason == TENANT_NOT_FOUND:
-                log.warning("tenant %r does not exist (yet): %s waits for it, retrying in %.1fs "
-                            "(attempt %d, partition paused); create the tenant, or delete %s",
-                            tenant, _where(msg), delay, attempt, msg.topic())
+            for outcome in outcomes:
+                kind = outcome.kind
+                self._counts["retries" if kind is OutcomeKind.RETRY else kind.value] += 1
+        for slot, outcome in zip(slots, outcomes, strict=True):
+            msg, kind = slot.message, outcome.kind
+            if kind is OutcomeKind.ADMITTED:
+                m.admitted.inc()
+            elif kind is OutcomeKind.REPLAYED:
+                m.replayed.inc()
+            elif kind is OutcomeKind.DEAD_LETTERED:
+                m.dead_lettered.labels(outcome.reason).inc()
+                m.dlq.labels(outcome.reason).inc()
+                log.warning("dead-lettered %s (message fault): reason=%s status=%s %s",
+                            _where(msg), outcome.reason, outcome.status or "-", outcome.detail)
             else:
-                log.warning("retrying %s in %.1fs (attempt %d, partition paused): %s %s %s",
-                            _where(msg), delay, attempt, outcome.reason, outcome.status or "",
-                            outcome.detail)
-        if outcome.derived_key and kind in (OutcomeKind.ADMITTED, OutcomeKind.REPLAYED):
-            m.derived_keys.inc()
+                m.retries.labels(outcome.reason).inc()
+            if outcome.derived_key and kind in (OutcomeKind.ADMITTED, OutcomeKind.REPLAYED):
+                m.derived_keys.inc()
+        if not retries:
+            return
+        # One line per call, not per message: a batch of 100 against a stopped API.
+        msg, outcome = retries[0]
+        more = f" (and {len(retries) - 1} more of its batch)" if len(retries) > 1 else ""
+        if outcome.reason == TENANT_NOT_FOUND:
+            log.warning("tenant %r does not exist (yet): %s%s waits for it, retrying in %.1fs "
+                        "(attempt %d, partition paused); create the tenant, or delete %s",
+                        tenant, _where(msg), more, delay, attempt, msg.topic())
+        else:
+            log.warning("retrying %s%s in %.1fs (attempt %d, partition paused): %s %s %s",
+                        _where(msg), more, delay, attempt, outcome.reason,
+                        outcome.status or "", outcome.detail)
 
     # -- delivery ----------------------------------------------------------------------------
 
-    def deliver(self, msg: Message, tenant: str) -> Outcome:
-        """POST one message as a run request; dead-letter it on a message fault.
+    def deliver_batch(self, slots: list[Slot], tenant: str) -> list[Outcome]:
+        """POST a partition's messages as one batch; return each message's outcome.
 
-        Nothing is raised for a fault of the message or of the delivery: the outcome
-        says which. An exception from here is a bug in the relay (see ``_drain``).
+        A message that cannot be parsed is dead-lettered on its own and never joins
+        the batch. The rest go in one ``POST /v1/runs/batch``, each item judged by
+        the single request's table. Nothing is raised for a fault of a message or
+        of the delivery: the outcomes say which. An exception from our own code on
+        one message is that message's (``_internal_error``); one while posting is
+        every posted message's.
         """
-        value = msg.value()
-        if self.config.test_raise_on and self.config.test_raise_on in (value or b""):
-            raise RuntimeError("injected by POIMEN_INBOX_TEST_RAISE_ON (a test-only setting)")
-        try:
-            body, derived = run_request_body(value, msg.topic(), msg.partition(), msg.offset())
-        except MessageFault as bad:
-            return self._fault(msg, tenant, bad.fault)
+        outcomes: list[Outcome | None] = [None] * len(slots)
+        entries: list[tuple[int, BatchEntry]] = []
+        for index, slot in enumerate(slots):
+            msg = slot.message
+            try:
+                value = msg.value()
+                if self.config.test_raise_on and self.config.test_raise_on in (value or b""):
+                    raise RuntimeError("injected by POIMEN_INBOX_TEST_RAISE_ON (a test-only "
+                                       "setting)")
+                try:
+                    body, derived = run_request_body(value, msg.topic(), msg.partition(),
+                                                     msg.offset())
+                except MessageFault as bad:
+                    outcomes[index] = self._fault(msg, tenant, bad.fault)
+                    continue
+                entries.append((index, BatchEntry(msg, body, trace_headers(msg), derived)))
+            except Exception as err:  # noqa: BLE001 - a bug must not strand the partition
+                outcomes[index] = self._internal_error(slot, tenant, err)
+        if entries:
+            try:
+                posted = self._post_batch([entry for _, entry in entries], tenant)
+            except Exception as err:  # noqa: BLE001 - a bug must not strand the partition
+                posted = [self._internal_error(slots[index], tenant, err) for index, _ in entries]
+            for (index, _), outcome in zip(entries, posted, strict=True):
+                outcomes[index] = outcome
+        for slot, outcome in zip(slots, outcomes, strict=True):
+            if outcome.reason != "internal_error":
+                slot.internal_errors = 0
+        return outcomes  # type: ignore[return-value]
+
+    def _post_batch(self, entries: list[BatchEntry], tenant: str) -> list[Outcome]:
+        """POST ``entries`` as ``POST /v1/runs/batch`` and judge the answer per item."""
+        limit = self._batch_limit()
+        if len(entries) > limit:  # the server's limit was learned after they were taken
+            return [o for at in range(0, len(entries), limit)
+                    for o in self._post_batch(entries[at:at + limit], tenant)]
+        count = len(entries)
+        body = batch_body([batch_item(e.body, e.trace) for e in entries])
+        self.metrics.batch_size.observe(count)
         started = time.monotonic()
         try:
             # Never a followed redirect (Transport follows none): a 301/302 turned the
             # POST into a GET of /v1/runs, whose 200 looked like a replay, and the
             # message was committed and lost.
-            answer = self._api.send("POST", "/v1/runs", body,
-                                    {"X-Poimen-Tenant": tenant, **trace_headers(msg)})
+            answer = self._api.send("POST", BATCH_PATH, body, {"X-Poimen-Tenant": tenant})
+        except TransportTimeout as err:
+            return [Outcome(OutcomeKind.RETRY, "timeout", detail=str(err))] * count
+        except TransportError as err:
+            return [Outcome(OutcomeKind.RETRY, "connection", detail=str(err))] * count
+        finally:
+            self.metrics.api_latency.observe(time.monotonic() - started)
+        verdict = batch_fault(answer.status, answer.header("Content-Type"), answer.data, count,
+                              answer.headers.get("Location"))
+        if verdict.split:
+            # The server refused the batch as such (413: too many items or bytes for
+            # it; a whole-batch 400/422): never a message's fault. Halves, until a
+            # lone message goes through POST /v1/runs and is judged as it always was.
+            if count == 1:
+                return [self._post_run(entries[0], tenant)]
+            if verdict.limit is not None and verdict.limit < count:
+                log.warning("the API takes at most %d runs per batch (%d sent): batches of %d "
+                            "from now on", verdict.limit, count, verdict.limit)
+                self._server_batch_max = verdict.limit
+                return self._post_batch(entries, tenant)
+            half = count // 2
+            return self._post_batch(entries[:half], tenant) + self._post_batch(entries[half:],
+                                                                             tenant)
+        if verdict.whole is not None:
+            fault = verdict.whole  # a delivery fault: split takes the others
+            return [Outcome(OutcomeKind.RETRY, fault.reason, fault.status, fault.detail)] * count
+        outcomes = []
+        for entry, (status, fault) in zip(entries, verdict.items, strict=True):
+            if fault is None:
+                kind = OutcomeKind.ADMITTED if status == 201 else OutcomeKind.REPLAYED
+                outcomes.append(Outcome(kind, status=status, derived_key=entry.derived))
+            else:
+                outcomes.append(self._fault(entry.message, tenant, fault))
+        return outcomes
+
+    def _post_run(self, entry: BatchEntry, tenant: str) -> Outcome:
+        """POST one message as ``POST /v1/runs``, judged by the single request's table."""
+        started = time.monotonic()
+        try:
+            answer = self._api.send("POST", "/v1/runs", entry.body,
+                                    {"X-Poimen-Tenant": tenant, **entry.trace})
         except TransportTimeout as err:
             return Outcome(OutcomeKind.RETRY, "timeout", detail=str(err))
         except TransportError as err:
@@ -792,8 +983,8 @@ class Inbox:
                                answer.headers.get("Location"))
         if fault is None:
             kind = OutcomeKind.ADMITTED if status == 201 else OutcomeKind.REPLAYED
-            return Outcome(kind, status=status, derived_key=derived)
-        return self._fault(msg, tenant, fault)
+            return Outcome(kind, status=status, derived_key=entry.derived)
+        return self._fault(entry.message, tenant, fault)
 
     def _fault(self, msg: Message, tenant: str, fault: Fault) -> Outcome:
         if fault.kind is FaultKind.MESSAGE:

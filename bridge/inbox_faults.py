@@ -178,3 +178,99 @@ def response_fault(status: int, content_type: str, text: bytes,
     # The API's own 404 not_found (a wrong POIMEN_API_URL path), 405, tenant_required...:
     # the relay's set-up is wrong, not the message.
     return Fault(FaultKind.DELIVERY, f"http_{status}", status, detail)
+
+
+# -- batches: POST /v1/runs/batch -----------------------------------------------------------------
+
+BATCH_PATH = "/v1/runs/batch"
+# The whole-batch 413 that names the server's item limit in its details ({"max", "given"}).
+BATCH_TOO_LARGE = "batch_too_large"
+
+
+def batch_item(body: bytes, trace: dict[str, str]) -> bytes:
+    """Return one ``runs`` item: the run request body plus the message's trace context.
+
+    Like ``run_request_body``, nothing is re-encoded: the trace members are appended
+    as the last members of the object (a duplicate name resolves to the last one).
+    """
+    if not trace:
+        return body
+    extra = b"".join(b"," + json.dumps(name).encode() + b":" + json.dumps(value).encode()
+                     for name, value in trace.items())
+    inner = body.rstrip(JSON_WHITESPACE)[:-1].rstrip(JSON_WHITESPACE)  # without the final }
+    if inner.rstrip(JSON_WHITESPACE).endswith(b"{"):  # {} has no member to follow
+        return inner + extra[1:] + b"}"
+    return inner + extra + b"}"
+
+
+def batch_body(items: list[bytes]) -> bytes:
+    """Return the ``POST /v1/runs/batch`` body for ``items`` (each a JSON object)."""
+    return b'{"runs":[' + b",".join(items) + b"]}"
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """The API's answer to one ``POST /v1/runs/batch`` of ``count`` items, judged.
+
+    Exactly one of: ``items`` (the batch was answered: one ``(status, fault)`` per
+    item, in request order, ``fault`` None for a run), ``whole`` (a fault of the
+    whole batch: every item's outcome, as the single path would have it), or
+    ``split`` (the server refused the batch as such: post it in halves, a lone item
+    through ``POST /v1/runs``); ``limit`` is the server's item limit when it said so.
+    """
+
+    items: tuple[tuple[int, Fault | None], ...] = ()
+    whole: Fault | None = None
+    split: bool = False
+    limit: int | None = None
+
+
+def _not_the_api(status: int, why: str, text: bytes) -> BatchVerdict:
+    return BatchVerdict(whole=Fault(FaultKind.DELIVERY, "not_the_api", status,
+                                    f"{why}: {_excerpt(text)}"))
+
+
+def batch_fault(status: int, content_type: str, text: bytes, count: int,
+                location: str | None = None) -> BatchVerdict:
+    """Judge the API's answer to a ``POST /v1/runs/batch`` of ``count`` items.
+
+    A 200 ``{"results": [...]}`` with one result per item is judged item by item
+    with the single request's table (``response_fault``): ``{"status": 201|200,
+    "run": ...}`` is a run, ``{"status": 4xx, "error": ...}`` the item's own fault.
+    A 200 of any other shape or count is not the API's answer: every item is
+    retried. A 413 (too many items, too many bytes) and a whole-batch 4xx the
+    single table calls a message fault are the server refusing the batch, not any
+    one message: ``split`` isolates the items until each is judged on its own.
+    Any other whole answer (3xx, 401/403, 404, 5xx, ...) is every item's.
+    """
+    if status == 200:
+        document = _json(content_type, text)
+        results = document.get("results") if isinstance(document, dict) else None
+        if not isinstance(results, list):
+            return _not_the_api(status, "a 200 without results", text)
+        if len(results) != count:
+            return _not_the_api(status, f"{len(results)} results for {count} items", text)
+        judged: list[tuple[int, Fault | None]] = []
+        for result in results:
+            item_status = result.get("status") if isinstance(result, dict) else None
+            if not isinstance(item_status, int) or isinstance(item_status, bool):
+                return _not_the_api(status, "a result without a status", text)
+            answer = result.get("run") if 200 <= item_status < 300 else {
+                "error": result.get("error")}
+            judged.append((item_status, response_fault(
+                item_status, "application/json", json.dumps(answer).encode())))
+        return BatchVerdict(items=tuple(judged))
+    if status == 413:
+        document = _json(content_type, text)
+        limit = None
+        if api_error_code(document) == BATCH_TOO_LARGE:
+            given = (document["error"].get("details") or {}).get("max")
+            if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+                limit = given
+        return BatchVerdict(split=True, limit=limit)
+    fault = response_fault(status, content_type, text, location)
+    if fault is None:  # a 201 with a run: a single endpoint's answer, not a batch's
+        return _not_the_api(status, "a run, not results", text)
+    if fault.kind is FaultKind.MESSAGE:
+        return BatchVerdict(split=True)
+    return BatchVerdict(whole=fault)

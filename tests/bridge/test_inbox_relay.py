@@ -225,9 +225,11 @@ def topic_end(bootstrap: str, topic: str, partitions: int = 1) -> list[int]:
 
 
 def inbox_posts(web_proc: Process) -> int:
-    """``POST /v1/runs`` calls in the API's access log made with the relay's User-Agent."""
+    """Calls to admission (``POST /v1/runs/batch``, or ``POST /v1/runs`` for a lone message
+    the batch endpoint refused) in the API's access log made with the relay's User-Agent."""
     return sum(1 for line in web_proc.log().splitlines()
-               if '"POST /v1/runs HTTP' in line and '"poimen-inbox/' in line)
+               if ('"POST /v1/runs/batch HTTP' in line or '"POST /v1/runs HTTP' in line)
+               and '"poimen-inbox/' in line)
 
 
 def headers(msg) -> dict[str, str]:

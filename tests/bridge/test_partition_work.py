@@ -263,3 +263,99 @@ def test_a_settle_after_the_revoke_never_moves_the_offset_past_a_gap():
     assert work.revoke_offset() is None
     work.settle(first, DONE, now=0)
     assert work.revoke_offset() == 11  # 11 is still in flight
+
+
+# -- batches: several slots per call, each settled on its own ---------------------------------
+#
+# Each row: the outcome of each message of one batch of offsets 10, 11, ... and the
+# offset then committed (None: nothing), and which offsets the next batch holds. A
+# retriable item holds the partition and stops the commit, whatever came after it.
+BATCH_TABLE = [
+    # outcomes in offset order                      committed  next batch (after the backoff)
+    (("admitted", "replayed", "admitted"),          13,        ()),
+    (("admitted", "dead_lettered", "admitted"),     13,        ()),
+    (("retry", "admitted", "admitted"),             None,      (10,)),
+    (("admitted", "retry", "admitted"),             11,        (11,)),
+    (("admitted", "admitted", "retry"),             12,        (12,)),
+    (("dead_lettered", "retry", "retry"),           11,        (11, 12)),
+    (("retry", "retry", "retry"),                   None,      (10, 11, 12)),
+]
+OUTCOMES = {"admitted": DONE, "replayed": Outcome(OutcomeKind.REPLAYED, status=200),
+            "dead_lettered": DEAD, "retry": RETRY}
+
+
+@pytest.mark.parametrize(("outcomes", "expected", "retried"), BATCH_TABLE,
+                         ids=["-".join(o) for o, _, _ in BATCH_TABLE])
+def test_a_batch_commits_only_past_items_admitted_or_dead_lettered_in_order(
+        outcomes, expected, retried):
+    work = work_with(*range(10, 10 + len(outcomes)))
+    batch = work.take_many(now=0, window=1, limit=100)
+    assert [s.message.offset() for s in batch] == list(range(10, 10 + len(outcomes)))
+    assert (work.calls, work.in_flight, work.waiting) == (1, len(outcomes), 0)
+    work.settle_many(zip(batch, (OUTCOMES[o] for o in outcomes), strict=True), now=0, retry_delay=2.0)
+    assert work.commit_offset == expected
+    assert work.calls == 0 and work.in_flight == 0
+    if retried:
+        assert work.failing and work.attempts == 1  # one call failed: one step of backoff
+        assert work.take_many(now=1.9, window=1, limit=100) == []  # the partition waits
+    again = work.take_many(now=2.0, window=1, limit=100)
+    assert tuple(s.message.offset() for s in again) == retried
+
+
+def test_batch_commits_past_failed_item_never():
+    """The named rule of mutant ``batch_commits_past_failed_item``."""
+    work = work_with(10, 11, 12)
+    batch = work.take_many(now=0, window=1, limit=3)
+    work.settle_many(zip(batch, (DONE, RETRY, DONE), strict=True), now=0, retry_delay=1.0)
+    assert work.commit_offset == 11 and work.revoke_offset() == 11
+    assert [s.state for s in work.slots] == [SlotState.FAILED, SlotState.DONE]
+
+
+def test_take_many_honours_the_limit_the_bytes_and_the_window():
+    work = work_with(*range(5))
+    first = work.take_many(now=0, window=2, limit=2)
+    assert [s.message.offset() for s in first] == [0, 1]
+    second = work.take_many(now=0, window=2, limit=2)
+    assert [s.message.offset() for s in second] == [2, 3]
+    assert work.take_many(now=0, window=2, limit=2) == []  # two calls in flight
+    work.settle_many(zip(second, (DONE, DONE), strict=True), now=0)
+    assert work.commit_offset is None  # 0 and 1 are still in flight
+    work.settle_many(zip(first, (DONE, DONE), strict=True), now=0)
+    assert work.commit_offset == 4
+    # Bytes: each message costs its bytes plus the item's overhead; at least one goes.
+    big = PartitionWork("poimen.acme.dispatch", 0, "acme")
+    for offset in range(3):
+        big.append(FakeMessage(offset, size=600))
+    assert len(big.take_many(now=0, window=3, limit=10, max_bytes=1000)) == 1
+    assert len(big.take_many(now=0, window=3, limit=10, max_bytes=2000)) == 2
+
+
+def test_a_batch_that_is_not_full_lingers_from_its_oldest_message():
+    work = PartitionWork("poimen.acme.dispatch", 0, "acme")
+    work.append(FakeMessage(0), now=10.0)
+    assert work.linger_left(now=10.002, limit=100, linger=0.005) == pytest.approx(0.003)
+    assert work.take_many(now=10.002, window=1, limit=100, linger=0.005) == []
+    work.append(FakeMessage(1), now=10.004)
+    batch = work.take_many(now=10.005, window=1, limit=100, linger=0.005)
+    assert [s.message.offset() for s in batch] == [0, 1]  # the lone message waited 5 ms
+    # A full batch goes at once; so does a retry (its backoff was the wait); 0 is off.
+    full = work_with(0, 1)
+    assert full.linger_left(now=0, limit=2, linger=10) == 0
+    assert len(full.take_many(now=0, window=1, limit=2, linger=10)) == 2
+    failed = work_with(0)
+    failed.settle(failed.take(now=0, window=1), RETRY, now=0, retry_delay=1.0)
+    failed.append(FakeMessage(1), now=1.0)
+    assert len(failed.take_many(now=1.0, window=1, limit=10, linger=5.0)) == 2
+    assert work_with(0).linger_left(now=0, limit=10, linger=0) == 0
+
+
+def test_revoke_during_a_batch_commits_exactly_the_done_prefix():
+    work = work_with(10, 11, 12, 13)
+    first = work.take_many(now=0, window=2, limit=2)   # 10, 11
+    second = work.take_many(now=0, window=2, limit=2)  # 12, 13
+    work.settle_many(zip(second, (DONE, DONE), strict=True), now=0)
+    work.close()
+    assert work.revoke_offset() is None  # 10 and 11 are in flight
+    assert work.take_many(now=10, window=8, limit=8) == []
+    work.settle_many(zip(first, (DONE, RETRY), strict=True), now=0, retry_delay=1.0)
+    assert work.revoke_offset() == 11

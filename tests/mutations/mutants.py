@@ -442,6 +442,16 @@ MUTANTS: list[Mutant] = [
          "test_revoke_commits_only_what_is_admitted_or_dead_lettered_in_order",),
     ),
     Mutant(
+        "batch_commits_past_failed_item",
+        "each item of a batch is settled by its own outcome: a retriable one stops the commit",
+        "bridge/inbox.py",
+        "            if outcome.done:\n"
+        "                slot.state = SlotState.DONE\n",
+        "            if outcome.done or len(settled) > 1:\n"
+        "                slot.state = SlotState.DONE\n",
+        ("tests/bridge/test_partition_work.py::test_batch_commits_past_failed_item_never",),
+    ),
+    Mutant(
         "inbox_keyless_message_gets_no_key",
         "a message without dispatch_key is admitted under kafka:<topic>:<partition>:<offset>",
         "bridge/inbox_faults.py",
