@@ -50,6 +50,7 @@ from .compose import (
     WITH_WOKEN,
     due,
     holds_slot,
+    outbox_rows,
     same_group,
     send_woken,
     slot_release,
@@ -333,13 +334,9 @@ def _finish(close: str | None, slots: bool):
                   "coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed")
     union = "\n                 UNION ALL ".join(events)
     ctes.append(f"""
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c,
-               ({union}) AS e(ord, type, fields)
-         ORDER BY e.ord)""")
+    event AS ({outbox_rows(f"changed c, ({union}) AS e(ord, type, fields)", "e.type",
+                           "e.fields", run_id="c.id", tenant_id="c.tenant_id",
+                           order_by="e.ord")})""")
     # A child's end counts for its parent's join and may re-queue the parent:
     # decided here, in the finish statement (see app/runs.py); the end of a run of
     # a limited group re-queues the next run waiting for its slot.

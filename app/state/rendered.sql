@@ -891,9 +891,10 @@ WITH changed AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT c.tenant_id, c.id, e.type,
                jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c,
-               (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         ORDER BY e.ord),
+          FROM changed c, (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         WHERE true
+         ORDER BY e.ord
+    ),
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -972,11 +973,12 @@ WITH changed AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT c.tenant_id, c.id, e.type,
                jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c,
-               (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
+          FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
                  UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
                  UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         ORDER BY e.ord),
+         WHERE true
+         ORDER BY e.ord
+    ),
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -1058,10 +1060,11 @@ WITH changed AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT c.tenant_id, c.id, e.type,
                jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c,
-               (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+          FROM changed c, (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
                  UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         ORDER BY e.ord),
+         WHERE true
+         ORDER BY e.ord
+    ),
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -1133,9 +1136,10 @@ event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT c.tenant_id, c.id, e.type,
            jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c,
-           (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     ORDER BY e.ord),
+      FROM changed c, (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     WHERE true
+     ORDER BY e.ord
+),
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -1184,11 +1188,12 @@ event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT c.tenant_id, c.id, e.type,
            jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c,
-           (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
+      FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
              UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
              UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     ORDER BY e.ord),
+     WHERE true
+     ORDER BY e.ord
+),
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
@@ -1240,10 +1245,11 @@ event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT c.tenant_id, c.id, e.type,
            jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c,
-           (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+      FROM changed c, (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
              UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     ORDER BY e.ord),
+     WHERE true
+     ORDER BY e.ord
+),
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
