@@ -15,6 +15,10 @@ Cases, each ~10 s at 16 connections:
            must equal the 201s (and every run has its run.admitted event)
   replay   every second request replays one of 64 already-admitted keys
   floor    the same wrk against ``/healthz`` of the same gunicorn
+  batch    ``POST /v1/runs/batch`` with ``BATCH_ITEMS`` new keys per request from
+           ``BATCH_CONNECTIONS`` connections; its rate is runs admitted per second
+           (counted in the database, each with its run.admitted event), printed as
+           ``batch admission / raw insert`` (issue 25's target: >= 1.5)
 
 Run it with ``make bench`` or, with the services' environment loaded,
 ``.venv/bin/python bench/admission.py [--duration 10] [--record bench/RESULTS.md]``.
@@ -59,6 +63,9 @@ from tests.processes import BIN, Process, free_port, wait_until  # noqa: E402
 TARGET_RATE = 1500.0  # admissions/s
 TARGET_RATIO = 0.25  # of the raw insert rate (issue 10)
 TARGET_P99_MS = 50.0
+TARGET_BATCH_RATIO = 1.5  # batch admissions / raw single-row inserts (issue 25)
+BATCH_ITEMS = 200
+BATCH_CONNECTIONS = 4
 
 CONNECTIONS = 16
 RAW_CONNECTIONS = 8
@@ -179,6 +186,51 @@ end
 """ + WRK_COUNTERS_LUA
 
 
+def batch_lua(token: str, prefix: str) -> str:
+    """A wrk script POSTing batches of ``BATCH_ITEMS`` runs, keys ``<prefix>-<thread>-<n>-<i>``."""
+    item = json.dumps({"workflow_ref": WORKFLOW_REF, "input": INPUT})[:-1]
+    return f"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {token}"
+local prefix = "{prefix}"
+local item_head = '{item}, "dispatch_key": "'
+
+function request()
+  issued = issued + 1
+  local items = {{}}
+  for i = 1, {BATCH_ITEMS} do
+    items[i] = item_head .. string.format("%s-%d-%d-%d", prefix, tid, issued, i) .. '"}}'
+  end
+  return wrk.format(nil, nil, nil, '{{"runs": [' .. table.concat(items, ",") .. ']}}')
+end
+""" + WRK_COUNTERS_LUA
+
+
+def check_batch_case(db_url: str, prefix: str, result: WrkResult) -> tuple[int, list[str]]:
+    """Runs the batch case admitted (each with its run.admitted event), and its problems."""
+    time.sleep(1.0)  # let requests cut off by wrk's stop commit
+    pattern = prefix.replace("_", r"\_") + "-%"
+    with psycopg.connect(db_url) as conn:
+        runs, events = conn.execute(
+            "SELECT count(*), count(o.id) FROM runs r LEFT JOIN outbox o "
+            "ON o.run_id = r.id AND o.event_type = 'run.admitted' "
+            "WHERE r.dispatch_key LIKE %s", (pattern,)).fetchone()
+    problems = []
+    if result.non_2xx or result.counts["other"] or any(result.socket_errors.values()):
+        problems.append(f"batch case: {result.non_2xx} non-2xx, socket errors "
+                        f"{result.socket_errors}")
+    answered = result.counts["replayed"] * BATCH_ITEMS  # a batch answers 200
+    if runs < answered:
+        problems.append(f"batch case: {runs} runs for {answered} items answered")
+    if events != runs:
+        problems.append(f"batch case: {events} run.admitted events for {runs} runs")
+    print(f"  check: {result.counts['replayed']} batches answered x {BATCH_ITEMS} items, "
+          f"{runs} runs in the database, {events} run.admitted events"
+          f" -> {'OK' if not problems else 'FAILED: ' + '; '.join(problems)}")
+    return runs, problems
+
+
 def backend_pids(db_url: str) -> list[int]:
     """Postgres backends connected to the benchmark database (gunicorn's pools)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
@@ -188,13 +240,13 @@ def backend_pids(db_url: str) -> list[int]:
 
 
 def measured_wrk(wrk: str, web: Web, db_url: str, path: str, lua: str, *, duration: float,
-                 wrk_threads: int) -> WrkResult:
+                 wrk_threads: int, connections: int = CONNECTIONS) -> WrkResult:
     """``run_wrk`` plus the CPU each request cost gunicorn, Postgres and wrk itself."""
     meter = CpuMeter({"gunicorn": lambda: child_pids(web.process.pid),
                       "postgres": lambda: backend_pids(db_url)})
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     meter.start()
-    result = run_wrk(wrk, web.url + path, lua, duration=duration, connections=CONNECTIONS,
+    result = run_wrk(wrk, web.url + path, lua, duration=duration, connections=connections,
                      threads=wrk_threads)
     spent = meter.stop()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -365,6 +417,17 @@ def main(argv: list[str] | None = None) -> int:
                 problems.append(f"replay case: {replay.non_2xx} non-2xx, "
                                 f"socket errors {replay.socket_errors}")
 
+            batch_prefix = f"batch-{run_id}"
+            batch = measured_wrk(wrk, web, db_url, "/v1/runs/batch",
+                                 batch_lua(token, batch_prefix), duration=args.duration,
+                                 wrk_threads=args.wrk_threads, connections=BATCH_CONNECTIONS)
+            batch_runs, batch_problems = check_batch_case(db_url, batch_prefix, batch)
+            problems += batch_problems
+            batch_rate = batch_runs / batch.duration_s
+            print(f"  batch    {batch_rate:8.0f} runs/s in {batch.requests} batches of "
+                  f"{BATCH_ITEMS} ({BATCH_CONNECTIONS} connections), p50 {batch.p50_ms:.1f} ms "
+                  f"p99 {batch.p99_ms:.1f} ms per batch")
+
             floor = measured_wrk(wrk, web, db_url, "/healthz", FLOOR_LUA,
                                  duration=args.duration, wrk_threads=args.wrk_threads)
             print(describe("floor", floor))
@@ -387,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         duration=args.duration, wrk_threads=args.wrk_threads, shape=shape,
         access_log=access_log, sweep=sweep, raw_rate=raw_rate, unique=unique, replay=replay,
         floor=floor, queued_messages=queued_messages, problems=problems,
+        batch=batch, batch_rate=batch_rate,
     )
     print()
     print(report.summary())
@@ -440,10 +504,16 @@ class Report:
     floor: WrkResult
     queued_messages: int
     problems: list[str]
+    batch: WrkResult
+    batch_rate: float  # runs admitted per second by the batch case
 
     @property
     def raw_ratio(self) -> float:
         return self.unique.rate / self.raw_rate
+
+    @property
+    def batch_ratio(self) -> float:
+        return self.batch_rate / self.raw_rate
 
     @property
     def floor_ratio(self) -> float:
@@ -460,6 +530,9 @@ class Report:
             ("p99 (50% replays)",
              f"{self.replay.p99_ms:.1f} ms (target <= {TARGET_P99_MS:.0f} ms)",
              self.replay.p99_ms <= TARGET_P99_MS),
+            ("batch admission / raw insert",
+             f"{self.batch_ratio:.2f} (target >= {TARGET_BATCH_RATIO})",
+             self.batch_ratio >= TARGET_BATCH_RATIO),
             ("correctness", "OK" if not self.problems else "; ".join(self.problems),
              not self.problems),
         ]
@@ -477,6 +550,8 @@ class Report:
             f"{self.replay.counts['created'] / self.replay.duration_s:.0f})",
             f"raw insert/s            {self.raw_rate:8.0f}   admission/raw "
             f"{self.raw_ratio:.3f}",
+            f"batch admissions/s      {self.batch_rate:8.0f}   batch admission / raw insert: "
+            f"{self.batch_ratio:.2f}   ({BATCH_ITEMS} per request, p99 {self.batch.p99_ms:.1f} ms)",
             f"HTTP floor (/healthz)/s {self.floor.rate:8.0f}   admission/floor "
             f"{self.floor_ratio:.3f}   p99 {self.floor.p99_ms:.2f} ms",
             f"messages on the bench queue: "
@@ -494,6 +569,8 @@ class Report:
             ("50% replays", self.replay,
              f"{self.replay.counts['created']} x 201, {self.replay.counts['replayed']} x 200"),
             ("HTTP floor `/healthz`", self.floor, ""),
+            (f"batch of {BATCH_ITEMS} (`/v1/runs/batch`, {BATCH_CONNECTIONS} connections)",
+             self.batch, f"{self.batch.counts['replayed']} x 200"),
         ]
         out = [
             f"### {self.started:%Y-%m-%d %H:%M} UTC",
@@ -517,6 +594,8 @@ class Report:
             "",
             f"- admission / raw insert: **{self.raw_ratio:.3f}**; "
             f"admission / HTTP floor: **{self.floor_ratio:.3f}**",
+            f"- batch admission / raw insert: **{self.batch_ratio:.2f}** "
+            f"({self.batch_rate:.0f} runs/s in batches of {BATCH_ITEMS})",
         ]
         if self.sweep:
             out.append("- Sweep (unique keys): " + ", ".join(
