@@ -83,12 +83,34 @@ def _refuse(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def _holds_exact_number(value: Any) -> bool:
+    """Whether ``value`` holds an ``ExactNumber`` anywhere (keys included)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+        elif kind is ExactNumber:
+            return True
+    return False
+
+
 def dumps(value: Any, *, ascii: bool = False, indent: int | None = None) -> str:
     """Write ``value`` as JSON; an ``ExactNumber`` is written with the digits it was read with.
 
-    The C encoder writes every float subclass through ``float.__repr__``, so this
-    uses the json module's own pure-Python iteration with its C string encoders.
+    The C encoder writes every float subclass through ``float.__repr__``, so a
+    value holding one goes through the json module's own pure-Python iteration
+    with its C string encoders (five times the CPU); any other value through the
+    C encoder, with the same separators and the same refusals (NaN, Infinity and
+    non-JSON types raise).
     """
+    if not _holds_exact_number(value):
+        return json.dumps(value, ensure_ascii=ascii, indent=indent, allow_nan=False,
+                          separators=(",", ": " if indent is not None else ":"))
     chunks: Iterator[str] = json.encoder._make_iterencode(  # noqa: SLF001 - stable since 2.7
         {},
         _refuse,
