@@ -278,6 +278,21 @@ def settle(limit: float = 1.5, cap: float = 300.0) -> None:
           f"{time.monotonic() - started:.0f}s of quiet", flush=True)
 
 
+def ensure_quiet(limit: float = 1.5, wait: float = 300.0) -> bool:
+    """The project's rule, benchmarks run alone: wait up to ``wait`` seconds for the
+    one-minute load average to fall to ``limit``; if it does not, say so loudly and return
+    False (the caller marks its figure invalid). True when the machine is quiet."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < wait:
+        time.sleep(5)
+    load = os.getloadavg()[0]
+    if load > limit:
+        print(f"  WARNING: load average {load:.2f} > {limit} after {wait:.0f}s of waiting: "
+              "the machine is not quiet, this figure is INVALID", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def percentile(values: list[float], p: float) -> float:
     """The ``p``-th percentile (nearest rank) of ``values``; NaN when there are none."""
     ordered = sorted(values)
@@ -439,3 +454,10 @@ def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, pha
     if producer.flush(120):
         raise RuntimeError("the broker did not acknowledge every dispatch message")
     return started
+
+
+def reset_runs(db_url: str) -> None:
+    """Empty ``runs`` and ``outbox`` (and what cascades) between cases."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE runs, outbox CASCADE")
+        conn.execute("VACUUM ANALYZE runs")

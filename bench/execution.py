@@ -82,6 +82,7 @@ from bench._common import (  # noqa: E402
     machine_summary,
     percentile,
     require_env,
+    reset_runs,
     runs_by_status,
     settle,
     stop_on_sigterm,
@@ -171,12 +172,6 @@ def admit_concurrently(url: str, token: str, count: int, clients: int,
 def succeeded(db_url: str) -> int:
     with psycopg.connect(db_url) as conn:
         return conn.execute("SELECT count(*) FROM runs WHERE status = 'succeeded'").fetchone()[0]
-
-
-def reset_runs(db_url: str) -> None:
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE runs, outbox CASCADE")
-        conn.execute("VACUUM ANALYZE runs")
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
