@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,9 +278,186 @@ def settle(limit: float = 1.5, cap: float = 300.0) -> None:
           f"{time.monotonic() - started:.0f}s of quiet", flush=True)
 
 
+def ensure_quiet(limit: float = 1.5, wait: float = 300.0) -> bool:
+    """The project's rule, benchmarks run alone: wait up to ``wait`` seconds for the
+    one-minute load average to fall to ``limit``; if it does not, say so loudly and return
+    False (the caller marks its figure invalid). True when the machine is quiet."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < wait:
+        time.sleep(5)
+    load = os.getloadavg()[0]
+    if load > limit:
+        print(f"  WARNING: load average {load:.2f} > {limit} after {wait:.0f}s of waiting: "
+              "the machine is not quiet, this figure is INVALID", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def percentile(values: list[float], p: float) -> float:
     """The ``p``-th percentile (nearest rank) of ``values``; NaN when there are none."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+
+
+# -- CPU accounting by process group, postgres and the machine (from /proc) ------
+
+def _proc_stats() -> dict[int, tuple[str, int, float]]:
+    """pid -> (command name, process group, CPU seconds) for every process."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        # fields[0] is field 3 (state): pgrp is field 5, utime/stime fields 14/15.
+        stats[int(entry)] = (name, int(fields[2]),
+                             (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+    return stats
+
+
+def _machine_cpu() -> float:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    busy = sum(int(x) for i, x in enumerate(parts[:8]) if i not in (3, 4))  # not idle/iowait
+    return busy / _CLOCK_TICKS
+
+
+@dataclass
+class CpuSnapshot:
+    groups: dict[str, float]
+    machine: float
+
+
+def cpu_snapshot(pgroups: Mapping[str, int | Sequence[int]]) -> CpuSnapshot:
+    """CPU seconds so far of each named process group (a group id, or several: the
+    processes started with ``start_new_session`` lead their own), of every ``postgres``
+    and ``redis-server`` process on the machine, of this process, and of the machine."""
+    stats = _proc_stats()
+    groups = {label: 0.0 for label in (*pgroups, "postgres", "redis", "client")}
+    for pid, (name, pgrp, cpu) in stats.items():
+        for label, group in pgroups.items():
+            if pgrp == group or (not isinstance(group, int) and pgrp in group):
+                groups[label] += cpu
+        if name.startswith("postgres"):
+            groups["postgres"] += cpu
+        elif name.startswith("redis-server"):
+            groups["redis"] += cpu
+        if pid == os.getpid():
+            groups["client"] += cpu
+    return CpuSnapshot(groups, _machine_cpu())
+
+
+def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    delta = {k: after.groups.get(k, 0.0) - before.groups.get(k, 0.0)
+             for k in {**before.groups, **after.groups}}
+    delta["machine"] = after.machine - before.machine
+    return delta
+
+
+
+
+def runs_by_status(db_url: str) -> dict[str, int]:
+    with psycopg.connect(db_url) as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall())
+
+
+
+
+POLL_S = 0.05
+
+
+def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
+    """Poll ``count_fn`` every ``POLL_S`` until it reaches ``target``; return that moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = count_fn()
+        if seen >= target:
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: only {seen}/{target} done after {timeout:.0f}s")
+        time.sleep(POLL_S)
+
+
+
+
+def wait_ready(proc, timeout: float = 60.0) -> None:
+    """Wait for a Celery worker's ``ready.`` line (fail at once if it exits)."""
+    from tests.processes import wait_until
+
+    def ready():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
+        return " ready." in proc.log()
+
+    wait_until(ready, timeout=timeout, interval=0.1, what=f"{proc.name} ready")
+
+
+
+
+def delete_redis_keys(redis, marker: str) -> int:
+    """Delete every key naming this run's id (queues, bindings, the counter)."""
+    keys = list(redis.scan_iter(match=f"*{marker}*", count=1000))
+    return redis.delete(*keys) if keys else 0
+
+
+# -- tenants, Kafka ------------------------------------------------------------------
+
+def credentials(env: Mapping[str, str], tenant: str, label: str) -> tuple[str, str]:
+    """Create ``tenant`` in ``env``'s database (a child process: the app's settings come
+    from that environment); return (a token of the tenant, an admit-only service token)."""
+    code = (
+        "from app import create_app\n"
+        "from app.tenants import create_tenant, create_token\n"
+        "with create_app().app_context():\n"
+        f"    t = create_tenant({tenant!r})\n"
+        f"    print(create_token(t, False, label={label!r}))\n"
+        f"    print(create_token(None, True, label={label!r}, scope='admit'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env), cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[-2], out[-1]
+
+
+def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, phase: str,
+            rate: float = 0.0, key_prefix: str = "e2e") -> float:
+    """Produce dispatch messages ``first..first+n-1`` of ``noop`` (paced at ``rate``/s if
+    set), round robin over ``partitions``; return the monotonic time of the first produce."""
+    import json
+
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "acks": "all"})
+    started = time.monotonic()
+    for k in range(n):
+        if rate:
+            delay = started + k / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        i = first + k
+        value = json.dumps({"workflow_ref": "noop", "dispatch_key": f"{key_prefix}-{i}",
+                            "input": {"i": i, "phase": phase, "t": time.time()}}).encode()
+        while True:
+            try:
+                producer.produce(topic, value, key=f"{key_prefix}-{i}".encode(),
+                                 partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    if producer.flush(120):
+        raise RuntimeError("the broker did not acknowledge every dispatch message")
+    return started
+
+
+def reset_runs(db_url: str) -> None:
+    """Empty ``runs`` and ``outbox`` (and what cascades) between cases."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE runs, outbox CASCADE")
+        conn.execute("VACUUM ANALYZE runs")

@@ -47,7 +47,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -68,9 +67,11 @@ from bench._common import (  # noqa: E402
     bench_database,
     child_pids,
     cpu_seconds,
+    credentials,
     libpq_url,
     log_directory,
     percentile,
+    produce,
     settle,
     stop_on_sigterm,
 )
@@ -119,34 +120,6 @@ def wait_for(count, target: int, timeout: float, what: str) -> float:
 
 # -- Kafka ------------------------------------------------------------------------------------
 
-def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, phase: str,
-            rate: float = 0.0) -> float:
-    """Produce dispatch messages ``first..first+n-1`` (paced at ``rate``/s if set); return
-    the monotonic time of the first produce."""
-    from confluent_kafka import Producer
-
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "acks": "all"})
-    started = time.monotonic()
-    for k in range(n):
-        if rate:
-            delay = started + k / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-        i = first + k
-        value = json.dumps({"workflow_ref": "noop", "dispatch_key": f"e2e-{i}",
-                            "input": {"i": i, "phase": phase, "t": time.time()}}).encode()
-        while True:
-            try:
-                producer.produce(topic, value, key=f"e2e-{i}".encode(), partition=i % partitions)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-    if producer.flush(120):
-        raise RuntimeError("the broker did not acknowledge every dispatch message")
-    return started
-
-
 def naive_bridge() -> int:
     """``--naive-bridge``: consume -> apply_async -> commit, one message at a time."""
     from confluent_kafka import Consumer
@@ -172,20 +145,6 @@ def naive_bridge() -> int:
 
 # -- the cases ----------------------------------------------------------------------------------
 
-def credentials(env: dict[str, str]) -> str:
-    """Create the tenant ``e2e``; return an admit-only service token for the inbox."""
-    code = (
-        "from app import create_app\n"
-        "from app.tenants import create_tenant, create_token\n"
-        "with create_app().app_context():\n"
-        "    create_tenant('e2e'); print(create_token(None, True, label='bench/e2e.py', "
-        "scope='admit'))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
-    return out[-1]
-
-
 def poimen_counts(db: str) -> tuple[int, int, int]:
     """(succeeded runs, runs, run.started events)."""
     with psycopg.connect(db) as conn:
@@ -207,7 +166,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
     from bridge.topics import declare_topics, dispatch_topic
     from tests.processes import Process, free_port, start_inbox, start_web, start_worker
 
-    token = credentials(env)
+    token = credentials(env, "e2e", "bench/e2e.py")[1]
     procs: list = []
     try:
         web, api = start_web(env, logs, workers=2, threads=4)

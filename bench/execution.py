@@ -73,79 +73,27 @@ import redis as redis_lib  # noqa: E402
 from bench._common import (  # noqa: E402
     append_result,
     bench_database,
+    cpu_delta,
+    cpu_snapshot,
+    delete_redis_keys,
     libpq_url,
     load_average,
     log_directory,
     machine_summary,
     percentile,
     require_env,
+    reset_runs,
+    runs_by_status,
     settle,
     stop_on_sigterm,
+    wait_for_count,
+    wait_ready,
 )
-from tests.processes import BIN, Process, start_web, start_worker, wait_until  # noqa: E402
+from tests.processes import BIN, Process, start_web, start_worker  # noqa: E402
 
-POLL_S = 0.05
 TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate (issue 10)
 TARGET_LATENCY_P50_MS = 20.0  # admit -> running at low load
 TARGET_KEYED_COST = 0.10  # a key limit's cost per run, of the unlimited case's (issue 26)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# -- CPU accounting from /proc ------------------------------------------------
-
-def _proc_stats() -> dict[int, tuple[str, int, float]]:
-    """pid -> (command name, process group, CPU seconds) for every process."""
-    stats = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2:].split()
-        # fields[0] is field 3 (state): pgrp is field 5, utime/stime fields 14/15.
-        stats[int(entry)] = (name, int(fields[2]),
-                             (int(fields[11]) + int(fields[12])) / CLK_TCK)
-    return stats
-
-
-def _machine_cpu() -> float:
-    with open("/proc/stat") as f:
-        parts = f.readline().split()[1:]
-    busy = sum(int(x) for i, x in enumerate(parts[:8]) if i not in (3, 4))  # not idle/iowait
-    return busy / CLK_TCK
-
-
-@dataclass
-class CpuSnapshot:
-    groups: dict[str, float]
-    machine: float
-
-
-def cpu_snapshot(pgroups: dict[str, int]) -> CpuSnapshot:
-    """CPU seconds so far of each named process group, postgres, redis, self, machine."""
-    stats = _proc_stats()
-    groups = {label: 0.0 for label in (*pgroups, "postgres", "redis", "client")}
-    for pid, (name, pgrp, cpu) in stats.items():
-        for label, group in pgroups.items():
-            if pgrp == group:
-                groups[label] += cpu
-        if name.startswith("postgres"):
-            groups["postgres"] += cpu
-        elif name.startswith("redis-server"):
-            groups["redis"] += cpu
-        if pid == os.getpid():
-            groups["client"] += cpu
-    return CpuSnapshot(groups, _machine_cpu())
-
-
-def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
-    delta = {k: after.groups.get(k, 0.0) - v for k, v in before.groups.items()}
-    delta["machine"] = after.machine - before.machine
-    return delta
 
 
 # -- results ------------------------------------------------------------------
@@ -224,38 +172,6 @@ def admit_concurrently(url: str, token: str, count: int, clients: int,
 def succeeded(db_url: str) -> int:
     with psycopg.connect(db_url) as conn:
         return conn.execute("SELECT count(*) FROM runs WHERE status = 'succeeded'").fetchone()[0]
-
-
-def runs_by_status(db_url: str) -> dict[str, int]:
-    with psycopg.connect(db_url) as conn:
-        return dict(conn.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall())
-
-
-def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
-    """Poll ``count_fn`` every ``POLL_S`` until it reaches ``target``; return that moment."""
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = count_fn()
-        if seen >= target:
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: only {seen}/{target} done after {timeout:.0f}s")
-        time.sleep(POLL_S)
-
-
-def reset_runs(db_url: str) -> None:
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE runs, outbox CASCADE")
-        conn.execute("VACUUM ANALYZE runs")
-
-
-def wait_ready(proc: Process, timeout: float = 60.0) -> None:
-    def ready():
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
-        return " ready." in proc.log()
-
-    wait_until(ready, timeout=timeout, interval=0.1, what=f"{proc.name} ready")
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
@@ -393,12 +309,6 @@ def create_tenant_and_token(db_url: str) -> str:
     with flask_app.app_context():
         tenant = create_tenant("bench")
         return create_token(tenant, service=False, label="bench/execution.py")
-
-
-def delete_redis_keys(redis: redis_lib.Redis, marker: str) -> int:
-    """Delete every key naming this run's id (queues, bindings, the counter)."""
-    keys = list(redis.scan_iter(match=f"*{marker}*", count=1000))
-    return redis.delete(*keys) if keys else 0
 
 
 def report(results: list[CaseResult]) -> str:
