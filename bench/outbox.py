@@ -39,9 +39,9 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.state.outbox import MARK_PUBLISHED  # noqa: E402
 from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
 from bridge.outbox import (  # noqa: E402
+    MARK_PUBLISHED,  # noqa: E402
     OUTBOX_LOCK_KEY,
     OUTBOX_LOCK_NAMESPACE,
     READ_SQL,
@@ -151,7 +151,7 @@ def load_messages(db: str, prefix: str, events: int) -> list[tuple[str, bytes, b
     out = []
     with psycopg.connect(db, autocommit=True) as conn:
         rows = conn.execute(READ_SQL, [events]).fetchall()
-    for row_id, tenant, key, event_type, run_id, occurred_at, value in rows:
+    for row_id, tenant, key, event_type, run_id, occurred_at, value, *_trace in rows:
         headers = [("ce_id", str(row_id)), ("ce_type", event_type),
                    ("ce_source", f"/poimen/{tenant}/runs/{run_id}"),
                    ("ce_specversion", SPECVERSION), ("ce_time", occurred_at),
