@@ -100,18 +100,13 @@ SELECT o.id,
 """
 
 
+# The relay's two writes are the run-state store's (app/state/outbox.py), installed
+# in the database as functions, so this process imports nothing of app/.
 # Events Kafka acknowledged, by id.
-MARK_PUBLISHED = "UPDATE outbox SET published_at = now() WHERE id = ANY(%s::bigint[])"
+MARK_PUBLISHED = "SELECT poimen_outbox_mark_published(%s::bigint[])"
 
-# Published events older than the retention, a batch at a time.
-PRUNE_PUBLISHED = """
-DELETE FROM outbox WHERE id IN (
-    SELECT id FROM outbox
-     WHERE published_at < now() - make_interval(secs => %s)
-     ORDER BY published_at
-     LIMIT %s
-       FOR UPDATE SKIP LOCKED)
-"""
+# Published events older than the retention, a batch at a time: how many went.
+PRUNE_PUBLISHED = "SELECT poimen_outbox_prune(%s::float8, %s::integer)"
 
 
 # The probe runs on the lock connection itself and asks the server, not the
@@ -595,7 +590,7 @@ class OutboxRelay:
         # many rows nor delays the next batch for long.
         while time.monotonic() < budget and not self._stop.is_set():
             deleted = self._work_connection().execute(
-                PRUNE_PUBLISHED, [cfg.retention, cfg.prune_batch]).rowcount
+                PRUNE_PUBLISHED, [cfg.retention, cfg.prune_batch]).fetchone()[0]
             total += deleted
             if deleted < cfg.prune_batch:
                 break

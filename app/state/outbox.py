@@ -2,10 +2,16 @@
 
 Statements that change a run append their event inside the same statement
 (``compose.with_event``); ``record_event`` is for an event written on its own
-in a transaction (the ledger's ``emit``). The one other writer of the table is
-the outbox relay (``bridge/outbox.py``), outside the app's lifecycle: it marks
-what Kafka acknowledged and prunes what was published long ago, never a run's
-state (``tests/test_state_store.py`` names exactly those two statements).
+in a transaction (the ledger's ``emit``).
+
+The outbox relay (``bridge/outbox.py``) runs outside the app's lifecycle and
+imports nothing of ``app/``, yet its two writes (mark what Kafka acknowledged,
+prune what was published long ago) belong here with every other write of the
+table. They are database functions whose bodies are the statements below:
+migration 0013 installs them (``RELAY_FUNCTIONS``) and the relay calls them by
+name (``SELECT poimen_outbox_mark_published(...)``). ``tests/test_state_store.py``
+fails when an installed body drifts from these constants; a change to one needs
+a migration that runs ``RELAY_FUNCTIONS`` again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,34 @@ INSERT_EVENT = text(
     "INSERT INTO outbox (tenant_id, run_id, event_type, payload) "
     "VALUES (:tenant_id, :run_id, :event_type, CAST(:payload AS jsonb))"
 )
+
+
+# Events Kafka acknowledged, by id (the function's argument ``ids``).
+MARK_PUBLISHED = "UPDATE outbox SET published_at = now() WHERE id = ANY(ids)"
+
+# Published events older than ``retention`` seconds, ``batch`` at a time; answers
+# how many went. Rows another pruner holds are skipped, not waited for.
+PRUNE_PUBLISHED = """
+WITH gone AS (
+    DELETE FROM outbox WHERE id IN (
+        SELECT id FROM outbox
+         WHERE published_at < now() - make_interval(secs => retention)
+         ORDER BY published_at
+         LIMIT batch
+           FOR UPDATE SKIP LOCKED)
+    RETURNING 1)
+SELECT count(*) FROM gone
+"""
+
+# The relay's entry points, as installed by migration 0013.
+RELAY_FUNCTIONS = (
+    "CREATE OR REPLACE FUNCTION poimen_outbox_mark_published(ids bigint[]) RETURNS void "
+    f"LANGUAGE sql AS $body${MARK_PUBLISHED}$body$",
+    "CREATE OR REPLACE FUNCTION poimen_outbox_prune(retention double precision, batch integer) "
+    f"RETURNS bigint LANGUAGE sql AS $body${PRUNE_PUBLISHED}$body$",
+)
+RELAY_FUNCTION_BODIES = {"poimen_outbox_mark_published": MARK_PUBLISHED,
+                         "poimen_outbox_prune": PRUNE_PUBLISHED}
 
 
 def event_payload(run_id: uuid.UUID, event_type: str, **fields: Any) -> dict[str, Any]:

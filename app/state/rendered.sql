@@ -1678,3 +1678,17 @@ DELETE FROM worker_boots b
 
 -- app/state/outbox.py: INSERT_EVENT
 INSERT INTO outbox (tenant_id, run_id, event_type, payload) VALUES (:tenant_id, :run_id, :event_type, CAST(:payload AS jsonb));
+
+-- app/state/outbox.py: MARK_PUBLISHED
+UPDATE outbox SET published_at = now() WHERE id = ANY(ids);
+
+-- app/state/outbox.py: PRUNE_PUBLISHED
+WITH gone AS (
+    DELETE FROM outbox WHERE id IN (
+        SELECT id FROM outbox
+         WHERE published_at < now() - make_interval(secs => retention)
+         ORDER BY published_at
+         LIMIT batch
+           FOR UPDATE SKIP LOCKED)
+    RETURNING 1)
+SELECT count(*) FROM gone;

@@ -479,7 +479,7 @@ def test_kill_between_produce_and_mark_repeats_events_but_loses_none(world):
         def mark_blocked() -> int | None:
             row = observer.execute(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
-                "AND wait_event_type = 'Lock' AND query LIKE 'UPDATE outbox%%'",
+                "AND wait_event_type = 'Lock' AND query LIKE 'SELECT poimen_outbox_mark_published%%'",
                 [f"poimen-outbox/{relay.proc.pid}"]).fetchone()
             return row and row[0]
 
