@@ -95,12 +95,32 @@ def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict | None:
     return options
 
 
+# What ``auto`` turns on, where it may: psycopg's own default threshold.
+AUTO_PREPARE_THRESHOLD = 5
+
+
 def prepare_threshold(env: Mapping[str, str]) -> int | None:
-    """psycopg's ``prepare_threshold``: ``POIMEN_DB_PREPARE_THRESHOLD`` (off by default)."""
-    raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "off").strip().lower()
-    if raw in ("", "off", "none", "0"):
+    """psycopg's ``prepare_threshold`` for the app's engine: ``POIMEN_DB_PREPARE_THRESHOLD``.
+
+    ``auto`` (the default) is off here: only a worker turns it on, once it has seen
+    that ``DATABASE_URL`` itself keeps a session (``prepare_auto``).
+    """
+    raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower()
+    if raw in ("", "auto", "off", "none", "0"):
         return None
     return int(raw)
+
+
+def prepare_auto(env: Mapping[str, str]) -> bool:
+    """``POIMEN_DB_PREPARE_THRESHOLD`` is ``auto``: prepare where the connection is known direct.
+
+    A worker checks before it starts that its lock database keeps a session (no
+    transaction pooler between: ``workers.boots.check_lock_database``). When that
+    database is ``DATABASE_URL`` itself (``POIMEN_LOCK_DATABASE_URL`` unset or the
+    same), the worker's pooled connections are direct too, and prepared statements
+    on them are safe: they halve Postgres' CPU per run (docs/scaling.md).
+    """
+    return env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower() in ("", "auto")
 
 
 def load_config(env: Mapping[str, str] | None = None) -> dict:
@@ -136,7 +156,9 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
                 # a statement psycopg prepared on one server connection is run on
                 # another ("prepared statement _pg3_N does not exist", another
                 # client's statement with other parameters). A direct connection
-                # may turn them on with POIMEN_DB_PREPARE_THRESHOLD=5.
+                # may turn them on with POIMEN_DB_PREPARE_THRESHOLD=5; under the
+                # default, auto, a worker turns them on itself where it has checked
+                # that DATABASE_URL is direct (POIMEN_DB_PREPARE_AUTO).
                 "prepare_threshold": prepare_threshold(env),
                 "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                 "keepalives_count": 3,
@@ -144,6 +166,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
                                         * 1000),
             },
         },
+        "POIMEN_DB_PREPARE_AUTO": prepare_auto(env),
         "POIMEN_DB_PING_IDLE_SECONDS": (float(env.get("POIMEN_DB_PING_IDLE_SECONDS", "1"))
                                         if env.get("POIMEN_DB_PRE_PING", "1") == "1" else None),
         "CELERY_BROKER_URL": broker_url(env),

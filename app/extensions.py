@@ -23,6 +23,20 @@ migrate = Migrate()
 _IDLE_SINCE = "poimen_idle_since"
 
 
+def prepare_statements(engine: Engine, threshold: int) -> None:
+    """Give every connection ``engine`` opens from now on psycopg's ``prepare_threshold``.
+
+    Only for an engine whose URL is known to reach Postgres directly (never through
+    a transaction pooler): see ``poimenconfig.prepare_auto``.
+    """
+    @event.listens_for(engine, "connect")
+    def _prepare(dbapi_connection, _record) -> None:
+        dbapi_connection.prepare_threshold = threshold
+
+    # Connections already pooled were opened without it: open new ones.
+    engine.dispose()
+
+
 def autocommit_next(session) -> bool:
     """Run the next transaction of ``session`` (a ``scoped_session``) in autocommit.
 

@@ -175,11 +175,15 @@ SETTINGS: tuple[Setting, ...] = (
     _celery("POIMEN_LEASE_SERVER_SECONDS", "20", (WORKER, BEAT, OUTBOX),
             "T_s: Postgres ends a lock session that sent nothing for this many seconds "
             "(`idle_session_timeout` set on the session, PostgreSQL 14+), releasing its lock."),
-    _db("POIMEN_DB_PREPARE_THRESHOLD", "off", (*APP,),
-        "psycopg's `prepare_threshold` for the app's pooled connections. Off: no server-side "
-        "prepared statements, which a transaction-mode pooler (Heroku's connection pooling, "
-        "PgBouncer) would run on the wrong server connection. A number (psycopg's default is 5) "
-        "only when `DATABASE_URL` is direct."),
+    _db("POIMEN_DB_PREPARE_THRESHOLD", "auto", (*APP,),
+        "psycopg's `prepare_threshold` for the app's pooled connections. `auto`: a worker "
+        "prepares statements (threshold 5) when its `DATABASE_URL` is also its lock database, "
+        "which it checked keeps a session (no transaction pooler between); every other process, "
+        "and a worker with a separate `POIMEN_LOCK_DATABASE_URL`, prepares none. `off`: none "
+        "anywhere. A number: that threshold everywhere, only when `DATABASE_URL` is direct or "
+        "its pooler keeps prepared statements (PgBouncer >= 1.21 `max_prepared_statements`): "
+        "behind a transaction-mode pooler that does not, a statement prepared on one server "
+        "connection runs on another."),
     _celery("POIMEN_DB_TCP_USER_TIMEOUT", "10", (*APP,),
             "Seconds unacknowledged data may wait on a pooled TCP connection before it fails "
             "(libpq `tcp_user_timeout`): a statement into a silent path errors instead of "

@@ -320,10 +320,21 @@ MUTANTS: list[Mutant] = [
         "prepared_statements_behind_a_pooler",
         "the app's pooled connections prepare no statements (a transaction pooler mixes them)",
         "poimenconfig.py",
-        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "off")',
+        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto")',
         'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "5")',
         ("tests/chaos/test_pooler.py::"
          "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error",),
+    ),
+    Mutant(
+        "auto_prepare_behind_a_pooler",
+        "under auto, only a worker whose DATABASE_URL is its checked lock database prepares",
+        "workers/tasks.py",
+        '    if boot_dsn() != libpq_url(flask_app.config["SQLALCHEMY_DATABASE_URI"]):\n',
+        "    if False:\n",
+        ("tests/workers/test_execution.py::"
+         "test_a_worker_prepares_statements_only_where_database_url_is_its_checked_lock_database",
+         "tests/chaos/test_pooler.py::"
+         "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error"),
     ),
     Mutant(
         "revoke_not_recorded",

@@ -233,3 +233,31 @@ def test_a_run_whose_message_was_lost_is_re_sent_by_beat(admit, side_effects, fa
     processes.append(start_beat(env, log_dir))
     wait_status(pg, run_id, {"succeeded"}, timeout=60)
     assert side_effects(run_id, "finish") == 1
+
+
+def test_a_worker_prepares_statements_only_where_database_url_is_its_checked_lock_database(
+        admit, fast_env, pg, log_dir, processes):
+    """POIMEN_DB_PREPARE_THRESHOLD=auto (the default): a worker whose DATABASE_URL is its lock
+    database (checked at start to keep a session: no transaction pooler) prepares statements
+    and runs with them; one given a separate POIMEN_LOCK_DATABASE_URL prepares none (its
+    DATABASE_URL may be a pooler's: tests/chaos/test_pooler.py runs that case for real)."""
+    env = {name: value for name, value in fast_env.items()
+           if name not in ("POIMEN_DB_PREPARE_THRESHOLD", "POIMEN_LOCK_DATABASE_URL")}
+    direct = start_worker(env, log_dir, "direct", concurrency=2)
+    processes.append(direct)
+    # More runs than psycopg's threshold (5): the claim and the finish run prepared.
+    run_ids = [admit("echo", {"n": n}) for n in range(12)]
+    for run_id in run_ids:
+        wait_status(pg, run_id, {"succeeded"})
+    assert "prepared statements on" in direct.log()
+    direct.stop()
+
+    # The same database under another spelling: no longer provably the pooled one's.
+    separate = {**env, "POIMEN_LOCK_DATABASE_URL": env["DATABASE_URL"] + (
+        "&" if "?" in env["DATABASE_URL"] else "?") + "application_name=poimen-lock-test"}
+    pooled = start_worker(separate, log_dir, "separate")
+    processes.append(pooled)
+    run_id = admit("echo", {"n": 99})
+    wait_status(pg, run_id, {"succeeded"})
+    assert "prepared statements off" in pooled.log()
+    assert "prepared statements on" not in pooled.log()
