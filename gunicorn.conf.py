@@ -13,6 +13,8 @@ file by default when started from the repository root). Command-line flags
   worker that exits is marked dead (``child_exit``) so its live gauges go.
 * Telemetry: OpenTelemetry and Sentry, when configured (``app/telemetry.py``),
   start in each worker once it has loaded the app (``post_worker_init``).
+* Prepared statements (``POIMEN_DB_PREPARE_THRESHOLD=auto``): each worker turns
+  them on once it has checked that ``DATABASE_URL`` is direct (``post_worker_init``).
 * Logs: gunicorn's own error and access logs use ``LOG_FORMAT`` (``json``: one
   object per line) and ``LOG_LEVEL``, like every other process (``logconfig.py``).
   An access line names the request's ``request_id``, ``tenant`` and ``run_id``
@@ -53,9 +55,12 @@ def on_starting(server) -> None:
 def post_worker_init(worker) -> None:
     # Each gunicorn worker is a process of its own: OpenTelemetry's export thread and
     # Sentry's start in it, once the app is loaded (off unless configured).
+    from app.extensions import prepare_if_direct
     from app.telemetry import init_web
 
     init_web(worker.wsgi)
+    # POIMEN_DB_PREPARE_THRESHOLD=auto: prepared statements where DATABASE_URL is direct.
+    prepare_if_direct(worker.wsgi)
 
 
 def child_exit(server, worker) -> None:

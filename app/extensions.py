@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import select
 import time
 
@@ -21,6 +22,66 @@ db = SQLAlchemy(model_class=Base, session_options={"expire_on_commit": False})
 migrate = Migrate()
 
 _IDLE_SINCE = "poimen_idle_since"
+
+
+def keeps_own_session(dsn: str) -> bool:
+    """Whether a connection to ``dsn`` keeps its own Postgres session (no transaction pooler).
+
+    The sign a transaction pooler (PgBouncer, Heroku's connection pooling) cannot hide:
+    a second connection holding a transaction open pins a server connection, which
+    must not be the first one's, and the first one's next statement must still run
+    on its own backend, with its session setting kept.
+    """
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10,
+                         application_name="poimen-session-check") as first:
+        pid = first.execute("SELECT pg_backend_pid(), "
+                            "set_config('poimen.session_check', 'kept', false)").fetchone()[0]
+        with psycopg.connect(dsn, connect_timeout=10,
+                             application_name="poimen-session-check") as pinned:
+            other = pinned.execute("SELECT pg_backend_pid()").fetchone()[0]
+            again, kept = first.execute(
+                "SELECT pg_backend_pid(), current_setting('poimen.session_check', true)"
+            ).fetchone()
+    return other != pid and again == pid and kept == "kept"
+
+
+def prepare_if_direct(app, *, session_checked: bool = False) -> bool:
+    """Under ``POIMEN_DB_PREPARE_THRESHOLD=auto``, prepare statements where it is safe.
+
+    Safe only where ``DATABASE_URL`` reaches Postgres directly: it is the lock database
+    too (``POIMEN_LOCK_DATABASE_URL`` unset or the same; a separate one says
+    ``DATABASE_URL`` may be a pooler's), and a connection to it keeps its own session
+    (``session_checked``: the caller saw that already, as a worker's lock check does;
+    else ``keeps_own_session``). Returns whether statements are prepared now.
+    """
+    from poimenconfig import AUTO_PREPARE_THRESHOLD, libpq_url
+
+    if not app.config.get("POIMEN_DB_PREPARE_AUTO"):
+        return False
+    log = logging.getLogger("poimen.db")
+    dsn = libpq_url(app.config["SQLALCHEMY_DATABASE_URI"])
+    lock = app.config.get("POIMEN_LOCK_DATABASE_URL")
+    if lock and libpq_url(lock) != dsn:
+        log.info("prepared statements off: DATABASE_URL is not the lock database "
+                 "(it may go through a pooler); POIMEN_DB_PREPARE_THRESHOLD=5 turns them on")
+        return False
+    if not session_checked:
+        try:
+            direct = keeps_own_session(dsn)
+        except Exception as err:  # noqa: BLE001 - unknown is not direct
+            log.warning("prepared statements off: DATABASE_URL could not be checked (%s)",
+                        type(err).__name__)
+            return False
+        if not direct:
+            log.warning("prepared statements off: DATABASE_URL does not keep its own session "
+                        "(a transaction pooler?)")
+            return False
+    with app.app_context():
+        prepare_statements(db.engine, AUTO_PREPARE_THRESHOLD)
+    log.info("prepared statements on: DATABASE_URL keeps a session (no transaction pooler)")
+    return True
 
 
 def prepare_statements(engine: Engine, threshold: int) -> None:

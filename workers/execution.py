@@ -79,11 +79,31 @@ class Execution:
     run_id = property(lambda self: self.claim.run_id)
 
 
-def execute_run(run_id: str) -> Execution:
-    """Execute run ``run_id`` if this delivery wins its claim; say what it did."""
+def limited_workflow(shadow: str | None) -> bool:
+    """Whether a message's ``shadow`` (``runs.execute[<ref>]``, what Flower shows) names a
+    workflow of this process that declares ``concurrency_limit``: its runs' claims then
+    start with the group's locks (``claim_slot``) instead of a claim bound to be refused.
+
+    A hint only: it picks the first statement, the statements decide. A run admitted
+    before its workflow declared a limit is claimed by ``claim_slot`` all the same; a
+    run of a capped tenant whose workflow declares none takes the refused path.
+    """
+    if not shadow or not shadow.endswith("]") or "[" not in shadow:
+        return False
+    try:
+        return registry.resolve(shadow[shadow.index("[") + 1:-1]).concurrency_limit is not None
+    except registry.UnknownWorkflow:
+        return False
+
+
+def execute_run(run_id: str, *, limited: bool = False) -> Execution:
+    """Execute run ``run_id`` if this delivery wins its claim; say what it did.
+
+    ``limited``: the run's workflow declares a concurrency limit (``limited_workflow``).
+    """
     run_uuid = uuid.UUID(run_id)
     _watch_boots()
-    claim = _claim(run_uuid)
+    claim = _claim(run_uuid, limited)
     observe_claim(claim)
     if not claim.outcome.execute:
         if claim.outcome == ClaimOutcome.SLOT_WAIT:
@@ -136,25 +156,33 @@ def observe_claim(claim: Claim) -> None:
             max(0.0, (row.started_at - row.created_at).total_seconds()))
 
 
-def _claim(run_id: uuid.UUID) -> Claim:
+def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
     session = db.session
     for _ in range(2):
         boot = current_boot(boot_dsn)
         try:
-            # Every path of a claim writes at most one statement (the claim, a
-            # takeover, a cancelled run's end), each whole on its own, so the
-            # claim runs in autocommit: one round trip instead of BEGIN,
-            # statement, COMMIT. Its commit is still inside this try.
-            autocommit_next(session)
-            claim = claim_run(session, run_id, boot.boot_id,
-                              max_takeovers=registry.max_takeovers_of, transaction=False)
-            session.commit()
-            if claim.outcome == ClaimOutcome.SLOTS:
-                # A limited group: its slot locks and the claim that counts the
-                # slots need a transaction of their own (the locks last until commit).
+            if limited:
+                # A limited group's run: its slot locks, then the claim that counts the
+                # slots, in one transaction (2 statements, instead of a refused claim
+                # and a state read before them).
                 claim = claim_slot(session, run_id, boot.boot_id,
                                    max_takeovers=registry.max_takeovers_of)
                 session.commit()
+            else:
+                # Every path of a claim writes at most one statement (the claim, a
+                # takeover, a cancelled run's end), each whole on its own, so the
+                # claim runs in autocommit: one round trip instead of BEGIN,
+                # statement, COMMIT. Its commit is still inside this try.
+                autocommit_next(session)
+                claim = claim_run(session, run_id, boot.boot_id,
+                                  max_takeovers=registry.max_takeovers_of, transaction=False)
+                session.commit()
+                if claim.outcome == ClaimOutcome.SLOTS:
+                    # A limited group: its slot locks and the claim that counts the
+                    # slots need a transaction of their own (the locks last until commit).
+                    claim = claim_slot(session, run_id, boot.boot_id,
+                                       max_takeovers=registry.max_takeovers_of)
+                    session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied
             # with the acknowledgement lost. Ending the boot makes any claim it

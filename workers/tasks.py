@@ -18,12 +18,11 @@ from celery.signals import (
 )
 from flask import current_app
 
-from app.extensions import db, prepare_statements
+from app.extensions import db, prepare_if_direct
 from app.runs import redrive_stranded_runs
 from app.state.boots import prune_dead_boots
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 from lease import LeaseOrderingError
-from poimenconfig import AUTO_PREPARE_THRESHOLD, libpq_url
 
 from . import celery_native, shutdown
 from .boots import (
@@ -34,7 +33,7 @@ from .boots import (
     current_boot,
     end_current_boot,
 )
-from .execution import ClaimReleased, execute_run
+from .execution import ClaimReleased, execute_run, limited_workflow
 from .fence import boot_dsn
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def execute(self, run_id: str) -> str:
     only for a run this delivery finished ``succeeded``.
     """
     try:
-        execution = execute_run(run_id)
+        execution = execute_run(run_id, limited=limited_workflow(self.request.shadow))
     except ClaimReleased:
         # Back to queued before its workflow started; beat re-sends it.
         raise Retry(f"run {run_id} released before start",
@@ -86,24 +85,9 @@ def _check_lock_database(sender=None, **_):
             # SystemExit message would be printed as a plain line after it.
             log.critical("poimen worker refuses to start: %s", err)
             raise SystemExit(1) from None
-        _prepare_if_direct(sender.app.flask_app)
-
-
-def _prepare_if_direct(flask_app) -> None:
-    """Under ``POIMEN_DB_PREPARE_THRESHOLD=auto``, prepare statements on a direct DATABASE_URL.
-
-    The check above proved the lock database keeps a session; when it is the app's
-    own database, nothing pools it by transaction, so psycopg's prepared statements
-    (the claim's and the finish's plans, made once per connection) are safe.
-    """
-    if not flask_app.config.get("POIMEN_DB_PREPARE_AUTO"):
-        return
-    if boot_dsn() != libpq_url(flask_app.config["SQLALCHEMY_DATABASE_URI"]):
-        log.info("prepared statements off: DATABASE_URL is not the lock database "
-                 "(it may go through a pooler); POIMEN_DB_PREPARE_THRESHOLD=5 turns them on")
-        return
-    prepare_statements(db.engine, AUTO_PREPARE_THRESHOLD)
-    log.info("prepared statements on: DATABASE_URL keeps a session (no transaction pooler)")
+        # The check above proved the lock database keeps a session: when it is the
+        # app's own database too, prepared statements are safe (app/extensions.py).
+        prepare_if_direct(sender.app.flask_app, session_checked=True)
 
 
 @beat_init.connect

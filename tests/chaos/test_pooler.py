@@ -86,6 +86,33 @@ def test_the_direct_url_is_accepted(private_postgres):
     check_lock_database(private_postgres.url)
 
 
+def test_the_session_check_tells_the_pooler_from_the_direct_url(pgbouncer, private_postgres):
+    """What web's POIMEN_DB_PREPARE_THRESHOLD=auto decides on (app/extensions.py)."""
+    from app.extensions import keeps_own_session
+
+    assert keeps_own_session(private_postgres.url)
+    assert not keeps_own_session(pgbouncer)
+
+
+def test_web_prepares_statements_only_where_database_url_is_direct(
+        pgbouncer, private_postgres, chaos_env, tmp_path):
+    """auto: a web whose DATABASE_URL is direct (and the lock database) prepares statements;
+    behind the pooler, even with no POIMEN_LOCK_DATABASE_URL to say so, it prepares none."""
+    from tests.processes import start_web
+
+    env = {name: value for name, value in chaos_env.items()
+           if name not in ("POIMEN_DB_PREPARE_THRESHOLD", "POIMEN_LOCK_DATABASE_URL")}
+    for name, database, expected in (("direct", private_postgres.url, "prepared statements on"),
+                                     ("pooled", pgbouncer, "prepared statements off")):
+        web, _ = start_web({**env, "DATABASE_URL": database, "METRICS_PORT": str(free_port())},
+                           tmp_path, workers=1, threads=2, name=f"web-{name}")
+        try:
+            wait_until(lambda: expected in web.log(), timeout=30, what=expected)  # noqa: B023
+            assert "prepared statements on" not in web.log() or expected.endswith(" on")
+        finally:
+            web.stop()
+
+
 def test_a_worker_behind_the_pooler_refuses_to_start_naming_the_setting(
         pgbouncer, chaos_env, tmp_path):
     env = {**chaos_env, "POIMEN_LOCK_DATABASE_URL": pgbouncer}

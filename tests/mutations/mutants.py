@@ -327,14 +327,22 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "auto_prepare_behind_a_pooler",
-        "under auto, only a worker whose DATABASE_URL is its checked lock database prepares",
-        "workers/tasks.py",
-        '    if boot_dsn() != libpq_url(flask_app.config["SQLALCHEMY_DATABASE_URI"]):\n',
+        "under auto, a process prepares only where DATABASE_URL is the lock database",
+        "app/extensions.py",
+        "    if lock and libpq_url(lock) != dsn:\n",
         "    if False:\n",
         ("tests/workers/test_execution.py::"
          "test_a_worker_prepares_statements_only_where_database_url_is_its_checked_lock_database",
          "tests/chaos/test_pooler.py::"
          "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error"),
+    ),
+    Mutant(
+        "session_check_trusts_a_pooler",
+        "auto prepares only on a DATABASE_URL whose connection keeps its own session",
+        "app/extensions.py",
+        '    return other != pid and again == pid and kept == "kept"\n',
+        "    return True\n",
+        ("tests/chaos/test_pooler.py::test_the_session_check_tells_the_pooler_from_the_direct_url",),
     ),
     Mutant(
         "revoke_not_recorded",

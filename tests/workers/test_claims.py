@@ -219,6 +219,39 @@ def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, s
     # that order from the same statement: tests/workers/test_step_entry_dispatch.py)
 
 
+def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admit, pg,
+                                                                         fresh_boot, statements):
+    """Issue 26's cost: a message whose shadow names a workflow with a concurrency limit
+    claims with the group's locks and the slot-counting claim (2 statements in one
+    transaction), not after a refused one-statement claim and a state read. The hint picks
+    the path; the statements decide: a duplicate delivery of the claimed run does nothing."""
+    from workers.execution import execute_run, limited_workflow
+
+    assert limited_workflow("runs.execute[keyed@1]") and limited_workflow("runs.execute[pair]")
+    assert not limited_workflow("runs.execute[echo@1]")
+    assert not limited_workflow("runs.execute[no-such-workflow@1]")
+    assert not limited_workflow(None) and not limited_workflow("runs.execute")
+
+    warm, run_id = admit("echo", {"x": 0}), admit("pair", {"key": "hint"})
+    with app.app_context():
+        execute_run(str(warm))  # this process's boot is registered by its first claim
+    statements.clear()
+    with app.app_context():
+        assert execute_run(str(run_id), limited=True).outcome == ClaimOutcome.CLAIMED
+    claim_sql = [sql for sql, _ in statements[:2]]
+    assert "pg_advisory_xact_lock" in claim_sql[0], claim_sql  # LOCK_SLOTS
+    assert "verdict AS" in claim_sql[1] and "SET status = CASE" in claim_sql[1]  # CLAIM_SLOT
+    assert not any("concurrency_limit IS NULL" in sql for sql, _ in statements)  # no refusal
+    assert status_of(pg, run_id)[0] == "succeeded"
+    with app.app_context():
+        assert execute_run(str(run_id), limited=True).outcome == ClaimOutcome.FINISHED
+    # A wrong hint (the run is of no limited group) still claims it, through the same rule.
+    other = admit("echo", {"x": 2})
+    with app.app_context():
+        assert execute_run(str(other), limited=True).outcome == ClaimOutcome.CLAIMED
+    assert status_of(pg, other)[0] == "succeeded"
+
+
 def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app, admit, pg,
                                                                              fresh_boot):
     """The worker cannot load the run's workflow (a rolling deploy): back to queued, the
