@@ -28,7 +28,8 @@ Three cases in one invocation, on the same services, each with a worker of
 
 Printed: rates, Poimen's p50/p99 message-to-succeeded latency (burst and
 paced), ratios (targets, issue 25: Poimen >= 0.5x plain Celery, >= 0.7x the naive bridge,
-p99 <= 2 s at the paced load, zero duplicates), and duplicates: for Poimen,
+p99 <= 2 s at the paced load, zero duplicates), CPU per message by process for
+each of the three (issue 25: Poimen's beside plain Celery's), and duplicates: for Poimen,
 runs beyond one per message plus executions beyond one per run (``run.started``
 events); for the others, executions beyond the count. Load average is printed
 before and after. The result is appended to bench/RESULTS.md under "End to
@@ -91,7 +92,7 @@ class Case:
     load_before: str
     load_after: str
     latencies: list[float] | None = None
-    cpu_ms: dict[str, float] | None = None  # CPU per message, by process (Poimen's burst)
+    cpu_ms: dict[str, float] | None = None  # CPU per message, by process
 
     @property
     def rate(self) -> float:
@@ -208,8 +209,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
                      duplicates=(runs - n - warm) + (starts - runs),
                      load_before=load_before, load_after=load_average(),
                      latencies=latencies(db, "burst"),
-                     cpu_ms={name: (cpu_after[name] - cpu_before[name]) * 1000 / n
-                             for name in cpu_after})
+                     cpu_ms=_cpu_ms(cpu_before, cpu_after, n))
 
         paced = None
         if paced_seconds > 0:
@@ -245,14 +245,18 @@ def plain_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
                     timeout)
         settle()
         load_before = load_average()
+        cpu_before, own_before = process_cpu([worker]), time.process_time()
         started = time.monotonic()
         sender = threading.Thread(target=lambda: [task.apply_async() for _ in range(n)])
         sender.start()
         done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "plain celery")
         sender.join()
+        cpu = _cpu_ms(cpu_before, process_cpu([worker]), n)
+        # apply_async runs in this process (with the polling loop): the sender's CPU.
+        cpu["sender (bench process)"] = (time.process_time() - own_before) * 1000 / n
         time.sleep(1.0)  # late duplicates would land now
         return Case("plain celery", n, done - started, int(redis.get(counter) or 0) - n,
-                    load_before, load_average())
+                    load_before, load_average(), cpu_ms=cpu)
     finally:
         worker.stop()
         sender_app.close()
@@ -279,18 +283,25 @@ def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
                     timeout)
         settle()
         load_before = load_average()
+        cpu_before = process_cpu([worker, bridge])
         started = time.monotonic()
         producer = threading.Thread(target=produce,
                                     args=(bootstrap, topic, 0, n, partitions, "burst"))
         producer.start()
         done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "naive bridge")
         producer.join()
+        cpu = _cpu_ms(cpu_before, process_cpu([worker, bridge]), n)
         time.sleep(1.0)
         return Case("naive bridge", n, done - started, int(redis.get(counter) or 0) - n,
-                    load_before, load_average())
+                    load_before, load_average(), cpu_ms=cpu)
     finally:
         bridge.stop()
         worker.stop()
+
+
+def _cpu_ms(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """CPU milliseconds per message, by process, between two ``process_cpu`` readings."""
+    return {name: (after[name] - before[name]) * 1000 / n for name in after}
 
 
 def _plain_worker(env, logs, name, bin_dir, process_cls):
@@ -348,6 +359,10 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
         f"x{CONCURRENCY}: {naive.count} messages in {naive.seconds:.1f} s = "
         f"**{naive.rate:.0f} tasks/s**; load average before {naive.load_before}, "
         f"after {naive.load_after}",
+        *(f"- {case.name} CPU per message, ms by process (with its workers): "
+          + ", ".join(f"{name} {value:.1f}" for name, value in case.cpu_ms.items())
+          + f"; total {sum(case.cpu_ms.values()):.1f}"
+          for case in (plain, naive) if case.cpu_ms),
         f"- ratios: Poimen / plain Celery **{burst.rate / plain.rate:.2f}** (target >= 0.5); "
         f"Poimen / naive bridge **{burst.rate / naive.rate:.2f}** (target >= 0.7)",
         f"- duplicates: Poimen {burst.duplicates + (paced.duplicates if paced else 0)} "
