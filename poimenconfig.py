@@ -102,8 +102,8 @@ AUTO_PREPARE_THRESHOLD = 5
 def prepare_threshold(env: Mapping[str, str]) -> int | None:
     """psycopg's ``prepare_threshold`` for the app's engine: ``POIMEN_DB_PREPARE_THRESHOLD``.
 
-    ``auto`` (the default) is off here: only a worker turns it on, once it has seen
-    that ``DATABASE_URL`` itself keeps a session (``prepare_auto``).
+    ``auto`` (the default) is off here: a process turns it on itself once it has
+    seen that ``DATABASE_URL`` is direct (``prepare_auto``).
     """
     raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower()
     if raw in ("", "auto", "off", "none", "0"):
@@ -114,11 +114,11 @@ def prepare_threshold(env: Mapping[str, str]) -> int | None:
 def prepare_auto(env: Mapping[str, str]) -> bool:
     """``POIMEN_DB_PREPARE_THRESHOLD`` is ``auto``: prepare where the connection is known direct.
 
-    A worker checks before it starts that its lock database keeps a session (no
-    transaction pooler between: ``workers.boots.check_lock_database``). When that
-    database is ``DATABASE_URL`` itself (``POIMEN_LOCK_DATABASE_URL`` unset or the
-    same), the worker's pooled connections are direct too, and prepared statements
-    on them are safe: they halve Postgres' CPU per run (docs/scaling.md).
+    Direct: ``DATABASE_URL`` is the lock database too (``POIMEN_LOCK_DATABASE_URL``
+    unset or the same) and a connection to it keeps its own session, which a worker
+    checks before it starts (``workers.boots.check_lock_database``) and web at each
+    gunicorn worker's start (``app.extensions.prepare_if_direct``). Prepared
+    statements halve Postgres' CPU per run there (docs/scaling.md).
     """
     return env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower() in ("", "auto")
 
@@ -157,8 +157,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
                 # another ("prepared statement _pg3_N does not exist", another
                 # client's statement with other parameters). A direct connection
                 # may turn them on with POIMEN_DB_PREPARE_THRESHOLD=5; under the
-                # default, auto, a worker turns them on itself where it has checked
-                # that DATABASE_URL is direct (POIMEN_DB_PREPARE_AUTO).
+                # default, auto, web and worker turn them on themselves where they
+                # have checked that DATABASE_URL is direct (POIMEN_DB_PREPARE_AUTO).
                 "prepare_threshold": prepare_threshold(env),
                 "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                 "keepalives_count": 3,

@@ -34,7 +34,7 @@ from workers import registry
 
 from . import telemetry
 from .state.compose import PENDING_SENDS
-from .task_names import EXECUTE_RUN
+from .task_names import EXECUTE_RUN, execute_shadow
 from .tracecontext import TraceContext
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
             countdown=countdown,
             producer=producer,
             # Shown by Flower next to the task: which workflow this run is.
-            shadow=f"{EXECUTE_RUN}[{workflow_ref}]",
+            shadow=execute_shadow(workflow_ref),
             headers=trace.headers() if trace is not None else None,
             **_routing(workflow_ref),
         )

@@ -30,6 +30,7 @@ from app.state.claims import (
     claim_slot,
 )
 from app.state.ledger import EntryClose
+from app.task_names import ref_of_shadow
 from app.telemetry import report_exception
 from app.tracecontext import of_run
 from logconfig import quiet_traceback
@@ -88,10 +89,11 @@ def limited_workflow(shadow: str | None) -> bool:
     before its workflow declared a limit is claimed by ``claim_slot`` all the same; a
     run of a capped tenant whose workflow declares none takes the refused path.
     """
-    if not shadow or not shadow.endswith("]") or "[" not in shadow:
+    ref = ref_of_shadow(shadow)
+    if ref is None:
         return False
     try:
-        return registry.resolve(shadow[shadow.index("[") + 1:-1]).concurrency_limit is not None
+        return registry.resolve(ref).concurrency_limit is not None
     except registry.UnknownWorkflow:
         return False
 
@@ -161,14 +163,7 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
     for _ in range(2):
         boot = current_boot(boot_dsn)
         try:
-            if limited:
-                # A limited group's run: its slot locks, then the claim that counts the
-                # slots, in one transaction (2 statements, instead of a refused claim
-                # and a state read before them).
-                claim = claim_slot(session, run_id, boot.boot_id,
-                                   max_takeovers=registry.max_takeovers_of)
-                session.commit()
-            else:
+            if not limited:
                 # Every path of a claim writes at most one statement (the claim, a
                 # takeover, a cancelled run's end), each whole on its own, so the
                 # claim runs in autocommit: one round trip instead of BEGIN,
@@ -177,12 +172,14 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
                 claim = claim_run(session, run_id, boot.boot_id,
                                   max_takeovers=registry.max_takeovers_of, transaction=False)
                 session.commit()
-                if claim.outcome == ClaimOutcome.SLOTS:
-                    # A limited group: its slot locks and the claim that counts the
-                    # slots need a transaction of their own (the locks last until commit).
-                    claim = claim_slot(session, run_id, boot.boot_id,
-                                       max_takeovers=registry.max_takeovers_of)
-                    session.commit()
+            if limited or claim.outcome == ClaimOutcome.SLOTS:
+                # A limited group: its slot locks and the claim that counts the slots
+                # need a transaction of their own (the locks last until commit). A
+                # message that names a limited workflow starts here, without the
+                # refused claim and the state read.
+                claim = claim_slot(session, run_id, boot.boot_id,
+                                   max_takeovers=registry.max_takeovers_of)
+                session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied
             # with the acknowledgement lost. Ending the boot makes any claim it

@@ -9,7 +9,7 @@ imports nothing of ``app/``, yet its two writes (mark what Kafka acknowledged,
 prune what was published long ago) belong here with every other write of the
 table. They are database functions whose bodies are the statements below:
 migration 0013 installs them (``RELAY_FUNCTIONS``) and the relay calls them by
-name (``SELECT poimen_outbox_mark_published(...)``). ``tests/test_state_store.py``
+name (``SELECT poimen_outbox_mark_published(...)``). ``tests/app/test_relay_functions.py``
 fails when an installed body drifts from these constants; a change to one needs
 a migration that runs ``RELAY_FUNCTIONS`` again.
 """
@@ -46,15 +46,17 @@ WITH gone AS (
 SELECT count(*) FROM gone
 """
 
-# The relay's entry points, as installed by migration 0013.
-RELAY_FUNCTIONS = (
-    "CREATE OR REPLACE FUNCTION poimen_outbox_mark_published(ids bigint[]) RETURNS void "
-    f"LANGUAGE sql AS $body${MARK_PUBLISHED}$body$",
-    "CREATE OR REPLACE FUNCTION poimen_outbox_prune(retention double precision, batch integer) "
-    f"RETURNS bigint LANGUAGE sql AS $body${PRUNE_PUBLISHED}$body$",
-)
-RELAY_FUNCTION_BODIES = {"poimen_outbox_mark_published": MARK_PUBLISHED,
-                         "poimen_outbox_prune": PRUNE_PUBLISHED}
+# The relay's entry points: name -> (arguments, result, body), installed by migration 0013.
+_RELAY = {
+    "poimen_outbox_mark_published": ("ids bigint[]", "void", MARK_PUBLISHED),
+    "poimen_outbox_prune": ("retention double precision, batch integer", "bigint",
+                            PRUNE_PUBLISHED),
+}
+RELAY_FUNCTION_BODIES = {name: body for name, (_, _, body) in _RELAY.items()}
+RELAY_FUNCTIONS = tuple(
+    f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS {result} "
+    f"LANGUAGE sql AS $body${body}$body$"
+    for name, (arguments, result, body) in _RELAY.items())
 
 
 def event_payload(run_id: uuid.UUID, event_type: str, **fields: Any) -> dict[str, Any]:

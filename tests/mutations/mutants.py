@@ -231,7 +231,7 @@ MUTANTS: list[Mutant] = [
         "claim_in_a_transaction",
         "a claim is one round trip: its one statement runs in autocommit (issue 10)",
         "workers/execution.py",
-        "            autocommit_next(session)\n",
+        "                autocommit_next(session)\n",
         "",
         (f"{CLAIM_TESTS}::test_a_claim_is_one_statement_in_autocommit",),
     ),
