@@ -28,6 +28,7 @@ from app.state.claims import (
     adopt_run,
     claim_run,
     claim_slot,
+    decide_slot,
 )
 from app.state.ledger import EntryClose
 from app.task_names import ref_of_shadow
@@ -163,22 +164,24 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
     for _ in range(2):
         boot = current_boot(boot_dsn)
         try:
-            if not limited:
-                # Every path of a claim writes at most one statement (the claim, a
-                # takeover, a cancelled run's end), each whole on its own, so the
-                # claim runs in autocommit: one round trip instead of BEGIN,
-                # statement, COMMIT. Its commit is still inside this try.
-                autocommit_next(session)
+            # Every claim is one statement, whole on its own, so it runs in autocommit:
+            # one round trip instead of BEGIN, statement, COMMIT. A message that names
+            # a limited workflow starts with the slot-counting claim (the group's locks,
+            # then the claim, in one call), without the refused claim and the state read.
+            # Its commit is still inside this try.
+            autocommit_next(session)
+            if limited:
+                claim = claim_slot(session, run_id, boot.boot_id,
+                                   max_takeovers=registry.max_takeovers_of, transaction=False)
+            else:
                 claim = claim_run(session, run_id, boot.boot_id,
                                   max_takeovers=registry.max_takeovers_of, transaction=False)
-                session.commit()
-            if limited or claim.outcome == ClaimOutcome.SLOTS:
-                # A limited group: its slot locks and the claim that counts the slots
-                # need a transaction of their own (the locks last until commit). A
-                # message that names a limited workflow starts here, without the
-                # refused claim and the state read.
-                claim = claim_slot(session, run_id, boot.boot_id,
-                                   max_takeovers=registry.max_takeovers_of)
+            session.commit()
+            if claim.outcome == ClaimOutcome.SLOTS:
+                # A limited run the claim did not take (a dead holder's, a duplicate):
+                # decided under its group's locks, which last until this commit.
+                claim = decide_slot(session, run_id, boot.boot_id,
+                                    max_takeovers=registry.max_takeovers_of)
                 session.commit()
         except Exception:
             # The claim's outcome is unknown: its commit may have been applied

@@ -127,12 +127,14 @@ class Fence:
 
         When an earlier try's commit may have applied with its reply lost,
         ``already_done(row)`` recognises our own write. ``single``: ``write`` is one
-        statement, so a run that holds no slot (no locks to take first) ends in
-        autocommit, one round trip.
+        statement that takes the slot locks it needs itself (a slot holder's end is
+        ``poimen_finish_slot``: the locks, then the end, in one call), so the run
+        ends in autocommit, one round trip. Otherwise the locks come first here.
         """
         def attempt(session: Session, ours: list[uuid.UUID], retrying: bool
                     ) -> tuple[bool, bool]:
-            self._lock_slots(session)
+            if not single:
+                self._lock_slots(session)
             if write(session, ours):
                 return True, True
             row = session.execute(_RUN_HOLDER, {"run": self.run_id}).one_or_none()
@@ -143,7 +145,7 @@ class Fence:
                 return (True, True) if write(session, now_ours) else (False, False)
             return False, retrying and row is not None and already_done(row)
 
-        return self._commit(attempt, autocommit=single and not self.slots)
+        return self._commit(attempt, autocommit=single)
 
     def _finished_by_us(self, row: Row) -> bool:
         return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)

@@ -58,7 +58,7 @@ from .compose import (
     with_woken,
 )
 from .ledger import CLOSE_EVENT_FIELDS, ENTRY_EVENT_FIELDS, EntryClose
-from .runs import finish_requested_cancel, lock_slots
+from .runs import LockedStatement, finish_requested_cancel, lock_slots, locked
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -97,16 +97,18 @@ class Claim:
 
 # What a claim returns: everything the worker needs to run the workflow, so
 # executing a run costs no extra read.
-_RUN_COLUMNS = "id, tenant_id, attempt, workflow_name, workflow_version, input, failures, " \
-    "cancel_requested, concurrency_key, concurrency_limit"
+_RUN_COLUMN_NAMES = ("id", "tenant_id", "attempt", "workflow_name", "workflow_version", "input",
+                     "failures", "cancel_requested", "concurrency_key", "concurrency_limit")
+_RUN_COLUMNS = ", ".join(_RUN_COLUMN_NAMES)
 _ATTEMPT = "jsonb_build_object('attempt', attempt)"
 # A claim also returns the pinned definition hash and the run's latest step
 # entry (the ledger resumes from it), so starting a run costs no extra read.
 # created_at and started_at give the queue wait (poimen_run_queue_wait_seconds).
 # traceparent and tracestate: the run's trace context, which its fan-out children inherit
 # and its re-sends (a retry, a release) carry.
-_CLAIMED_COLUMNS = _RUN_COLUMNS + ", goal_id, definition_hash, created_at, started_at, " \
-    "traceparent, tracestate, " \
+_CLAIMED_NAMES = _RUN_COLUMN_NAMES + ("goal_id", "definition_hash", "created_at", "started_at",
+                                       "traceparent", "tracestate")
+_CLAIMED_COLUMNS = ", ".join(_CLAIMED_NAMES) + ", " \
     "(SELECT to_jsonb(e) FROM step_entries e " \
     "WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry"
 
@@ -195,6 +197,19 @@ CLAIM_SLOT = with_event(
          WHERE r.id = :run AND {due("r")} AND {_CLAIMER_LIVE}
     ),{_verdict("me", fifo=True)}""",
 )
+
+
+
+def _of_runs(*names: str) -> list[tuple[str, str]]:
+    """Result columns of a locked statement that are columns of ``runs``, typed as such."""
+    return [(name, f"runs.{name}%TYPE") for name in names]
+
+
+# CLAIM_SLOT after its locks, in one call (``runs.locked``): a limited run's claim is
+# one round trip, in autocommit, like every other claim.
+CLAIM_SLOT_LOCKED = locked(
+    "poimen_claim_slot", CLAIM_SLOT,
+    _of_runs(*_CLAIMED_NAMES) + [("last_entry", "jsonb")] + _of_runs("status", "wait_reason"))
 
 # Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
 # resumed; a run that has already outlived max_takeovers workers fails with
@@ -351,8 +366,19 @@ FINISH_CLOSED = _finish("update", slots=True)
 FINISH_UNLIMITED = _finish(None, slots=False)
 FINISH_INSERTED_UNLIMITED = _finish("insert", slots=False)
 FINISH_CLOSED_UNLIMITED = _finish("update", slots=False)
-_FINISHES = {(None, True): FINISH, ("insert", True): FINISH_INSERTED,
-             ("update", True): FINISH_CLOSED, (None, False): FINISH_UNLIMITED,
+# The end of a run that holds a slot, after its locks, in one call (``runs.locked``):
+# one round trip, in autocommit, like the end of every other run.
+_FINISHED = _of_runs(*_RUN_COLUMN_NAMES, "status") + [("woken", "jsonb")]
+FINISH_LOCKED = locked("poimen_finish_slot", FINISH, _FINISHED)
+FINISH_INSERTED_LOCKED = locked("poimen_finish_slot_inserted", FINISH_INSERTED, _FINISHED)
+FINISH_CLOSED_LOCKED = locked("poimen_finish_slot_closed", FINISH_CLOSED, _FINISHED)
+# Installed by migration 0014 (``CREATE OR REPLACE``): a change to one of these
+# statements needs a migration that runs them again (tests/app/test_slot_functions.py).
+SLOT_FUNCTIONS: tuple[LockedStatement, ...] = (
+    CLAIM_SLOT_LOCKED, FINISH_LOCKED, FINISH_INSERTED_LOCKED, FINISH_CLOSED_LOCKED)
+
+_FINISHES = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED_LOCKED.call,
+             ("update", True): FINISH_CLOSED_LOCKED.call, (None, False): FINISH_UNLIMITED,
              ("insert", False): FINISH_INSERTED_UNLIMITED,
              ("update", False): FINISH_CLOSED_UNLIMITED}
 
@@ -416,27 +442,40 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
             or (current.status == RunStatus.QUEUED and current.due
                 and not current.cancel_requested)):
         # A queued run to claim, or a dead holder's run to take over: under the locks.
-        if not transaction:
-            return Claim(ClaimOutcome.SLOTS, run_id, boot_id)
-        return claim_slot(session, run_id, boot_id, max_takeovers=max_takeovers)
+        return claim_slot(session, run_id, boot_id, max_takeovers=max_takeovers,
+                          transaction=transaction)
     return _decide(session, run_id, boot_id, current, max_takeovers)
 
 
 def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
-               max_takeovers: Callable[[str, str], int]) -> Claim:
+               max_takeovers: Callable[[str, str], int], transaction: bool = True) -> Claim:
     """Claim ``run_id`` of a limited group, or park it ``waiting`` when it has no slot.
 
-    In ``session``'s transaction, never in autocommit: the group's advisory
-    locks first, then the claim (or the takeover) that counts the group's slots
-    in its own statement. Caller commits (that releases the locks).
+    One call, ``poimen_claim_slot``: the group's advisory locks, then the claim
+    that counts the group's slots on a snapshot taken after them (``runs.locked``),
+    so it may run in autocommit. A run it did not claim or park (a duplicate, a
+    dead holder's, a finished one) is decided under the locks in a transaction:
+    with ``transaction`` False it comes back as SLOTS for ``decide_slot``. In a
+    transaction the locks last until the caller commits.
     """
-    lock_slots(session, run_id)
-    row = session.execute(CLAIM_SLOT, {"run": run_id, "boot": boot_id}).one_or_none()
+    row = session.execute(CLAIM_SLOT_LOCKED.call,
+                          {"run": run_id, "boot": boot_id}).one_or_none()
     if row is not None:
         if row.status == RunStatus.WAITING:
             return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, slots=True,
                          wait_reason=row.wait_reason)
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row, slots=True)
+    if not transaction:
+        return Claim(ClaimOutcome.SLOTS, run_id, boot_id)
+    return decide_slot(session, run_id, boot_id, max_takeovers=max_takeovers)
+
+
+def decide_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+                max_takeovers: Callable[[str, str], int]) -> Claim:
+    """What a delivery does with a limited run ``claim_slot`` did not claim, decided
+    under the group's locks (a takeover counts the slots like a claim). In
+    ``session``'s transaction, never in autocommit; caller commits."""
+    lock_slots(session, run_id)
     current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
     return _decide(session, run_id, boot_id, current, max_takeovers, slots=True)
 

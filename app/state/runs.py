@@ -20,10 +20,12 @@ Every statement that ends a run counts for its parent's join (``JOIN_RELEASE``).
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from sqlalchemy import Row, text
+from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
 from app.liveness import LIVE_BOOTS_SQL
@@ -293,6 +295,72 @@ LOCK_SLOTS = text(
             ORDER BY ord) AS l
     """
 )
+
+
+# -- the group's locks, then a statement: one round trip ---------------------------------------
+#
+# A statement that must decide after ``LOCK_SLOTS`` used to cost a transaction of
+# its own: BEGIN, the locks, the statement, COMMIT (four round trips). The
+# decision's rule needs the locks to be taken *before* the deciding statement's
+# snapshot, so the two cannot be one SQL statement. They can be one call: a
+# VOLATILE plpgsql function takes a new snapshot for each statement it runs
+# (READ COMMITTED), so its ``PERFORM`` of the locks comes first and its ``RETURN
+# QUERY`` decides on a snapshot that sees every claim and end of the group
+# committed before the locks were granted. Called in autocommit the locks last
+# until the call's own transaction ends; in a caller's transaction, until its
+# commit (a second take of a lock the transaction holds is a no-op). Its plans
+# are cached per connection by plpgsql, so a pooled connection keeps them too.
+#
+# The argument types of every parameter a locked statement names (``:name``).
+_ARGUMENT_TYPES = {
+    "run": "uuid", "boot": "uuid", "boots": "uuid[]", "status": "text", "result": "text",
+    "error": "text", "failed": "integer", "event_type": "text", "event_extra": "text",
+    "entry": "bigint", "entry_no": "integer", "step": "text", "entry_status": "text",
+    "actions": "text", "outputs": "text", "entry_error": "text", "next_step": "text",
+    "events": "boolean", "entry_event": "text",
+}
+_PARAMETER = re.compile(r"(?<![:\w]):(\w+)")
+
+
+@dataclass(frozen=True)
+class LockedStatement:
+    """A store statement run after its run's slot locks, as one database function.
+
+    ``create``: the ``CREATE OR REPLACE FUNCTION`` a migration runs; ``body``: its
+    source as installed (``tests/app/test_slot_functions.py`` compares the two);
+    ``call``: the statement the store executes, with the original's parameters.
+    """
+
+    name: str
+    create: str
+    body: str
+    call: TextClause
+
+
+def locked(name: str, statement: TextClause, returns: list[tuple[str, str]]) -> LockedStatement:
+    """``statement`` preceded by ``LOCK_SLOTS`` of its ``:run``, as the function ``name``.
+
+    ``returns``: the statement's result columns and their types, in order (a
+    column of ``runs`` may be typed ``runs.<column>%TYPE``).
+    """
+    sql = statement.text
+    names = list(dict.fromkeys(_PARAMETER.findall(sql)))
+    assert "run" in names, f"{name}: a locked statement is about one run (:run)"
+    arguments = ", ".join(f"p_{n} {_ARGUMENT_TYPES[n]}" for n in names)
+
+    def to_argument(sql_: str) -> str:  # :name -> the function's argument p_name
+        return _PARAMETER.sub(lambda match: f"p_{match.group(1)}", sql_)
+
+    lock = to_argument(LOCK_SLOTS.text).strip()
+    assert lock.startswith("SELECT ")
+    take_locks = f"    PERFORM {lock[len('SELECT '):]};\n"
+    body = (f"\n#variable_conflict use_column\nBEGIN\n{take_locks}"
+            f"    RETURN QUERY {to_argument(sql).strip()};\nEND\n")
+    result = ", ".join(f"{column} {type_}" for column, type_ in returns)
+    create = (f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS TABLE ({result}) "
+              f"LANGUAGE plpgsql VOLATILE AS $body${body}$body$")
+    call = text(f"SELECT * FROM {name}({', '.join(':' + n for n in names)})")
+    return LockedStatement(name, create, body, call)
 
 
 def lock_slots(session: Session, run_id: uuid.UUID) -> int:

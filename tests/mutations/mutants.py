@@ -212,18 +212,30 @@ MUTANTS: list[Mutant] = [
         "concurrency_check_then_claim",
         "a limited group's claim counts its slots in the claim statement, after the group's "
         "lock: never a count its snapshot took before another claim committed",
-        CLAIMS,
-        "    lock_slots(session, run_id)\n    row = session.execute(CLAIM_SLOT,",
-        "    row = session.execute(CLAIM_SLOT,",
+        "app/state/runs.py",
+        "    take_locks = f\"    PERFORM",
+        "    take_locks = \"\" if name == \"poimen_claim_slot\" else f\"    PERFORM",
         ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
+    ),
+    Mutant(
+        "slot_count_before_lock",
+        "a limited group's claim counts on a snapshot taken after the group's lock (a count "
+        "from before the lock misses a takeover committed while it waited)",
+        "app/state/runs.py",
+        "    body = (f\"\\n#variable_conflict use_column\\nBEGIN\\n{take_locks}\"\n"
+        "            f\"    RETURN QUERY {to_argument(sql).strip()};\\nEND\\n\")\n",
+        "    body = (f\"\\n#variable_conflict use_column\\nBEGIN\\n\"\n"
+        "            f\"    RETURN QUERY {to_argument(sql).strip()};\\n{take_locks}END\\n\")\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_a_claim_racing_a_takeover_counts_after_the_lock",),
     ),
     Mutant(
         "slot_end_without_lock",
         "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
         "that went waiting a moment before (no lost wake-up)",
-        "workers/fence.py",
-        "        if self.slots:\n            lock_slots(session, self.run_id)\n",
-        "        pass\n",
+        "app/state/runs.py",
+        "    take_locks = f\"    PERFORM",
+        "    take_locks = \"\" if name.startswith(\"poimen_finish_slot\") else f\"    PERFORM",
         ("tests/workers/test_concurrency.py::"
          "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
     ),
@@ -231,7 +243,7 @@ MUTANTS: list[Mutant] = [
         "claim_in_a_transaction",
         "a claim is one round trip: its one statement runs in autocommit (issue 10)",
         "workers/execution.py",
-        "                autocommit_next(session)\n",
+        "            autocommit_next(session)\n",
         "",
         (f"{CLAIM_TESTS}::test_a_claim_is_one_statement_in_autocommit",),
     ),
@@ -239,8 +251,8 @@ MUTANTS: list[Mutant] = [
         "finish_in_a_transaction",
         "a run outside every limited group ends in one statement in autocommit (issue 25)",
         "workers/fence.py",
-        "autocommit=single and not self.slots",
-        "autocommit=False",
+        "autocommit=single)",
+        "autocommit=False)",
         (f"{CLAIM_TESTS}::test_a_run_ends_in_one_statement_in_autocommit",),
     ),
     Mutant(

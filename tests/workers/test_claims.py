@@ -222,9 +222,11 @@ def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, s
 def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admit, pg,
                                                                          fresh_boot, statements):
     """Issue 26's cost: a message whose shadow names a workflow with a concurrency limit
-    claims with the group's locks and the slot-counting claim (2 statements in one
-    transaction), not after a refused one-statement claim and a state read. The hint picks
-    the path; the statements decide: a duplicate delivery of the claimed run does nothing."""
+    claims with one call that takes the group's locks and then counts the slots
+    (``poimen_claim_slot``), not after a refused one-statement claim and a state read, and
+    ends with one call that takes the locks and then ends it (``poimen_finish_slot*``):
+    one statement each, in autocommit, like an unlimited run. The hint picks the path; the
+    statements decide: a duplicate delivery of the claimed run does nothing."""
     from workers.execution import execute_run, limited_workflow
 
     assert limited_workflow("runs.execute[keyed@1]") and limited_workflow("runs.execute[pair]")
@@ -238,10 +240,10 @@ def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admi
     statements.clear()
     with app.app_context():
         assert execute_run(str(run_id), limited=True).outcome == ClaimOutcome.CLAIMED
-    claim_sql = [sql for sql, _ in statements[:2]]
-    assert "pg_advisory_xact_lock" in claim_sql[0], claim_sql  # LOCK_SLOTS
-    assert "verdict AS" in claim_sql[1] and "SET status = CASE" in claim_sql[1]  # CLAIM_SLOT
-    assert not any("concurrency_limit IS NULL" in sql for sql, _ in statements)  # no refusal
+    assert len(statements) == 2, statements
+    (claim_sql, claim_autocommit), (end_sql, end_autocommit) = statements
+    assert claim_sql.startswith("SELECT * FROM poimen_claim_slot(") and claim_autocommit
+    assert end_sql.startswith("SELECT * FROM poimen_finish_slot") and end_autocommit
     assert status_of(pg, run_id)[0] == "succeeded"
     with app.app_context():
         assert execute_run(str(run_id), limited=True).outcome == ClaimOutcome.FINISHED

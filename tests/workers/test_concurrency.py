@@ -224,16 +224,20 @@ def test_an_unlimited_run_of_an_uncapped_tenant_is_claimed_in_one_statement(
     assert not [sql for sql, _ in statements if "pg_advisory_xact_lock" in sql]
 
 
-def test_a_limited_run_is_claimed_under_its_lock_in_a_transaction(app, admit, pg, fresh_boot,
-                                                                  statements, side_effects):
+def test_a_limited_run_is_claimed_and_ended_by_calls_that_take_its_locks_first(
+        app, admit, pg, fresh_boot, statements, side_effects):
+    """Without the message's hint, the one-statement claim refuses a limited run; it is then
+    claimed and later ended by the store's locked functions (the locks, then the statement
+    on a fresh snapshot: tests/app/test_slot_functions.py), each one call in autocommit."""
     from workers.execution import execute_run
 
     run_id = keyed(admit)
     statements.clear()
     with app.app_context():
         assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
-    locks = [autocommit for sql, autocommit in statements if "pg_advisory_xact_lock" in sql]
-    assert locks and not any(locks), statements  # the claim's and the finish's, in transactions
+    calls = [sql.split("(")[0] for sql, autocommit in statements if "poimen_" in sql and autocommit]
+    assert calls == ["SELECT * FROM poimen_claim_slot",
+                     "SELECT * FROM poimen_finish_slot_inserted"], statements
     assert state(pg, run_id)[0] == "succeeded"
 
 
@@ -281,6 +285,30 @@ def test_racing_claims_cannot_both_take_the_last_slot(app, admit, boot_factory, 
     assert outcome["claim"].outcome == ClaimOutcome.SLOT_WAIT
     assert state(pg, a_run)[:3] == ("running", None, a.boot_id)
     assert state(pg, b_run) == ("waiting", "concurrency", None, 0)
+
+
+def test_a_claim_racing_a_takeover_counts_after_the_lock(app, admit, boot_factory, dead_boot,
+                                                        pg):
+    """The count's snapshot comes after the group's lock. A takes over the slot of a dead
+    holder (not committed: A holds the lock); B, a newer queued run of the group, waits on
+    the lock, then counts on a snapshot taken after A's commit: the run is held by a live
+    boot, so B parks. A count taken before the lock still sees the dead holder (a free
+    slot; a running run is not ahead of B in the queue) and lets B run beside A. (In the
+    race above, B parks either way: the queued older run counts as ahead of it.)"""
+    from app.extensions import db
+
+    held, newer = keyed(admit), keyed(admit)
+    hold_as(pg, held, dead_boot())
+    a, b = boot_factory(), boot_factory()
+    with app.app_context():
+        first = claim_run(db.session, held, a.boot_id, max_takeovers=max_takeovers_of)
+        assert first.outcome == ClaimOutcome.TAKEN_OVER  # not committed: A holds the lock
+        thread, outcome = _claim_in_thread(app, newer, b.boot_id, pg)
+        db.session.commit()
+    thread.join(10)
+    assert outcome["claim"].outcome == ClaimOutcome.SLOT_WAIT
+    assert state(pg, held)[:3] == ("running", None, a.boot_id)
+    assert state(pg, newer) == ("waiting", "concurrency", None, 0)
 
 
 def test_an_end_racing_a_claim_that_parks_still_wakes_it(app, admit, boot_factory, pg):
