@@ -141,27 +141,33 @@ def _verdict(me: str, *, fifo: bool) -> str:
     Its tenant's cap first, then its group's limit. Slots held by live boots
     count; ``fifo``: so do older runs of the group that want one (queued and
     due, or waiting for a slot), so a newcomer never overtakes them.
-    """
-    def counted(ahead_waits: str) -> str:
-        if not fifo:
-            return holds_slot("r")
-        return (f"{holds_slot('r')} OR ((r.created_at, r.id) < ({me}.created_at, {me}.id) "
-                f"AND ({due('r')} OR (r.status = 'waiting' AND r.wait_reason IN {ahead_waits})))")
 
+    Each count is a sum over one status at a time (a run has one status, so the
+    parts never overlap): with the status in the indexes (migration 0015) each part
+    reads only its own rows (the slot holders, the older queued runs, the older
+    waiting ones), never every queued run of a deep backlog.
+    """
+    def counted(scope: str, ahead_waits: str) -> str:
+        def part(condition: str) -> str:
+            return f"(SELECT count(*) FROM runs r WHERE {scope} AND {condition})"
+
+        older = f"(r.created_at, r.id) < ({me}.created_at, {me}.id)"
+        parts = [part(holds_slot("r"))]
+        if fifo:
+            parts += [part(f"{due('r')} AND {older}"),
+                      part(f"r.status = 'waiting' AND r.wait_reason IN {ahead_waits} AND {older}")]
+        return "\n                    + ".join(parts)
+
+    tenant = f"r.tenant_id = {me}.tenant_id AND r.status IN ('queued', 'running', 'waiting')"
+    group = f"{same_group('r', me)} AND r.status IN ('queued', 'running', 'waiting')"
     return f"""
     verdict AS (
         SELECT CASE
                WHEN {me}.max_running IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = {me}.tenant_id
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND ({counted("('tenant_cap')")})) >= {me}.max_running
+                    {counted(tenant, "('tenant_cap')")}) >= {me}.max_running
                THEN 'tenant_cap'
                WHEN {me}.concurrency_limit IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE {same_group("r", me)}
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND ({counted(LIMITED_WAITS)})) >= {me}.concurrency_limit
+                    {counted(group, LIMITED_WAITS)}) >= {me}.concurrency_limit
                THEN 'concurrency'
                END AS reason
           FROM {me}

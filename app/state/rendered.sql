@@ -509,10 +509,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -522,13 +519,12 @@ WITH
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR ((r.created_at, r.id) < (me.created_at, me.id) AND (r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) OR (r.status = 'waiting' AND r.wait_reason IN ('tenant_cap')))))) >= me.max_running
+))
+                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -538,7 +534,9 @@ WITH
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR ((r.created_at, r.id) < (me.created_at, me.id) AND (r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) OR (r.status = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap')))))) >= me.concurrency_limit
+))
+                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
                THEN 'concurrency'
                END AS reason
           FROM me
@@ -647,10 +645,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -663,10 +658,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -821,10 +813,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -837,10 +826,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
-                       AND r.status IN ('queued', 'running', 'waiting')
-                       AND (r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
