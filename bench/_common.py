@@ -462,7 +462,7 @@ HISTORY_TENANT = "bench-history"
 def reset_runs(db_url: str, history: int = 0) -> None:
     """Empty ``runs`` and ``outbox`` (and what cascades) between cases; then, with
     ``history``, give ``runs`` that many finished runs of another tenant
-    (``HISTORY_TENANT``) and analyze it.
+    (``HISTORY_TENANT``), each with its step entry, and analyze them.
 
     A production ``runs`` table holds the history of finished runs, analyzed by
     autovacuum, with a few queued and running ones. An emptied one is not that:
@@ -485,6 +485,10 @@ def reset_runs(db_url: str, history: int = 0) -> None:
                 "SELECT gen_random_uuid(), %s, 'noop@1', 'noop', '1', '{}'::jsonb, 'succeeded', "
                 "1, 0, false, 'http', now(), now(), now() - make_interval(secs => g), now() "
                 "FROM generate_series(1, %s) g", [tenant, history])
+            conn.execute(
+                "INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, "
+                "finished_at) SELECT id, 0, 'run', 'succeeded', '[]'::jsonb, now() FROM runs "
+                "WHERE tenant_id = %s", [tenant])
             conn.execute("ANALYZE runs")
             conn.execute("ANALYZE step_entries")
             conn.execute("ANALYZE outbox")

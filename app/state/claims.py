@@ -54,6 +54,7 @@ from .compose import (
     same_group,
     send_woken,
     slot_release,
+    status_is,
     with_event,
     with_woken,
 )
@@ -122,7 +123,7 @@ CLAIM_QUEUED = with_event(
     UPDATE runs
        SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
            started_at = coalesce(started_at, now()), updated_at = now()
-     WHERE id = :run AND status = 'queued' AND NOT cancel_requested
+     WHERE id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT cancel_requested
        AND (not_before IS NULL OR not_before <= now())
        AND {_CLAIMER_LIVE}
        AND concurrency_limit IS NULL
@@ -179,7 +180,7 @@ def _verdict(me: str, *, fifo: bool) -> str:
 # group committed before): the count and the claim are one statement. No slot:
 # the run waits, unclaimed, holding no worker.
 CLAIM_SLOT = with_event(
-    """
+    f"""
     UPDATE runs
        SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
            wait_reason = v.reason,
@@ -189,7 +190,7 @@ CLAIM_SLOT = with_event(
                              ELSE started_at END,
            updated_at = now()
       FROM verdict v
-     WHERE runs.id = :run AND runs.status = 'queued' AND NOT runs.cancel_requested
+     WHERE runs.id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT runs.cancel_requested
     """,
     _CLAIMED_COLUMNS + ", status, wait_reason",
     "CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END",
@@ -200,7 +201,7 @@ CLAIM_SLOT = with_event(
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND {due("r")} AND {_CLAIMER_LIVE}
+         WHERE r.id = :run AND {due("r", by_key=True)} AND {_CLAIMER_LIVE}
     ),{_verdict("me", fifo=True)}""",
 )
 

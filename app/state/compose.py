@@ -168,9 +168,27 @@ def holds_slot(r: str) -> str:
     return f"{r}.status = '{RunStatus.RUNNING}' AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
 
 
-def due(r: str) -> str:
-    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due)."""
-    return (f"{r}.status = '{RunStatus.QUEUED}' AND NOT {r}.cancel_requested "
+def status_is(r: str, status: str) -> str:
+    """SQL: run ``r`` has ``status``, in a form no index on ``status`` can serve.
+
+    For a statement about one run, found by its primary key. ``r.status = 'queued'``
+    would let the planner read a partial index whose predicate it implies
+    (``ix_runs_queued_last_sent`` holds every queued run) and filter it by id,
+    whenever the statistics say few runs are queued, as they do between bursts; under
+    a burst that read grows with the backlog (seen in bench/execution.py: a generic
+    plan made on such statistics). ``|| ''`` keeps the condition, re-checked on the
+    newest row version like any other, and leaves the primary key the only index
+    that applies.
+    """
+    return f"({r}.status || '') = '{status}'"
+
+
+def due(r: str, *, by_key: bool = False) -> str:
+    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due).
+
+    ``by_key``: ``r`` is one run found by primary key (``status_is``)."""
+    queued = status_is(r, RunStatus.QUEUED) if by_key else f"{r}.status = '{RunStatus.QUEUED}'"
+    return (f"{queued} AND NOT {r}.cancel_requested "
             f"AND ({r}.not_before IS NULL OR {r}.not_before <= now())")
 
 

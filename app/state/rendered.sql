@@ -460,7 +460,7 @@ WITH  changed AS (
    UPDATE runs
       SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
           started_at = coalesce(started_at, now()), updated_at = now()
-    WHERE id = :run AND status = 'queued' AND NOT cancel_requested
+    WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
       AND (not_before IS NULL OR not_before <= now())
       AND EXISTS (
    SELECT b.boot_id
@@ -494,7 +494,7 @@ WITH
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (
+         WHERE r.id = :run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -550,7 +550,7 @@ WITH
                              ELSE started_at END,
            updated_at = now()
       FROM verdict v
-     WHERE runs.id = :run AND runs.status = 'queued' AND NOT runs.cancel_requested
+     WHERE runs.id = :run AND (runs.status || '') = 'queued' AND NOT runs.cancel_requested
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)

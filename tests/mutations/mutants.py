@@ -129,7 +129,7 @@ MUTANTS: list[Mutant] = [
         "claim_check_then_update",
         "a claim is one conditional UPDATE, not a read then a write",
         CLAIMS,
-        "WHERE id = :run AND status = 'queued' AND NOT cancel_requested",
+        "WHERE id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT cancel_requested",
         "WHERE id = :run AND (SELECT r2.status FROM runs r2 WHERE r2.id = :run) = 'queued' "
         "AND NOT cancel_requested",
         (f"{CLAIM_TESTS}::test_a_claim_waiting_on_an_uncommitted_claim_does_not_claim_again",),
