@@ -487,7 +487,7 @@ def reset_runs(db_url: str, history: int = 0) -> None:
                 "FROM generate_series(1, %s) g", [tenant, history])
             conn.execute(
                 "INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, "
-                "finished_at) SELECT id, 0, 'run', 'succeeded', '[]'::jsonb, now() FROM runs "
+                "finished_at) SELECT id, 0, 'run', 'completed', '[]'::jsonb, now() FROM runs "
                 "WHERE tenant_id = %s", [tenant])
             conn.execute("ANALYZE runs")
             conn.execute("ANALYZE step_entries")
