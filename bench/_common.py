@@ -457,6 +457,8 @@ def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, pha
 
 
 HISTORY_TENANT = "bench-history"
+# SQL: a run of the case, not of ``reset_runs``' history (through the tenant's index).
+CASE_RUN = f"tenant_id = ANY(SELECT id FROM tenants WHERE name <> '{HISTORY_TENANT}')"
 
 
 def reset_runs(db_url: str, history: int = 0) -> None:

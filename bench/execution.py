@@ -71,7 +71,7 @@ import psycopg  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
-    HISTORY_TENANT,
+    CASE_RUN,
     append_result,
     bench_database,
     cpu_delta,
@@ -178,8 +178,8 @@ def succeeded(db_url: str) -> int:
     the case."""
     with psycopg.connect(db_url) as conn:
         return conn.execute(
-            "SELECT count(*) FROM runs WHERE status = 'succeeded' AND tenant_id = ANY("
-            "SELECT id FROM tenants WHERE name <> %s)", [HISTORY_TENANT]).fetchone()[0]
+            f"SELECT count(*) FROM runs WHERE status = 'succeeded' AND {CASE_RUN}"
+        ).fetchone()[0]
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
@@ -248,8 +248,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         with psycopg.connect(db_url) as db:
             waits = [float(row[0]) for row in db.execute(
                 "SELECT extract(epoch FROM started_at - created_at) * 1000 FROM runs "
-                "WHERE tenant_id IS DISTINCT FROM (SELECT id FROM tenants WHERE name = %s)",
-                [HISTORY_TENANT])]
+                f"WHERE {CASE_RUN}")]
         return {"runs": len(waits), "rate": rate, "p50": percentile(waits, 50),
                 "p90": percentile(waits, 90), "p99": percentile(waits, 99), "max": max(waits),
                 "load_before": load_before, "load_after": load_average()}

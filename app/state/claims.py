@@ -206,7 +206,6 @@ CLAIM_SLOT = with_event(
 )
 
 
-
 def _of_runs(*names: str) -> list[tuple[str, str]]:
     """Result columns of a locked statement that are columns of ``runs``, typed as such."""
     return [(name, f"runs.{name}%TYPE") for name in names]

@@ -268,21 +268,29 @@ def _claim_in_thread(app, run_id, boot_id, pg, name="test-slot-claimer"):
     return thread, outcome
 
 
+def _b_claims_while_a_holds_the_lock(app, pg, a_run, a, b_run, b):
+    """A's claim of ``a_run``, left uncommitted (A holds the group's lock); B's claim of
+    ``b_run`` on its own session, started then, waits on the lock; A commits. Return
+    both claims."""
+    from app.extensions import db
+
+    with app.app_context():
+        first = claim_run(db.session, a_run, a.boot_id, max_takeovers=max_takeovers_of)
+        thread, outcome = _claim_in_thread(app, b_run, b.boot_id, pg)
+        db.session.commit()
+    thread.join(10)
+    return first, outcome["claim"]
+
+
 def test_racing_claims_cannot_both_take_the_last_slot(app, admit, boot_factory, pg):
     """A claims the last slot and has not committed; B's claim waits on the group's lock;
     A commits; B, whose statement's snapshot is taken after the lock, sees A's claim
     and waits. A count read before the claim, or a claim without the lock, lets B run too."""
-    from app.extensions import db
-
     a_run, b_run = keyed(admit), keyed(admit)
     a, b = boot_factory(), boot_factory()
-    with app.app_context():
-        first = claim_run(db.session, a_run, a.boot_id, max_takeovers=max_takeovers_of)
-        assert first.outcome == ClaimOutcome.CLAIMED  # not committed: A holds the lock
-        thread, outcome = _claim_in_thread(app, b_run, b.boot_id, pg)
-        db.session.commit()
-    thread.join(10)
-    assert outcome["claim"].outcome == ClaimOutcome.SLOT_WAIT
+    first, second = _b_claims_while_a_holds_the_lock(app, pg, a_run, a, b_run, b)
+    assert first.outcome == ClaimOutcome.CLAIMED
+    assert second.outcome == ClaimOutcome.SLOT_WAIT
     assert state(pg, a_run)[:3] == ("running", None, a.boot_id)
     assert state(pg, b_run) == ("waiting", "concurrency", None, 0)
 
@@ -295,18 +303,12 @@ def test_a_claim_racing_a_takeover_counts_after_the_lock(app, admit, boot_factor
     boot, so B parks. A count taken before the lock still sees the dead holder (a free
     slot; a running run is not ahead of B in the queue) and lets B run beside A. (In the
     race above, B parks either way: the queued older run counts as ahead of it.)"""
-    from app.extensions import db
-
     held, newer = keyed(admit), keyed(admit)
     hold_as(pg, held, dead_boot())
     a, b = boot_factory(), boot_factory()
-    with app.app_context():
-        first = claim_run(db.session, held, a.boot_id, max_takeovers=max_takeovers_of)
-        assert first.outcome == ClaimOutcome.TAKEN_OVER  # not committed: A holds the lock
-        thread, outcome = _claim_in_thread(app, newer, b.boot_id, pg)
-        db.session.commit()
-    thread.join(10)
-    assert outcome["claim"].outcome == ClaimOutcome.SLOT_WAIT
+    first, second = _b_claims_while_a_holds_the_lock(app, pg, held, a, newer, b)
+    assert first.outcome == ClaimOutcome.TAKEN_OVER
+    assert second.outcome == ClaimOutcome.SLOT_WAIT
     assert state(pg, held)[:3] == ("running", None, a.boot_id)
     assert state(pg, newer) == ("waiting", "concurrency", None, 0)
 
