@@ -52,6 +52,7 @@ from .compose import (
     holds_slot,
     outbox_rows,
     same_group,
+    same_tenant,
     send_woken,
     slot_release,
     status_is,
@@ -118,6 +119,10 @@ _CLAIMED_COLUMNS = ", ".join(_CLAIMED_NAMES) + ", " \
 # connection was cut) may not know yet; Postgres does, and refuses.
 _CLAIMER_LIVE = f"EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot)"
 
+# The run (found by primary key) is running: ``status_is``, so that no index on status
+# can take the lookup from the primary key.
+_RUNNING = status_is("runs", RunStatus.RUNNING)
+
 CLAIM_QUEUED = with_event(
     f"""
     UPDATE runs
@@ -144,9 +149,11 @@ def _verdict(me: str, *, fifo: bool) -> str:
     due, or waiting for a slot), so a newcomer never overtakes them.
 
     Each count is a sum over one status at a time (a run has one status, so the
-    parts never overlap): with the status in the indexes (migration 0015) each part
-    reads only its own rows (the slot holders, the older queued runs, the older
-    waiting ones), never every queued run of a deep backlog.
+    parts never overlap): with the status in the slot indexes each part reads only its
+    own rows (the slot holders, the older queued runs, the older waiting ones), never
+    every queued run of a deep backlog. The scopes (``same_group``, ``same_tenant``)
+    and ``status_is`` are written so that only those indexes can serve the counts
+    (migration 0017), whatever the statistics say.
     """
     def counted(scope: str, ahead_waits: str) -> str:
         def part(condition: str) -> str:
@@ -156,11 +163,12 @@ def _verdict(me: str, *, fifo: bool) -> str:
         parts = [part(holds_slot("r"))]
         if fifo:
             parts += [part(f"{due('r')} AND {older}"),
-                      part(f"r.status = 'waiting' AND r.wait_reason IN {ahead_waits} AND {older}")]
+                      part(f"{status_is('r', RunStatus.WAITING)} "
+                           f"AND r.wait_reason IN {ahead_waits} AND {older}")]
         return "\n                    + ".join(parts)
 
-    tenant = f"r.tenant_id = {me}.tenant_id AND r.status IN ('queued', 'running', 'waiting')"
-    group = f"{same_group('r', me)} AND r.status IN ('queued', 'running', 'waiting')"
+    tenant = same_tenant("r", me)
+    group = same_group("r", me)
     return f"""
     verdict AS (
         SELECT CASE
@@ -201,7 +209,7 @@ CLAIM_SLOT = with_event(
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND {due("r", by_key=True)} AND {_CLAIMER_LIVE}
+         WHERE r.id = :run AND {due("r")} AND {_CLAIMER_LIVE}
     ),{_verdict("me", fifo=True)}""",
 )
 
@@ -263,7 +271,7 @@ def _take_over(slots: bool):
            finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
                               THEN now() ELSE finished_at END,{reason}
            updated_at = now(){verdict}
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}
+     WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}
     """,
         _CLAIMED_COLUMNS + ", status, takeovers, error" + (", wait_reason" if slots else ""),
         "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
@@ -293,7 +301,7 @@ def _adopt(slots: bool):
     return with_event(
         f"""
     UPDATE runs SET claimed_by = :boot, updated_at = now(){verdict}
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND {_CLAIMER_LIVE}{has_slot}
+     WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}{has_slot}
     """,
         _RUN_COLUMNS,
         "'run.adopted'",
@@ -324,7 +332,7 @@ def _finish(close: str | None, slots: bool):
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots){entry_open}
+     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots){entry_open}
      RETURNING {_RUN_COLUMNS}, status)"""]
     events = []
     if close == "insert":
@@ -389,10 +397,10 @@ _FINISHES = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED
              ("update", False): FINISH_CLOSED_UNLIMITED}
 
 RELEASE = with_event(
-    """
+    f"""
     UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
            attempt = attempt - 1
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
     "'run.released'",
@@ -401,11 +409,11 @@ RELEASE = with_event(
 )
 
 RETRY = with_event(
-    """
+    f"""
     UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
            error = CAST(:error AS jsonb), updated_at = now(),
            not_before = now() + make_interval(secs => :delay)
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots)
     """,
     _RUN_COLUMNS,
     "'run.retrying'",

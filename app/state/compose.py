@@ -150,11 +150,35 @@ TENANT_LOCK_NAMESPACE = 0x504F4954  # "POIT": a capped tenant's lock
 LIMITED_WAITS = f"('{WaitReason.CONCURRENCY}', '{WaitReason.TENANT_CAP}')"
 
 
+UNFINISHED = (f"('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')")
+
+
+def group_scope(r: str) -> str:
+    """SQL: run ``r``'s concurrency group as one text value, the leading column of
+    ``ix_runs_slot_group`` (migration 0017). A workflow name has no ``|``
+    (``workers.registry.REF_PATTERN``) and the key comes last, so two groups never
+    share a value."""
+    return (f"(CAST({r}.tenant_id AS text) || '|' || {r}.workflow_name || '|' "
+            f"|| coalesce({r}.concurrency_key, ''))")
+
+
+def tenant_scope(r: str) -> str:
+    """SQL: run ``r``'s tenant, the leading column of ``ix_runs_tenant_slots``."""
+    return f"CAST({r}.tenant_id AS text)"
+
+
 def same_group(r: str, s: str) -> str:
-    """SQL: run ``r`` is in the concurrency group of run ``s`` (both limited)."""
-    return (f"{r}.tenant_id = {s}.tenant_id AND {r}.workflow_name = {s}.workflow_name "
-            f"AND coalesce({r}.concurrency_key, '') = coalesce({s}.concurrency_key, '') "
-            f"AND {r}.concurrency_limit IS NOT NULL")
+    """SQL: run ``r`` is an unfinished run of the concurrency group of run ``s`` (both
+    limited), in the terms of ``ix_runs_slot_group`` only (see ``status_is``): with
+    ``status_is`` for the status, no other index of ``runs`` can serve the statement."""
+    return (f"{group_scope(r)} = {group_scope(s)} AND {r}.concurrency_limit IS NOT NULL "
+            f"AND ({r}.status || '') IN {UNFINISHED}")
+
+
+def same_tenant(r: str, s: str) -> str:
+    """SQL: run ``r`` is an unfinished run of run ``s``'s tenant, in the terms of
+    ``ix_runs_tenant_slots`` only (see ``same_group``)."""
+    return f"{tenant_scope(r)} = {tenant_scope(s)} AND ({r}.status || '') IN {UNFINISHED}"
 
 
 def group_lock_key(r: str) -> str:
@@ -163,32 +187,31 @@ def group_lock_key(r: str) -> str:
             f"|| coalesce({r}.concurrency_key, ''))")
 
 
-def holds_slot(r: str) -> str:
-    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free)."""
-    return f"{r}.status = '{RunStatus.RUNNING}' AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
-
-
 def status_is(r: str, status: str) -> str:
-    """SQL: run ``r`` has ``status``, in a form no index on ``status`` can serve.
+    """SQL: run ``r`` has ``status``, in a form that only the indexes built on it serve.
 
-    For a statement about one run, found by its primary key. ``r.status = 'queued'``
-    would let the planner read a partial index whose predicate it implies
-    (``ix_runs_queued_last_sent`` holds every queued run) and filter it by id,
-    whenever the statistics say few runs are queued, as they do between bursts; under
-    a burst that read grows with the backlog (seen in bench/execution.py: a generic
-    plan made on such statistics). ``|| ''`` keeps the condition, re-checked on the
-    newest row version like any other, and leaves the primary key the only index
-    that applies.
+    ``r.status = 'queued'`` would let the planner read any index whose predicate or
+    leading column it matches (``ix_runs_queued_last_sent`` holds every queued run;
+    ``ix_runs_status_updated`` every run by status) and filter the rest, whenever the
+    statistics say few runs are queued, as they do between bursts; under a burst that
+    read grows with the backlog (seen in bench/execution.py, twice: a claim's lookup
+    by id, then a slot count, each a generic plan made on such statistics). ``|| ''``
+    keeps the condition, re-checked on the newest row version like any other. A
+    statement about one run is then served by the primary key only; a slot count by
+    the slot indexes only (``same_group``, ``same_tenant``), whose status column is
+    this expression (migration 0017).
     """
     return f"({r}.status || '') = '{status}'"
 
 
-def due(r: str, *, by_key: bool = False) -> str:
-    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due).
+def holds_slot(r: str) -> str:
+    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free)."""
+    return f"{status_is(r, RunStatus.RUNNING)} AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
 
-    ``by_key``: ``r`` is one run found by primary key (``status_is``)."""
-    queued = status_is(r, RunStatus.QUEUED) if by_key else f"{r}.status = '{RunStatus.QUEUED}'"
-    return (f"{queued} AND NOT {r}.cancel_requested "
+
+def due(r: str) -> str:
+    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due)."""
+    return (f"{status_is(r, RunStatus.QUEUED)} AND NOT {r}.cancel_requested "
             f"AND ({r}.not_before IS NULL OR {r}.not_before <= now())")
 
 
@@ -204,18 +227,18 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = '{RunStatus.WAITING}'
-                          AND r.wait_reason = '{WaitReason.CONCURRENCY}' AND {same_group("r", "s")}
+                        WHERE {same_group("r", "s")} AND {status_is("r", RunStatus.WAITING)}
+                          AND r.wait_reason = '{WaitReason.CONCURRENCY}'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM {source} s WHERE s.concurrency_limit IS NOT NULL AND {when}
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = '{RunStatus.WAITING}'
+                        WHERE {same_tenant("r", "s")} AND {status_is("r", RunStatus.WAITING)}
                           AND r.wait_reason = '{WaitReason.TENANT_CAP}'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM {source} s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND {when})
-           AND w.status = '{RunStatus.WAITING}' AND w.wait_reason IN {LIMITED_WAITS}
+           AND {status_is('w', RunStatus.WAITING)} AND w.wait_reason IN {LIMITED_WAITS}
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),

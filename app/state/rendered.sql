@@ -235,18 +235,18 @@ WITH  changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -312,18 +312,18 @@ WITH  changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -420,7 +420,7 @@ WITH heads AS (
      WHERE id IN (
            (SELECT h.id FROM heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = h.tenant_id AND r.workflow_name = h.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(h.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND (r.status = 'running' AND r.claimed_by IN (
+                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND ((r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -430,12 +430,12 @@ WITH heads AS (
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+) OR (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.concurrency_limit
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = h.tenant_id AND (r.status = 'running' AND r.claimed_by IN (
+                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND ((r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -445,7 +445,7 @@ WITH heads AS (
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+) OR (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.max_running)
             LIMIT :limit)
        AND status = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
@@ -509,7 +509,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -520,11 +520,11 @@ WITH
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
-                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -535,8 +535,8 @@ WITH
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
-                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
                THEN 'concurrency'
                END AS reason
           FROM me
@@ -584,7 +584,7 @@ WITH  changed AS (
           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
                              THEN now() ELSE finished_at END,
           updated_at = now()
-    WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+    WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
    SELECT b.boot_id
      FROM worker_boots b
      JOIN pg_locks l
@@ -645,7 +645,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -658,7 +658,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -696,7 +696,7 @@ WITH
                               ELSE v.reason END,
            updated_at = now()
       FROM verdict v
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -751,18 +751,18 @@ WITH
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled')
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled'))
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -780,7 +780,7 @@ WITH
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
    UPDATE runs SET claimed_by = :boot, updated_at = now()
-    WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+    WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
    SELECT b.boot_id
      FROM worker_boots b
      JOIN pg_locks l
@@ -813,7 +813,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -826,7 +826,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE r.tenant_id = me.tenant_id AND r.workflow_name = me.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(me.concurrency_key, '') AND r.concurrency_limit IS NOT NULL AND r.status IN ('queued', 'running', 'waiting') AND r.status = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -843,7 +843,7 @@ WITH
     ), changed AS (
     UPDATE runs SET claimed_by = :boot, updated_at = now()
       FROM verdict v
-     WHERE id = :run AND status = 'running' AND claimed_by = :dead AND EXISTS (
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -871,7 +871,7 @@ WITH changed AS (
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
     event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -915,18 +915,18 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -946,7 +946,7 @@ WITH changed AS (
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
     entry AS (
         INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
@@ -999,18 +999,18 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -1030,7 +1030,7 @@ WITH changed AS (
     UPDATE runs
        SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
        AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
                    AND e.status IN ('running', 'waiting'))
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
@@ -1085,18 +1085,18 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.status = 'waiting'
-                          AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                          AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
                 WHERE t.max_running IS NOT NULL AND true)
-           AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate
     ),
@@ -1116,7 +1116,7 @@ WITH changed AS (
 UPDATE runs
    SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
        finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
 event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1161,7 +1161,7 @@ WITH changed AS (
 UPDATE runs
    SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
        finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
 entry AS (
     INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
@@ -1215,7 +1215,7 @@ WITH changed AS (
 UPDATE runs
    SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
        finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
    AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
                AND e.status IN ('running', 'waiting'))
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
@@ -1270,7 +1270,7 @@ SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref
 WITH  changed AS (
 UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
        attempt = attempt - 1
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1287,18 +1287,18 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.status = 'waiting'
-                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                      AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
-       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
               w.tracestate
 ),
@@ -1318,7 +1318,7 @@ WITH  changed AS (
 UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
        error = CAST(:error AS jsonb), updated_at = now(),
        not_before = now() + make_interval(secs => :delay)
- WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1335,18 +1335,18 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.status = 'waiting'
-                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                      AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
-       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
               w.tracestate
 ),
@@ -1601,18 +1601,18 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.status = 'waiting'
-                      AND r.wait_reason = 'concurrency' AND r.tenant_id = s.tenant_id AND r.workflow_name = s.workflow_name AND coalesce(r.concurrency_key, '') = coalesce(s.concurrency_key, '') AND r.concurrency_limit IS NOT NULL
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                      AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM waited s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE r.tenant_id = s.tenant_id AND r.status = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM waited s JOIN tenants t ON t.id = s.tenant_id
             WHERE t.max_running IS NOT NULL AND true)
-       AND w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
               w.tracestate
 ),

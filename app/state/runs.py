@@ -41,6 +41,7 @@ from .compose import (
     group_lock_key,
     holds_slot,
     same_group,
+    same_tenant,
     send_after_commit,
     send_woken,
     slot_release,
@@ -529,7 +530,7 @@ WAKE_WAITING = text(
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE r.tenant_id = h.tenant_id AND ({holds_slot("r")} OR {due("r")}))
+                     WHERE {same_tenant("r", "h")} AND ({holds_slot("r")} OR {due("r")}))
                    < h.max_running)
             LIMIT :limit)
        AND status = '{RunStatus.WAITING}' AND wait_reason IN {LIMITED_WAITS}
