@@ -55,6 +55,7 @@ from .compose import (
     same_tenant,
     send_woken,
     slot_release,
+    slot_status_is,
     status_is,
     with_event,
     with_woken,
@@ -152,7 +153,7 @@ def _verdict(me: str, *, fifo: bool) -> str:
     parts never overlap): with the status in the slot indexes each part reads only its
     own rows (the slot holders, the older queued runs, the older waiting ones), never
     every queued run of a deep backlog. The scopes (``same_group``, ``same_tenant``)
-    and ``status_is`` are written so that only those indexes can serve the counts
+    and ``slot_status`` are written so that only those indexes can serve the counts
     (migration 0017), whatever the statistics say.
     """
     def counted(scope: str, ahead_waits: str) -> str:
@@ -162,8 +163,8 @@ def _verdict(me: str, *, fifo: bool) -> str:
         older = f"(r.created_at, r.id) < ({me}.created_at, {me}.id)"
         parts = [part(holds_slot("r"))]
         if fifo:
-            parts += [part(f"{due('r')} AND {older}"),
-                      part(f"{status_is('r', RunStatus.WAITING)} "
+            parts += [part(f"{due('r', slot=True)} AND {older}"),
+                      part(f"{slot_status_is('r', RunStatus.WAITING)} "
                            f"AND r.wait_reason IN {ahead_waits} AND {older}")]
         return "\n                    + ".join(parts)
 

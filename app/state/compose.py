@@ -170,15 +170,15 @@ def tenant_scope(r: str) -> str:
 def same_group(r: str, s: str) -> str:
     """SQL: run ``r`` is an unfinished run of the concurrency group of run ``s`` (both
     limited), in the terms of ``ix_runs_slot_group`` only (see ``status_is``): with
-    ``status_is`` for the status, no other index of ``runs`` can serve the statement."""
+    ``slot_status`` for the status, no other index of ``runs`` can serve the statement."""
     return (f"{group_scope(r)} = {group_scope(s)} AND {r}.concurrency_limit IS NOT NULL "
-            f"AND ({r}.status || '') IN {UNFINISHED}")
+            f"AND {slot_status(r)} IN {UNFINISHED}")
 
 
 def same_tenant(r: str, s: str) -> str:
     """SQL: run ``r`` is an unfinished run of run ``s``'s tenant, in the terms of
     ``ix_runs_tenant_slots`` only (see ``same_group``)."""
-    return f"{tenant_scope(r)} = {tenant_scope(s)} AND ({r}.status || '') IN {UNFINISHED}"
+    return f"{tenant_scope(r)} = {tenant_scope(s)} AND {slot_status(r)} IN {UNFINISHED}"
 
 
 def group_lock_key(r: str) -> str:
@@ -188,30 +188,51 @@ def group_lock_key(r: str) -> str:
 
 
 def status_is(r: str, status: str) -> str:
-    """SQL: run ``r`` has ``status``, in a form that only the indexes built on it serve.
+    """SQL: run ``r`` has ``status``, in a form no index can serve: for a statement about
+    one run, found by its primary key.
 
     ``r.status = 'queued'`` would let the planner read any index whose predicate or
     leading column it matches (``ix_runs_queued_last_sent`` holds every queued run;
-    ``ix_runs_status_updated`` every run by status) and filter the rest, whenever the
-    statistics say few runs are queued, as they do between bursts; under a burst that
-    read grows with the backlog (seen in bench/execution.py, twice: a claim's lookup
-    by id, then a slot count, each a generic plan made on such statistics). ``|| ''``
-    keeps the condition, re-checked on the newest row version like any other. A
-    statement about one run is then served by the primary key only; a slot count by
-    the slot indexes only (``same_group``, ``same_tenant``), whose status column is
-    this expression (migration 0017).
+    ``ix_runs_status_updated`` every run by status) and filter it by id, whenever the
+    statistics say that index is small, as they do after a quiet spell; under a burst
+    that read grows with the backlog (seen in bench/execution.py: generic plans made on
+    such statistics). ``|| ''`` keeps the condition, re-checked on the newest row
+    version like any other, and no index is built on it, so the primary key is the only
+    index that applies. The slot indexes are built on another expression
+    (``slot_status``) for the same reason: a lookup by id must not imply their
+    predicates either.
     """
     return f"({r}.status || '') = '{status}'"
 
 
+def slot_status(r: str) -> str:
+    """SQL: run ``r``'s status as the slot indexes hold it (migration 0017).
+
+    The slot counts and wake-ups read runs by group or tenant and status (``same_group``,
+    ``same_tenant``, ``slot_status_is``); written so, only ``ix_runs_slot_group`` and
+    ``ix_runs_tenant_slots`` can serve them, whatever the statistics say. Not
+    ``status_is``'s expression: an index on that one would serve (badly, by a scan of
+    the whole index) every lookup by id."""
+    return f"('' || {r}.status)"
+
+
+def slot_status_is(r: str, status: str) -> str:
+    """SQL: run ``r`` has ``status``, for a slot count or wake-up (``slot_status``)."""
+    return f"{slot_status(r)} = '{status}'"
+
+
 def holds_slot(r: str) -> str:
-    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free)."""
-    return f"{status_is(r, RunStatus.RUNNING)} AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
+    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free).
+    For a slot count (``slot_status``)."""
+    return f"{slot_status_is(r, RunStatus.RUNNING)} AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
 
 
-def due(r: str) -> str:
-    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due)."""
-    return (f"{status_is(r, RunStatus.QUEUED)} AND NOT {r}.cancel_requested "
+def due(r: str, *, slot: bool = False) -> str:
+    """SQL: run ``r`` is queued and may be claimed now (not cancelled, its retry due).
+
+    ``slot``: in a slot count (``slot_status``); else ``r`` is one run found by id."""
+    queued = slot_status_is(r, RunStatus.QUEUED) if slot else status_is(r, RunStatus.QUEUED)
+    return (f"{queued} AND NOT {r}.cancel_requested "
             f"AND ({r}.not_before IS NULL OR {r}.not_before <= now())")
 
 
@@ -227,13 +248,13 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE {same_group("r", "s")} AND {status_is("r", RunStatus.WAITING)}
+                        WHERE {same_group("r", "s")} AND {slot_status_is("r", RunStatus.WAITING)}
                           AND r.wait_reason = '{WaitReason.CONCURRENCY}'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM {source} s WHERE s.concurrency_limit IS NOT NULL AND {when}
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE {same_tenant("r", "s")} AND {status_is("r", RunStatus.WAITING)}
+                        WHERE {same_tenant("r", "s")} AND {slot_status_is("r", RunStatus.WAITING)}
                           AND r.wait_reason = '{WaitReason.TENANT_CAP}'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM {source} s JOIN tenants t ON t.id = s.tenant_id

@@ -235,13 +235,13 @@ WITH  changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -312,13 +312,13 @@ WITH  changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -420,7 +420,7 @@ WITH heads AS (
      WHERE id IN (
            (SELECT h.id FROM heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND ((r.status || '') = 'running' AND r.claimed_by IN (
+                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND (('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -430,12 +430,12 @@ WITH heads AS (
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.concurrency_limit
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND ((r.status || '') = 'running' AND r.claimed_by IN (
+                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND (('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -445,7 +445,7 @@ WITH heads AS (
        AND l.objsubid = 2
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
+) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.max_running)
             LIMIT :limit)
        AND status = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
@@ -509,7 +509,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -520,11 +520,11 @@ WITH
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
-                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -535,8 +535,8 @@ WITH
        AND l.granted
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
-                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
                THEN 'concurrency'
                END AS reason
           FROM me
@@ -645,7 +645,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -658,7 +658,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -751,13 +751,13 @@ WITH
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled')
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -813,7 +813,7 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -826,7 +826,7 @@ WITH
 ))) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'running' AND r.claimed_by IN (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -915,13 +915,13 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -999,13 +999,13 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -1085,13 +1085,13 @@ WITH changed AS (
                last_sent_at = now()
          WHERE w.id IN (
                SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
                UNION
                SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -1287,13 +1287,13 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -1335,13 +1335,13 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM changed s JOIN tenants t ON t.id = s.tenant_id
@@ -1601,13 +1601,13 @@ slot_woken AS (
            last_sent_at = now()
      WHERE w.id IN (
            SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'concurrency'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM waited s WHERE s.concurrency_limit IS NOT NULL AND true
            UNION
            SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND (r.status || '') IN ('queued', 'running', 'waiting') AND (r.status || '') = 'waiting'
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                       AND r.wait_reason = 'tenant_cap'
                     ORDER BY r.created_at, r.id LIMIT 1)
              FROM waited s JOIN tenants t ON t.id = s.tenant_id

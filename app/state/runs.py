@@ -525,12 +525,12 @@ WAKE_WAITING = text(
      WHERE id IN (
            (SELECT h.id FROM heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_group("r", "h")} AND ({holds_slot("r")} OR {due("r")}))
+                     WHERE {same_group("r", "h")} AND ({holds_slot("r")} OR {due("r", slot=True)}))
                    < h.concurrency_limit
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_tenant("r", "h")} AND ({holds_slot("r")} OR {due("r")}))
+                     WHERE {same_tenant("r", "h")} AND ({holds_slot("r")} OR {due("r", slot=True)}))
                    < h.max_running)
             LIMIT :limit)
        AND status = '{RunStatus.WAITING}' AND wait_reason IN {LIMITED_WAITS}

@@ -1,6 +1,6 @@
 """slot indexes that only the slot statements can use, and that only they need:
 the counts name a run's group, tenant and status as expressions (compose.same_group,
-same_tenant, status_is) that these indexes are built on and no other index is
+same_tenant, slot_status) that these indexes are built on and no other index is
 
 Revision ID: 0017
 Revises: 0016
@@ -16,12 +16,12 @@ down_revision = '0016'
 branch_labels = None
 depends_on = None
 
-# compose.group_scope, tenant_scope, status_is and UNFINISHED, written out: a migration
+# compose.group_scope, tenant_scope, slot_status and UNFINISHED, written out: a migration
 # is history, and the planner matches an index's expressions to a statement's as written.
 _GROUP = ("(CAST(tenant_id AS text) || '|' || workflow_name || '|' "
           "|| coalesce(concurrency_key, ''))")
 _TENANT = "(CAST(tenant_id AS text))"
-_STATUS = "(status || '')"
+_STATUS = "('' || status)"
 _UNFINISHED = f"{_STATUS} IN ('queued', 'running', 'waiting')"
 
 

@@ -234,10 +234,20 @@ MUTANTS: list[Mutant] = [
         "a limited group's counts read only the slot indexes: with a plain status, a plan "
         "made on quiet statistics reads every queued run of every tenant per claim",
         "app/state/compose.py",
-        "    return (f\"{status_is(r, RunStatus.QUEUED)} AND NOT {r}.cancel_requested \"",
-        "    return (f\"{r}.status = '{RunStatus.QUEUED}' AND NOT {r}.cancel_requested \"",
+        "    queued = slot_status_is(r, RunStatus.QUEUED) if slot else",
+        "    queued = f\"{r}.status = '{RunStatus.QUEUED}'\" if slot else",
         ("tests/app/test_slot_plans.py::"
          "test_a_slot_statement_reads_runs_only_by_key_and_through_the_slot_indexes",),
+    ),
+    Mutant(
+        "lookup_by_id_through_slot_index",
+        "a statement about one run finds it by primary key only: with the slot indexes' "
+        "status expression, a lookup by id may scan a whole slot index",
+        "app/state/compose.py",
+        "    return f\"({r}.status || '') = '{status}'\"",
+        "    return f\"('' || {r}.status) = '{status}'\"",
+        ("tests/app/test_slot_plans.py::"
+         "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
     ),
     Mutant(
         "slot_end_without_lock",
