@@ -71,7 +71,7 @@ import psycopg  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
-    CASE_RUN,
+    CASE_TENANT,
     append_result,
     bench_database,
     cpu_delta,
@@ -178,8 +178,12 @@ def succeeded(db_url: str) -> int:
     the case."""
     with psycopg.connect(db_url) as conn:
         return conn.execute(
-            f"SELECT count(*) FROM runs WHERE status = 'succeeded' AND {CASE_RUN}"
-        ).fetchone()[0]
+            "SELECT count(*) FROM runs WHERE status = 'succeeded' AND tenant_id = %s",
+            [case_tenant_id(conn)]).fetchone()[0]
+
+
+def case_tenant_id(conn: psycopg.Connection) -> int:
+    return conn.execute("SELECT id FROM tenants WHERE name = %s", [CASE_TENANT]).fetchone()[0]
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
@@ -248,7 +252,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         with psycopg.connect(db_url) as db:
             waits = [float(row[0]) for row in db.execute(
                 "SELECT extract(epoch FROM started_at - created_at) * 1000 FROM runs "
-                f"WHERE {CASE_RUN}")]
+                "WHERE tenant_id = %s", [case_tenant_id(db)])]
         return {"runs": len(waits), "rate": rate, "p50": percentile(waits, 50),
                 "p90": percentile(waits, 90), "p99": percentile(waits, 99), "max": max(waits),
                 "load_before": load_before, "load_after": load_average()}
@@ -316,7 +320,7 @@ def create_tenant_and_token(db_url: str) -> str:
 
     flask_app = create_app()
     with flask_app.app_context():
-        tenant = create_tenant("bench")
+        tenant = create_tenant(CASE_TENANT)
         return create_token(tenant, service=False, label="bench/execution.py")
 
 
@@ -427,21 +431,19 @@ def main() -> int:
         if args.only != "plain":
             web, web_url = start_web(env, log_dir, workers=2, threads=4)
             stack.callback(web.stop)
-        for prefetch in [p for _ in range(args.repeat) for p in args.prefetch]:
+        for round_, prefetch in [(i, p) for i in range(args.repeat) for p in args.prefetch]:
             if args.only != "plain":
-                r = poimen_case(env, log_dir, db_url, web_url, web.pid, token, args.runs,
-                                args.warmup, prefetch, args.clients, args.timeout,
-                                args.hold_for_profile)
-                results.append(r)
-                print(f"poimen prefetch {prefetch}: {r.count} runs in {r.seconds:.2f}s = "
-                      f"{r.rate:.0f} runs/s (admission took {r.send_seconds:.2f}s)", flush=True)
-                if not args.no_keyed:
+                # The two Poimen cases swap places every round: the second of a pair
+                # starts on a machine the first has just warmed (or loaded).
+                keyed_cases = [False] if args.no_keyed else [False, True]
+                for keyed in keyed_cases[::-1] if round_ % 2 else keyed_cases:
                     r = poimen_case(env, log_dir, db_url, web_url, web.pid, token, args.runs,
                                     args.warmup, prefetch, args.clients, args.timeout,
-                                    args.hold_for_profile, keyed=True)
+                                    args.hold_for_profile, keyed=keyed)
                     results.append(r)
-                    print(f"poimen-keyed prefetch {prefetch}: {r.count} runs in "
-                          f"{r.seconds:.2f}s = {r.rate:.0f} runs/s", flush=True)
+                    print(f"{r.name} prefetch {prefetch}: {r.count} runs in {r.seconds:.2f}s = "
+                          f"{r.rate:.0f} runs/s (admission took {r.send_seconds:.2f}s)",
+                          flush=True)
             if args.only != "poimen":
                 r = plain_case(env, log_dir, redis, counter_key, plain_tasks, args.warmup,
                                prefetch, args.timeout)
