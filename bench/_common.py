@@ -331,36 +331,47 @@ def _machine_cpu() -> float:
 
 @dataclass
 class CpuSnapshot:
-    groups: dict[str, float]
+    processes: dict[int, tuple[tuple[str, ...], float]]  # pid: (its labels, CPU seconds)
     machine: float
 
 
 def cpu_snapshot(pgroups: Mapping[str, int | Sequence[int]]) -> CpuSnapshot:
-    """CPU seconds so far of each named process group (a group id, or several: the
-    processes started with ``start_new_session`` lead their own), of every ``postgres``
-    and ``redis-server`` process on the machine, of this process, and of the machine."""
-    stats = _proc_stats()
-    groups = {label: 0.0 for label in (*pgroups, "postgres", "redis", "client")}
-    for pid, (name, pgrp, cpu) in stats.items():
-        for label, group in pgroups.items():
-            if pgrp == group or (not isinstance(group, int) and pgrp in group):
-                groups[label] += cpu
+    """CPU seconds so far of each process in a named process group (a group id, or
+    several: the processes started with ``start_new_session`` lead their own), of every
+    ``postgres`` and ``redis-server`` process on the machine, of this process, and of
+    the machine."""
+    processes = {}
+    for pid, (name, pgrp, cpu) in _proc_stats().items():
+        labels = [label for label, group in pgroups.items()
+                  if pgrp == group or (not isinstance(group, int) and pgrp in group)]
         if name.startswith("postgres"):
-            groups["postgres"] += cpu
+            labels.append("postgres")
         elif name.startswith("redis-server"):
-            groups["redis"] += cpu
+            labels.append("redis")
         if pid == os.getpid():
-            groups["client"] += cpu
-    return CpuSnapshot(groups, _machine_cpu())
+            labels.append("client")
+        if labels:
+            processes[pid] = (tuple(labels), cpu)
+    return CpuSnapshot(processes, _machine_cpu())
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
-    delta = {k: after.groups.get(k, 0.0) - before.groups.get(k, 0.0)
-             for k in {**before.groups, **after.groups}}
+    """CPU seconds between two snapshots by label, summed per process: a process that
+    started in between counts whole, one that ended in between is not counted (its
+    last CPU time is gone with it; summing groups instead gave negative figures when a
+    Postgres backend or an autovacuum worker ended during a case)."""
+    delta: dict[str, float] = {}
+    for snapshot in (before, after):
+        for labels, _ in snapshot.processes.values():
+            for label in labels:
+                delta.setdefault(label, 0.0)
+    for pid, (labels, cpu) in after.processes.items():
+        earlier = before.processes.get(pid)
+        spent = cpu - earlier[1] if earlier and earlier[0] == labels else cpu
+        for label in labels:
+            delta[label] += max(spent, 0.0)
     delta["machine"] = after.machine - before.machine
     return delta
-
-
 
 
 def runs_by_status(db_url: str) -> dict[str, int]:
