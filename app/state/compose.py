@@ -169,8 +169,9 @@ def tenant_scope(r: str) -> str:
 
 def same_group(r: str, s: str) -> str:
     """SQL: run ``r`` is an unfinished run of the concurrency group of run ``s`` (both
-    limited), in the terms of ``ix_runs_slot_group`` only (see ``status_is``): with
-    ``slot_status`` for the status, no other index of ``runs`` can serve the statement."""
+    limited), in the terms of ``ix_runs_slot_group`` only: with ``slot_status`` for the
+    status, no other index of ``runs`` can serve the statement (docs/internals/
+    execution.md, "Plans that statistics cannot turn")."""
     return (f"{group_scope(r)} = {group_scope(s)} AND {r}.concurrency_limit IS NOT NULL "
             f"AND {slot_status(r)} IN {UNFINISHED}")
 
@@ -183,8 +184,7 @@ def same_tenant(r: str, s: str) -> str:
 
 def group_lock_key(r: str) -> str:
     """SQL: the second key of run ``r``'s group lock (a collision only serializes more)."""
-    return (f"hashtext({r}.tenant_id || '|' || {r}.workflow_name || '|' "
-            f"|| coalesce({r}.concurrency_key, ''))")
+    return f"hashtext({group_scope(r)})"
 
 
 def status_is(r: str, status: str) -> str:

@@ -344,7 +344,7 @@ SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
          FROM runs r JOIN tenants t ON t.id = r.tenant_id
         WHERE r.id = :run AND t.max_running IS NOT NULL
        UNION ALL
-       SELECT 2, 1347373379, hashtext(r.tenant_id || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, ''))
+       SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
          FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
         ORDER BY ord) AS l;
 
@@ -420,7 +420,8 @@ WITH heads AS (
      WHERE id IN (
            (SELECT h.id FROM heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND (('' || r.status) = 'running' AND r.claimed_by IN (
+                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                       AND (('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -435,7 +436,8 @@ WITH heads AS (
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND (('' || r.status) = 'running' AND r.claimed_by IN (
+                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                       AND (('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -448,7 +450,7 @@ WITH heads AS (
 ) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.max_running)
             LIMIT :limit)
-       AND status = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+       AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
 
 -- app/state/runs.py: WAITING_BY_REASON

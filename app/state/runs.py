@@ -45,6 +45,7 @@ from .compose import (
     send_after_commit,
     send_woken,
     slot_release,
+    status_is,
     with_event,
     with_woken,
 )
@@ -525,15 +526,17 @@ WAKE_WAITING = text(
      WHERE id IN (
            (SELECT h.id FROM heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_group("r", "h")} AND ({holds_slot("r")} OR {due("r", slot=True)}))
+                     WHERE {same_group("r", "h")}
+                       AND ({holds_slot("r")} OR {due("r", slot=True)}))
                    < h.concurrency_limit
             UNION
             SELECT h.id FROM tenant_heads h
              WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_tenant("r", "h")} AND ({holds_slot("r")} OR {due("r", slot=True)}))
+                     WHERE {same_tenant("r", "h")}
+                       AND ({holds_slot("r")} OR {due("r", slot=True)}))
                    < h.max_running)
             LIMIT :limit)
-       AND status = '{RunStatus.WAITING}' AND wait_reason IN {LIMITED_WAITS}
+       AND {status_is("runs", RunStatus.WAITING)} AND wait_reason IN {LIMITED_WAITS}
     RETURNING id, workflow_name, workflow_version, traceparent, tracestate
     """
 )
