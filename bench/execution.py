@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -179,11 +180,16 @@ def succeeded(db_url: str) -> int:
     with psycopg.connect(db_url) as conn:
         return conn.execute(
             "SELECT count(*) FROM runs WHERE status = 'succeeded' AND tenant_id = %s",
-            [case_tenant_id(conn)]).fetchone()[0]
+            [case_tenant_id(db_url)]).fetchone()[0]
 
 
-def case_tenant_id(conn: psycopg.Connection) -> int:
-    return conn.execute("SELECT id FROM tenants WHERE name = %s", [CASE_TENANT]).fetchone()[0]
+@functools.cache
+def case_tenant_id(db_url: str) -> int:
+    """The id of the case's tenant in ``db_url``, read once (the polls run 20 times a
+    second, and ``reset_runs`` never touches ``tenants``)."""
+    with psycopg.connect(db_url) as conn:
+        return conn.execute("SELECT id FROM tenants WHERE name = %s",
+                            [CASE_TENANT]).fetchone()[0]
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
@@ -252,7 +258,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         with psycopg.connect(db_url) as db:
             waits = [float(row[0]) for row in db.execute(
                 "SELECT extract(epoch FROM started_at - created_at) * 1000 FROM runs "
-                "WHERE tenant_id = %s", [case_tenant_id(db)])]
+                "WHERE tenant_id = %s", [case_tenant_id(db_url)])]
         return {"runs": len(waits), "rate": rate, "p50": percentile(waits, 50),
                 "p90": percentile(waits, 90), "p99": percentile(waits, 99), "max": max(waits),
                 "load_before": load_before, "load_after": load_average()}

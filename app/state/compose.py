@@ -150,7 +150,7 @@ TENANT_LOCK_NAMESPACE = 0x504F4954  # "POIT": a capped tenant's lock
 LIMITED_WAITS = f"('{WaitReason.CONCURRENCY}', '{WaitReason.TENANT_CAP}')"
 
 
-UNFINISHED = (f"('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')")
+UNFINISHED = f"('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')"
 
 
 def group_scope(r: str) -> str:

@@ -2,7 +2,7 @@
 
 The counts (``claims._verdict``) and the wake-ups (``compose.slot_release``) name a
 run's group, tenant and status as expressions (``compose.same_group``, ``same_tenant``,
-``status_is``) that only ``ix_runs_slot_group`` and ``ix_runs_tenant_slots`` are built
+``slot_status``) that only ``ix_runs_slot_group`` and ``ix_runs_tenant_slots`` are built
 on (migration 0017). Written with a plain ``status = 'queued'``, the planner was free to
 read ``ix_runs_queued_last_sent`` (every queued run of every tenant) and filter it, and
 it did whenever the statistics said few runs were queued, as they do after a quiet
