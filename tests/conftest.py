@@ -224,16 +224,22 @@ class TenantCreds:
 def statements(app):
     """Every statement the app's engine executes: (SQL, whether its connection was in autocommit)."""
     from app.extensions import db
+    from app.state.direct import OBSERVERS
 
     seen: list[tuple[str, bool]] = []
 
     def record(conn, cursor, statement, parameters, context, executemany):
         seen.append((statement, bool(conn.connection.driver_connection.autocommit)))
 
+    def record_single(statement, autocommit):
+        seen.append((statement, autocommit))
+
     with app.app_context():
         engine = db.engine
     event.listen(engine, "before_cursor_execute", record)
+    OBSERVERS.append(record_single)  # a worker's single statements, on psycopg directly
     yield seen
+    OBSERVERS.remove(record_single)
     event.remove(engine, "before_cursor_execute", record)
 
 

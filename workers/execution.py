@@ -16,8 +16,8 @@ from celery.exceptions import Retry as CeleryRetry
 from flask import current_app
 from sqlalchemy.exc import DataError
 
-from app.enqueue import send_run
-from app.extensions import autocommit_next, db
+from app.enqueue import send_pending, send_run
+from app.extensions import db
 from app.logs import note_tenant
 from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
 from app.models import RunStatus
@@ -30,6 +30,7 @@ from app.state.claims import (
     claim_slot,
     decide_slot,
 )
+from app.state.direct import single_statements
 from app.state.ledger import EntryClose
 from app.task_names import ref_of_shadow
 from app.telemetry import report_exception
@@ -169,14 +170,18 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
             # a limited workflow starts with the slot-counting claim (the group's locks,
             # then the claim, in one call), without the refused claim and the state read.
             # Its commit is still inside this try.
-            autocommit_next(session)
+            # On psycopg without the session's machinery (app/state/direct.py).
+            store = single_statements(session, send_pending)
+            in_transaction = store is session
             if limited:
-                claim = claim_slot(session, run_id, boot.boot_id,
-                                   max_takeovers=registry.max_takeovers_of, transaction=False)
+                claim = claim_slot(store, run_id, boot.boot_id,
+                                   max_takeovers=registry.max_takeovers_of,
+                                   transaction=in_transaction)
             else:
-                claim = claim_run(session, run_id, boot.boot_id,
-                                  max_takeovers=registry.max_takeovers_of, transaction=False)
-            session.commit()
+                claim = claim_run(store, run_id, boot.boot_id,
+                                  max_takeovers=registry.max_takeovers_of,
+                                  transaction=in_transaction)
+            store.commit()
             if claim.outcome == ClaimOutcome.SLOTS:
                 # A limited run the claim did not take (a dead holder's, a duplicate):
                 # decided under its group's locks, which last until this commit.

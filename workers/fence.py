@@ -28,10 +28,12 @@ from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
 from app.admission import Admission, RunRequest, admit_many
-from app.extensions import autocommit_next, db
+from app.enqueue import send_pending
+from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
+from app.state.direct import single_statements
 from app.state.ledger import EntryClose, MarkerClaim
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
@@ -104,7 +106,8 @@ class Fence:
             session = db.session
             try:
                 if autocommit:
-                    autocommit_next(session)
+                    # Each statement on its own, on psycopg (app/state/direct.py).
+                    session = single_statements(session, send_pending)
                 commit, value = write(session, boots.holders(self.run_id), retrying)
                 if commit:
                     session.commit()
