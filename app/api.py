@@ -30,11 +30,13 @@ from .admission import (
     unstorable_number,
 )
 from .auth import ADMIT, require_token
+from .enqueue import send_pending
 from .errors import ApiError
 from .extensions import autocommit_next, db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
 from .state import runs as state_runs
+from .state.direct import single_statements
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 log = logging.getLogger(__name__)
@@ -210,10 +212,12 @@ def create_run():
     # statement, COMMIT. A replay's read is another statement, which sees the
     # winner ON CONFLICT waited for. The run is still handed to the sender only
     # by the session's commit (after_commit), after the row is committed.
-    autocommit_next(db.session)
+    # The statements run on psycopg directly (app/state/direct.py), not through the
+    # session; store.commit() hands the run to the sender, as the session's would.
+    store = single_statements(db.session, send_pending)
     try:
         admission = admit_run(
-            db.session,
+            store,
             tenant_id=principal.tenant_id,
             origin=AdmissionOrigin.HTTP,
             origin_detail=(request.headers.get("User-Agent") or "")[:255] or None,
@@ -223,13 +227,13 @@ def create_run():
         )
     except (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.DataError,
             AdmissionConflict) as err:
-        db.session.rollback()
+        store.rollback()
         if isinstance(err, AdmissionConflict):
             metrics.ADMISSIONS.labels("http", "conflict").inc()
         raise refusal(err, fields) from err
     body = serialize_run(admission.run, principal.tenant_name)
     location = url_for("v1.get_run", run_id=admission.run.id)
-    db.session.commit()
+    store.commit()
     metrics.ADMISSION_SECONDS.labels("http").observe(time.perf_counter() - started)
     logs.note(run_id=admission.run.id)
     if admission.created:

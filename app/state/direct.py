@@ -99,7 +99,13 @@ class SingleStatements:
         sql = _compiled(statement, self.engine)
         for observe in OBSERVERS:
             observe(sql, True)
-        fairy = self.engine.raw_connection()  # the pool's checkout, its liveness check too
+        try:
+            # The pool's checkout, its liveness check too; a failed connect is psycopg's
+            # error here (a session's checkout wraps it): wrapped below the same way.
+            fairy = self.engine.raw_connection()
+        except psycopg.Error as err:
+            raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
+                                          connection_invalidated=True) from err
         conn = fairy.driver_connection
         try:
             conn.autocommit = True

@@ -63,8 +63,8 @@ MUTANTS: list[Mutant] = [
         "admission_in_a_transaction",
         "an admission is one round trip: its one statement runs in autocommit (issue 10)",
         "app/api.py",
-        "    autocommit_next(db.session)\n",
-        "",
+        "    store = single_statements(db.session, send_pending)\n",
+        "    store = db.session\n",
         ("tests/app/test_hot_path.py::test_an_admission_is_one_statement_in_autocommit",),
     ),
     Mutant(
@@ -263,9 +263,20 @@ MUTANTS: list[Mutant] = [
         "claim_in_a_transaction",
         "a claim is one round trip: its one statement runs in autocommit (issue 10)",
         "workers/execution.py",
-        "            autocommit_next(session)\n",
-        "",
+        "            store = single_statements(session, send_pending)\n",
+        "            store = session\n",
         (f"{CLAIM_TESTS}::test_a_claim_is_one_statement_in_autocommit",),
+    ),
+    Mutant(
+        "single_statement_commit_sends_nothing",
+        "a run a single statement left to send reaches the sender when it committed "
+        "(app/state/direct.py: a join's woken parent, an admission)",
+        "app/state/direct.py",
+        "            self._after_commit(pending)\n",
+        "            pass\n",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_one_arrival_at_review_enqueues_exactly_one_fanout",
+         "tests/app/test_idempotent_admission.py::test_the_message_names_the_run_and_workflow"),
     ),
     Mutant(
         "finish_in_a_transaction",
