@@ -84,9 +84,9 @@ def test_a_session_with_a_transaction_open_is_used_as_it_is(app):
 
 def test_a_connection_lost_mid_statement_is_an_invalidated_operational_error(store):
     stand_in, _ = store
-    pid = stand_in.execute(SELECT_ONE, {"x": 1}).one().pid
     with pytest.raises(exc.OperationalError) as err:
         stand_in.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
     assert err.value.connection_invalidated  # what workers/dberrors.retryable waits out
-    row = stand_in.execute(SELECT_ONE, {"x": 4}).one()
-    assert row.x == 4 and row.pid != pid
+    # Whichever pooled connection comes next (the pool may hold others), it works.
+    for x in range(5):
+        assert stand_in.execute(SELECT_ONE, {"x": x}).one().x == x
