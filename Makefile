@@ -36,12 +36,18 @@ check: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
 		$(BIN)/python -m pytest -m "not processes" $(PYTEST_ARGS)
 
-# The console's browser tests drive Debian's chromium; without it they skip (and say so).
+# The console's browser tests drive Debian's chromium, the partition tests iptables; without
+# them they skip (and say so).
 test: services
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| apt-get install -y chromium chromium-driver \
 		|| { apt-get update && apt-get install -y chromium chromium-driver; } \
 		|| echo "make test: could not install chromium; tests/console will skip"
+	@# The partition tests drop a path silently with iptables in a network namespace.
+	@{ command -v iptables && command -v ip; } >/dev/null || [ "$$(id -u)" != 0 ] \
+		|| apt-get install -y iptables iproute2 \
+		|| { apt-get update && apt-get install -y iptables iproute2; } \
+		|| echo "make test: could not install iptables; tests/chaos/test_partition.py will skip"
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The mutation gate: every named mutant of a core rule must be killed by its tests.
