@@ -210,10 +210,9 @@ def create_run():
     # Admission is one statement (run and event together), so it needs no
     # transaction around it: in autocommit it is one round trip, not BEGIN,
     # statement, COMMIT. A replay's read is another statement, which sees the
-    # winner ON CONFLICT waited for. The run is still handed to the sender only
-    # by the session's commit (after_commit), after the row is committed.
-    # The statements run on psycopg directly (app/state/direct.py), not through the
-    # session; store.commit() hands the run to the sender, as the session's would.
+    # winner ON CONFLICT waited for. Both run on psycopg directly
+    # (app/state/direct.py); the run is handed to the sender only by
+    # store.commit(), after the row is committed.
     store = single_statements(db.session, send_pending)
     try:
         admission = admit_run(

@@ -98,21 +98,30 @@ def prepare_statements(engine: Engine, threshold: int) -> None:
     engine.dispose()
 
 
+def autocommit_engine(session) -> Engine | None:
+    """The engine ``session`` (a ``scoped_session``) may run autocommit work on, or None
+    when it cannot: it has a transaction open already (a token lookup that missed the
+    cache), or is bound to a connection rather than the engine (a test's outer
+    transaction); the work then runs in that transaction, as correct and slower."""
+    current = session()  # db.session is a scoped_session: this request's (or task's) Session
+    bind = current.get_bind()
+    if current.in_transaction() or not isinstance(bind, Engine):
+        return None
+    return bind
+
+
 def autocommit_next(session) -> bool:
     """Run the next transaction of ``session`` (a ``scoped_session``) in autocommit.
 
     Returns False when that cannot be chosen.
 
     For work that is a single statement (or statements each whole on its own):
-    one round trip instead of BEGIN, statement, COMMIT. It cannot be chosen when
-    the session has a transaction open already (a token lookup that missed the
-    cache), or is bound to a connection rather than the engine (a test's outer
-    transaction); the work then runs in that transaction, as correct and slower.
+    one round trip instead of BEGIN, statement, COMMIT. When it cannot be chosen
+    (``autocommit_engine``) the work runs in the session's transaction.
     """
-    current = session()  # db.session is a scoped_session: this request's (or task's) Session
-    if current.in_transaction() or not isinstance(current.get_bind(), Engine):
+    if autocommit_engine(session) is None:
         return False
-    current.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+    session().connection(execution_options={"isolation_level": "AUTOCOMMIT"})
     return True
 
 

@@ -11,13 +11,13 @@ run's columns, prepared, 2,000 times): 0.30-0.33 ms of CPU through the session,
 :func:`single_statements` gives the store's functions an object that has what they
 use of a session, ``execute`` and ``info``: each statement is a transaction of its
 own on a pooled connection, and ``commit()`` hands the runs the writes left to send
-(``compose.send_after_commit``) to ``after_commit``, as a session's commit does. Errors are SQLAlchemy's, as through the session
-(``OperationalError`` for a lost server, ``DataError`` for a value the column
-refuses), and a connection that lost its server is dropped from the pool.
+(``compose.send_after_commit``) to ``after_commit``, as a session's commit does.
+Errors are SQLAlchemy's, as through the session (``OperationalError`` for a lost
+server, ``DataError`` for a value the column refuses), and a connection that lost its
+server is dropped from the pool.
 
-Where a session could not run autocommit (it has a transaction open, or is bound
-to a test's outer transaction) the session itself is returned, and the work runs in
-its transaction, as before.
+Where a session could not run autocommit (``extensions.autocommit_engine``) the
+session itself is returned, and the work runs in its transaction, as before.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.sql.elements import TextClause
 
+from app.extensions import autocommit_engine
+
 from .compose import PENDING_SENDS
 
 AfterCommit = Callable[[dict], None]
 
-# Who watches the statements run here (tests: ``conftest.statements``, which watches the
-# engine's too): called with (SQL, True), True for autocommit, before each runs.
-OBSERVERS: list[Callable[[str, bool], None]] = []
+# Who watches the statements run here, all in autocommit (tests: ``conftest.statements``,
+# which watches the engine's too): called with the SQL before each runs.
+OBSERVERS: list[Callable[[str], None]] = []
 
 
 def single_statements(session, after_commit: AfterCommit):
@@ -47,11 +49,8 @@ def single_statements(session, after_commit: AfterCommit):
     Either way the caller ends with ``commit()`` (``rollback()`` for reads only):
     a no-op for the stand-in, whose statements committed as they ran.
     """
-    current = session()
-    bind = current.get_bind()
-    if current.in_transaction() or not isinstance(bind, Engine):
-        return session
-    return SingleStatements(bind, after_commit)
+    engine = autocommit_engine(session)
+    return session if engine is None else SingleStatements(engine, after_commit)
 
 
 class Result:
@@ -84,7 +83,7 @@ class Result:
         return self.one()[0]
 
     def all(self) -> list:
-        return list(self._rows)
+        return self._rows
 
 
 class SingleStatements:
@@ -98,7 +97,7 @@ class SingleStatements:
     def execute(self, statement: TextClause, params: Mapping[str, Any] | None = None) -> Result:
         sql = _compiled(statement, self.engine)
         for observe in OBSERVERS:
-            observe(sql, True)
+            observe(sql)
         try:
             # The pool's checkout, its liveness check too; a failed connect is psycopg's
             # error here (a session's checkout wraps it): wrapped below the same way.
