@@ -19,12 +19,15 @@ claims absorb duplicates).
 from __future__ import annotations
 
 import atexit
+import base64
+import json
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
+import weakref
 
 from flask import current_app
 from sqlalchemy import event
@@ -107,6 +110,86 @@ def _routing(workflow_ref: str) -> dict:
         return {}
 
 
+class RedisWire:
+    """``runs.execute`` messages written to Redis as kombu's Redis transport writes them.
+
+    A ``send_task`` costs about 0.18 ms of CPU per message even in a pipelined batch
+    (Celery's routing, result object and parent lookups, kombu's ``Producer.publish``
+    and ``basic_publish``), most of an admission's send. This writes the same
+    message: its headers, properties and body come from Celery's own
+    ``create_task_message`` (protocol 2, what ``send_task`` calls), wrapped in the
+    envelope kombu's Redis channel writes (``prepare_message``, base64 body,
+    ``delivery_info``, a ``delivery_tag``) and ``LPUSH``ed to the queue's list in the
+    batch's one pipeline. ``tests/app/test_redis_wire.py`` keeps it equal to
+    ``send_task``'s message field by field.
+
+    Only where that is the whole of what ``send_task`` would do: a Redis broker, a
+    direct queue without an expiry or key prefix, priority 0, no "sent" events and no
+    receiver of Celery's publish signals (OpenTelemetry's instrumentation is one).
+    Everything else is sent by ``send_task`` (``usable`` says which).
+    """
+
+    def __init__(self, celery_app, channel):
+        self.celery_app = celery_app
+        self.channel = channel
+        self.amqp = celery_app.amqp
+        from kombu.entity import maybe_delivery_mode
+
+        self.delivery_mode = maybe_delivery_mode(celery_app.conf.task_default_delivery_mode)
+        # The channel's own connection pool and settings (kombu's conn_or_acquire builds a
+        # client per call: a tenth of a millisecond for each batch).
+        self.client = channel._create_client()
+
+    @staticmethod
+    def usable(celery_app, channel) -> bool:
+        """Whether a batch on ``channel`` may be written as wire messages."""
+        from celery import signals
+
+        return (getattr(channel, "_q_for_pri", None) is not None
+                and not getattr(channel, "global_keyprefix", "")
+                and not celery_app.conf.task_send_sent_event
+                and not signals.before_task_publish.receivers
+                and not signals.after_task_publish.receivers)
+
+    def message(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None
+                ) -> tuple[str, str] | None:
+        """``(list key, payload)`` of the run's message, or None where ``send_task`` must send it."""
+        options = _routing(workflow_ref)
+        if options.get("priority"):
+            return None
+        qname = options.get("queue") or self.celery_app.conf.task_default_queue
+        declared = self.amqp.queues[qname]
+        if declared.exchange.type != "direct" or qname in self.channel._expires:
+            return None
+        run = str(run_id)
+        argsrepr = f"['{run}']"
+        headers, properties, body, _ = self.amqp.create_task_message(
+            run, EXECUTE_RUN, [run], None, reply_to=self.celery_app.thread_oid,
+            time_limit=options.get("time_limit"),
+            soft_time_limit=options.get("soft_time_limit"),
+            shadow=execute_shadow(workflow_ref), argsrepr=argsrepr, kwargsrepr="{}",
+            ignore_result=None)
+        if trace is not None:
+            headers.update(trace.headers())
+        delivery_mode = (self.delivery_mode if declared.exchange.delivery_mode is None
+                         else declared.exchange.delivery_mode)
+        envelope = {
+            "body": base64.b64encode(json.dumps(body).encode()).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": headers,
+            "properties": {
+                **properties, "argsrepr": argsrepr, "kwargsrepr": "{}",
+                "delivery_mode": delivery_mode,
+                # send_task's "anonymous exchange" for a direct queue: straight to its list.
+                "delivery_info": {"exchange": "", "routing_key": qname},
+                "priority": 0, "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        }
+        return self.channel._q_for_pri(qname, 0), json.dumps(envelope)
+
+
 class Sender:
     """One thread per process that publishes committed runs, in batches, off the request path."""
 
@@ -120,6 +203,10 @@ class Sender:
         self.pid = os.getpid()
         self.pending = 0  # handed over, not yet published or given up
         self.changed = threading.Condition()
+        self.declared: set[str] = set()  # queues declared since the last error
+        # One wire (and its Redis client) per producer channel; a channel kombu drops
+        # takes its wire with it.
+        self.wires: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         threading.Thread(target=self._run, name="poimen-sender", daemon=True).start()
 
     def put(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None = None
@@ -141,6 +228,44 @@ class Sender:
             self.pending -= count
             self.changed.notify_all()
 
+    def _send(self, producer, batch: list[tuple[uuid.UUID, str, TraceContext | None]]) -> None:
+        # Each queue declared once while sends succeed, not at every send or batch (kombu's
+        # maybe_declare re-binds the queue each time: a fifth of a send's CPU). An error
+        # forgets them all (``_run``), so a broker that lost its state is declared again.
+        queues = self.celery_app.amqp.queues
+        for name in {queue_of(self.celery_app, ref) for _, ref, _ in batch} - self.declared:
+            producer.maybe_declare(queues[name])
+            self.declared.add(name)
+        rest = batch
+        channel = producer.channel
+        if RedisWire.usable(self.celery_app, channel):
+            wire = self.wires.get(channel)
+            if wire is None:
+                wire = self.wires[channel] = RedisWire(self.celery_app, channel)
+            written, rest = [], []
+            for item in batch:
+                message = wire.message(*item)
+                if message is None:
+                    rest.append(item)
+                else:
+                    written.append(message)
+            if written:
+                # One pipelined write, as kombu's batch would do it.
+                with wire.client.pipeline(transaction=False) as pipeline:
+                    for key, payload in written:
+                        pipeline.lpush(key, payload)
+                    pipeline.execute()
+        if not rest:
+            return
+        # One pipelined write for the batch on Redis (kombu's Producer.batch; a transport
+        # without it, RabbitMQ, publishes each at once). It is all or nothing as far as we
+        # know: after an error the whole batch is sent again, and a message that did go
+        # is a duplicate the claim absorbs.
+        # max_size counts Redis commands: a publish may add a PEXPIRE to its LPUSH.
+        with producer.batch(max_size=len(rest) * 2):
+            for run_id, ref, trace in rest:
+                _publish(self.celery_app, run_id, ref, None, producer, trace, declare=[])
+
     def _run(self) -> None:
         backoff = 0.1
         batch: list[tuple[uuid.UUID, str, TraceContext | None]] = []
@@ -154,25 +279,12 @@ class Sender:
                     break
             try:
                 with self.celery_app.producer_or_acquire() as producer:
-                    # One pipelined write for the batch on Redis (kombu's Producer.batch;
-                    # a transport without it, RabbitMQ, publishes each at once). It is
-                    # all or nothing as far as we know: after an error the whole batch
-                    # is sent again, and a message that did go is a duplicate the
-                    # claim absorbs.
-                    # max_size counts Redis commands: a publish may add a PEXPIRE to its LPUSH.
-                    with producer.batch(max_size=len(batch) * 2):
-                        # Each queue of the batch declared once, not at every send
-                        # (a fifth of a send's CPU).
-                        queues = self.celery_app.amqp.queues
-                        for name in {queue_of(self.celery_app, ref) for _, ref, _ in batch}:
-                            producer.maybe_declare(queues[name])
-                        for run_id, ref, trace in batch:
-                            _publish(self.celery_app, run_id, ref, None, producer, trace,
-                                     declare=[])
+                    self._send(producer, batch)
                 self._done(len(batch))
                 batch.clear()
                 backoff = 0.1
             except Exception as err:  # noqa: BLE001 - the broker is away: keep the batch, retry
+                self.declared.clear()
                 log.warning("could not send %d run(s) to the broker (%s); retrying in %.1fs",
                             len(batch), type(err).__name__, backoff)
                 time.sleep(backoff)

@@ -1,0 +1,126 @@
+"""The sender's wire messages are the messages Celery's ``send_task`` writes (app/enqueue.py).
+
+``RedisWire`` writes a ``runs.execute`` message to Redis without ``send_task``; a worker,
+Flower and ``celery inspect`` must not be able to tell. Each case publishes one run both
+ways on the real Redis and compares what landed in the list, field by field (only the
+``delivery_tag``, a fresh id per message, differs); the cases ``send_task`` must keep
+(a priority, a publish-signal receiver) are refused by the wire and still land where
+kombu puts them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from celery import signals
+
+from app.enqueue import RedisWire, _publish, sender
+from app.tracecontext import TraceContext
+
+TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "vendor=1")
+
+
+@pytest.fixture
+def celery_app(app):
+    return app.extensions["celery"]
+
+
+@pytest.fixture
+def celery_tasks(app):
+    """The test workflows that declare a queue, a priority and time limits."""
+    import tests.workflows.celery_tasks as module
+
+    return module
+
+
+def _pop(redis_client, key: str) -> dict:
+    raw = redis_client.rpop(key)
+    assert raw is not None, f"nothing in {key}"
+    message = json.loads(raw)
+    message["properties"].pop("delivery_tag")
+    return message
+
+
+def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
+    run_id = uuid.uuid4()
+    with app.app_context(), celery_app.producer_or_acquire() as producer:
+        _publish(celery_app, run_id, workflow_ref, None, producer, trace)
+        wire = RedisWire(celery_app, producer.channel)
+        assert RedisWire.usable(celery_app, producer.channel)
+        written = wire.message(run_id, workflow_ref, trace)
+    assert written is not None
+    key, payload = written
+    celery_message = _pop(redis_client, key)
+    redis_client.lpush(key, payload)
+    return celery_message, _pop(redis_client, key)
+
+
+@pytest.mark.parametrize("workflow_ref, trace", [
+    ("echo", None),           # the default queue
+    ("echo", TRACE),          # a run admitted with W3C Trace Context
+    ("soft-time", None),      # a workflow's time limits travel in the message
+])
+def test_a_wire_message_is_send_tasks_message(app, celery_app, celery_tasks, redis_client,
+                                              workflow_ref, trace):
+    by_celery, by_wire = _both_ways(app, celery_app, redis_client, workflow_ref, trace)
+    assert by_wire == by_celery
+    assert by_wire["headers"]["task"] == "runs.execute"
+    if workflow_ref == "soft-time":
+        assert by_wire["headers"]["timelimit"] == [60, 2]
+    if trace is not None:
+        assert by_wire["headers"]["traceparent"] == trace.traceparent
+
+
+def test_a_wire_message_executes_as_its_run(app, celery_app, redis_client):
+    """The consumer's view: the decoded body is the task's arguments, the id the run's."""
+    import base64
+
+    run_id = uuid.uuid4()
+    with app.app_context(), celery_app.producer_or_acquire() as producer:
+        key, payload = RedisWire(celery_app, producer.channel).message(run_id, "echo", None)
+    message = json.loads(payload)
+    args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+    assert (args, kwargs) == ([str(run_id)], {})
+    assert message["headers"]["id"] == message["properties"]["correlation_id"] == str(run_id)
+    assert key == celery_app.conf.task_default_queue
+
+
+def test_a_priority_is_left_to_send_task(app, celery_app, celery_tasks):
+    with app.app_context(), celery_app.producer_or_acquire() as producer:
+        wire = RedisWire(celery_app, producer.channel)
+        assert wire.message(uuid.uuid4(), "routed-slow", None) is None
+
+
+def test_a_publish_signal_receiver_gets_send_task(app, celery_app):
+    """OpenTelemetry's Celery instrumentation hooks before_task_publish: the wire steps aside."""
+    def receiver(**_):
+        pass
+
+    signals.before_task_publish.connect(receiver, weak=False)
+    try:
+        with app.app_context(), celery_app.producer_or_acquire() as producer:
+            assert not RedisWire.usable(celery_app, producer.channel)
+    finally:
+        signals.before_task_publish.disconnect(receiver)
+
+
+def test_the_sender_writes_wire_and_send_task_messages_in_one_batch(
+        app, celery_app, celery_tasks, redis_client, queue_name):
+    """A batch mixing a wire-able run with one send_task must send: both arrive."""
+    from kombu.transport.redis import Channel
+
+    plain, routed = uuid.uuid4(), uuid.uuid4()
+    with app.app_context():
+        out = sender(celery_app)
+        out.put(plain, "echo")
+        out.put(routed, "routed-slow")
+        assert out.wait_idle(10)
+    seen = {json.loads(m)["headers"]["id"] for m in redis_client.lrange(queue_name, 0, -1)}
+    assert str(plain) in seen
+    # kombu's priority list for priority 3 (Channel.sep, the default steps).
+    priority_key = f"{celery_tasks.SLOW_QUEUE}{Channel.sep}3"
+    routed_seen = {json.loads(m)["headers"]["id"] for m in redis_client.lrange(priority_key, 0, -1)}
+    assert str(routed) in routed_seen
+    redis_client.delete(priority_key)
