@@ -97,7 +97,7 @@ def parse_tracestate(value: str | None) -> str | None:
 
 def from_headers(headers: Mapping[str, str] | None) -> TraceContext | None:
     """The trace context of a request's (or a Celery message's) headers; None if it has none."""
-    if not headers:
+    if headers is None:  # not ``not headers``: werkzeug's headers count themselves by iterating
         return None
     traceparent = parse_traceparent(headers.get(TRACEPARENT))
     if traceparent is None:

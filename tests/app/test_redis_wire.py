@@ -35,12 +35,15 @@ def celery_tasks(app):
     return module
 
 
-def _pop(redis_client, key: str) -> dict:
-    raw = redis_client.rpop(key)
-    assert raw is not None, f"nothing in {key}"
-    message = json.loads(raw)
-    message["properties"].pop("delivery_tag")
-    return message
+def _take(redis_client, key: str, run_id: uuid.UUID) -> dict:
+    """The message of ``run_id`` in ``key``, removed; other tests' messages stay where they are."""
+    for raw in redis_client.lrange(key, 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["id"] == str(run_id):
+            redis_client.lrem(key, 1, raw)
+            message["properties"].pop("delivery_tag")
+            return message
+    raise AssertionError(f"no message of {run_id} in {key}")
 
 
 def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
@@ -52,9 +55,9 @@ def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
         written = wire.message(run_id, workflow_ref, trace)
     assert written is not None
     key, payload = written
-    celery_message = _pop(redis_client, key)
+    celery_message = _take(redis_client, key, run_id)
     redis_client.lpush(key, payload)
-    return celery_message, _pop(redis_client, key)
+    return celery_message, _take(redis_client, key, run_id)
 
 
 @pytest.mark.parametrize("workflow_ref, trace", [
