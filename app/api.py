@@ -10,7 +10,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+from flask import Blueprint, Response, current_app, g, jsonify, request
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 
