@@ -41,6 +41,8 @@ DEFAULT_TOPIC_PREFIX = "poimen"
 DEFAULT_QUEUE = "poimen"  # the Celery queue (celeryconfig.py)
 DEFAULT_TOPIC_PARTITIONS = 4
 DEFAULT_OUTBOX_RETENTION = 7 * 86400.0  # published outbox rows are kept a week
+# Seconds between a worker's publishes of its buffered Celery task events (workers/task_events.py).
+DEFAULT_EVENT_FLUSH_INTERVAL = 0.1
 
 MAX_BODY_BYTES = 1024 * 1024
 # The most items one POST /v1/runs/batch may carry (more is a 413, nothing admitted).
@@ -178,6 +180,10 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
         "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "10")),
         "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
+        # A worker publishes its buffered Celery task events this often (0: at every turn
+        # of its event loop, Celery's own way); workers/task_events.py.
+        "POIMEN_EVENT_FLUSH_INTERVAL": float(env.get("POIMEN_EVENT_FLUSH_INTERVAL",
+                                                     DEFAULT_EVENT_FLUSH_INTERVAL)),
         # A dead boot's run is re-sent at once but delivered this many seconds later:
         # time for a process that lost its lock to a Postgres restart, and is still
         # executing the run, to adopt it (docs/internals/execution.md). Who runs it is still

@@ -155,6 +155,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", "0", (*CELERY, CLI),
             "`1`: Celery's `task-sent` events (a second Redis publish per admission)."),
+    _celery("POIMEN_EVENT_FLUSH_INTERVAL", "0.1", WORKER,
+            "Seconds between a worker's publishes of its buffered Celery task events (received, "
+            "started, succeeded ...), and at once when 24 are waiting: Flower sees them at most "
+            "this late, in order, with their own timestamps. `0`: Celery's own flush at every "
+            "turn of the event loop (about one publish per event under load)."),
     _celery("POIMEN_REPAIR_INTERVAL", "10", BEAT,
             "Seconds between beat's repair ticks (a dead worker's run is re-sent on the first "
             "tick after its lock is gone)."),

@@ -10,9 +10,11 @@ from app.telemetry import connect_celery
 
 from .gate import DatabaseGate
 from .metrics import connect_beat
+from .task_events import TaskEventBatches
 
 init_celery()  # LOG_FORMAT / LOG_LEVEL for the worker, beat and Flower, before anything logs
 app = create_app().extensions["celery"]
 connect_beat(app)  # beat, and only beat, exports the global gauges (workers/metrics.py)
 connect_celery(app)  # OpenTelemetry and Sentry, if configured, when the worker or beat starts
 app.steps["consumer"].add(DatabaseGate)  # no runs taken while Postgres does not answer
+app.steps["consumer"].add(TaskEventBatches)  # task events published in batches, not one by one
