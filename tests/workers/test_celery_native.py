@@ -203,8 +203,10 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
     flaky = admit("flaky", {"failures": 1})
     assert flower_verdict(flower, flaky, "the flaky run's task")["state"] == "SUCCESS"
     assert run_row(pg, flaky)[:3] == ("succeeded", 2, 1)
+    # Task events reach receivers in batches, up to POIMEN_EVENT_FLUSH_INTERVAL late.
+    wait_until(lambda: task_events.of(flaky).count("task-succeeded") == 1, timeout=10,
+               what="the flaky run's task-succeeded event")
     assert task_events.of(flaky).count("task-retried") == 1
-    assert task_events.of(flaky).count("task-succeeded") == 1
 
     # Cancelled through the API while running: REVOKED.
     cancelled = admit("effect", {"seconds": 60})
@@ -323,7 +325,8 @@ def test_revoke_terminate_cancels_a_running_run_and_it_is_not_resumed(admit, env
     events = run_events(pg, run_id)
     assert events.count("run.started") == 1 and "run.resumed" not in events, events
     assert events[-1] == "run.cancelled"
-    assert "task-revoked" in task_events.of(run_id)
+    wait_until(lambda: "task-revoked" in task_events.of(run_id), timeout=10,
+               what="the task-revoked event")
 
     # The worker lives on with a new pool process, and later runs are not hurt.
     after = admit("effect", {"seconds": 0})
@@ -369,8 +372,9 @@ def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp
     events = run_events(pg, run_id)
     assert events.count("run.retrying") == 2 and events.count("run.started") == 3
     assert events[-1] == "run.succeeded"
+    wait_until(lambda: task_events.of(run_id).count("task-succeeded") == 1, timeout=10,
+               what="the task-succeeded event")
     assert task_events.of(run_id).count("task-retried") == 2
-    assert task_events.of(run_id).count("task-succeeded") == 1
 
     # max_retries=1: the second self.retry() raises the task's exception: failed.
     status, attempt, failures, _, error, _ = wait_status(pg, given_up, {"succeeded", "failed"})
