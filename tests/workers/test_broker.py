@@ -15,6 +15,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from tests.processes import start_worker, wait_until
 from tests.workers.test_celery_native import wait_ready
+from tests.workers.test_task_events import redis_calls, succeeded
 from workers.broker import ACK_DELAY
 
 
@@ -124,21 +125,15 @@ def test_without_an_event_loop_an_ack_leaves_redis_at_once(broker):
     assert message.delivery_tag not in b.unacked()
 
 
-def exec_calls(redis_client) -> int:
-    return int(redis_client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
-
-
 def test_a_workers_burst_costs_one_transaction_per_run_and_leaves_nothing_unacked(
         admit, sent, fast_env, pg, tmp_path, processes, redis_client):
     worker = start_worker(fast_env, tmp_path, "acks", concurrency=2)
     processes.append(worker)
     wait_ready(worker)
-    before = exec_calls(redis_client)
+    before = redis_calls(redis_client, "exec")
     runs = [admit("echo", {"n": n}) for n in range(60)]
     sent()
-    wait_until(lambda: pg.execute("SELECT count(*) FROM runs WHERE id = ANY(%s) AND "
-                                  "status = 'succeeded'", [runs]).fetchone()[0] == len(runs),
-               timeout=90, what="the burst to succeed")
+    wait_until(lambda: succeeded(pg, runs) == len(runs), timeout=90, what="the burst to succeed")
     ids = {str(r) for r in runs}
 
     def still_unacked() -> set[str]:
@@ -147,5 +142,5 @@ def test_a_workers_burst_costs_one_transaction_per_run_and_leaves_nothing_unacke
 
     wait_until(lambda: not still_unacked(), timeout=5, what="every run's message acknowledged")
     # kombu alone: a MULTI/EXEC to record each delivery and one to remove it (120 here).
-    transactions = exec_calls(redis_client) - before
+    transactions = redis_calls(redis_client, "exec") - before
     assert transactions <= len(runs) * 1.3, f"{transactions} transactions for {len(runs)} runs"

@@ -24,9 +24,9 @@ def task_events(app):
     log.stop()
 
 
-def publishes(redis_client) -> int:
-    """PUBLISH commands the Redis server has run (task events on Redis are PUBLISHes)."""
-    return int(redis_client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+def redis_calls(redis_client, command: str) -> int:
+    """How many times the Redis server has run ``command`` (its ``INFO commandstats``)."""
+    return int(redis_client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
 def succeeded(pg, run_ids) -> int:
@@ -40,13 +40,13 @@ def test_a_burst_of_runs_publishes_its_task_events_in_batches_and_every_one_arri
     processes.append(worker)
     wait_ready(worker)
 
-    before = publishes(redis_client)
+    before = redis_calls(redis_client, "publish")  # task events on Redis
     runs = [admit("echo", {"n": n}) for n in range(60)]
     sent()
     wait_until(lambda: succeeded(pg, runs) == len(runs), timeout=90, what="the burst to succeed")
     wait_until(lambda: all(set(TASK_EVENTS) <= set(task_events.of(r)) for r in runs),
                timeout=10, what="every run's received, started and succeeded events")
-    published = publishes(redis_client) - before
+    published = redis_calls(redis_client, "publish") - before
 
     # Celery's own flush publishes about once per event (180 here); a batch per interval
     # (or per 24 events) is a few dozen at most, worker heartbeats included.
