@@ -231,8 +231,8 @@ def create_run():
             metrics.ADMISSIONS.labels("http", "conflict").inc()
         raise refusal(err, fields) from err
     body = serialize_run(admission.run, principal.tenant_name)
-    # url_for("v1.get_run", ...) spelled out: the rule's building is a twentieth of the view.
-    location = f"{request.script_root}/v1/runs/{admission.run.id}"
+    # get_run's URL without url_for (its rule building is a twentieth of the view).
+    location = f"{request.script_root}{bp.url_prefix}/runs/{admission.run.id}"
     store.commit()
     metrics.ADMISSION_SECONDS.labels("http").observe(time.perf_counter() - started)
     logs.note(run_id=admission.run.id)

@@ -35,6 +35,9 @@ from app.extensions import autocommit_engine
 
 from .compose import PENDING_SENDS
 
+# A statement that returned rows (looked up once, not per statement).
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
 AfterCommit = Callable[[dict], None]
 
 # Who watches the statements run here, all in autocommit (tests: ``conftest.statements``,
@@ -115,7 +118,7 @@ class SingleStatements:
                     # of every statement (a tenth of an admission's CPU for a run's 32).
                     result = cur.pgresult
                     rows = (cur.fetchall() if result is not None
-                            and result.status == psycopg.pq.ExecStatus.TUPLES_OK else [])
+                            and result.status == _TUPLES_OK else [])
                     rowcount = cur.rowcount
             finally:
                 if not conn.closed:
