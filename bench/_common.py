@@ -384,6 +384,24 @@ def runs_by_status(db_url: str) -> dict[str, int]:
 POLL_S = 0.05
 
 
+class CountPoll:
+    """``SELECT count(*) ...`` on one connection kept open for a case's polls.
+
+    A connection per poll is a Postgres backend started 20 times a second, its CPU
+    charged to the system under test: the case then measures the poll. Callable;
+    ``close()`` when the case is over."""
+
+    def __init__(self, db_url: str, sql: str, params: Sequence[object] = ()):
+        self._conn = psycopg.connect(db_url, autocommit=True)
+        self._sql, self._params = sql, list(params)
+
+    def __call__(self) -> int:
+        return self._conn.execute(self._sql, self._params, prepare=True).fetchone()[0]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
     """Poll ``count_fn`` every ``POLL_S`` until it reaches ``target``; return that moment."""
     deadline = time.monotonic() + timeout

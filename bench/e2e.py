@@ -12,7 +12,7 @@ Three cases in one invocation, on the same services, each with a worker of
   ``dispatch_key``, are produced over ``--partitions`` partitions as fast as the
   producer goes *while everything runs*; the clock goes from the first produce
   to the moment ``SELECT count(*) ... WHERE status = 'succeeded'`` (polled every
-  50 ms) reaches ``--messages``. A message's latency is the run's
+  50 ms, on one connection) reaches ``--messages``. A message's latency is the run's
   ``finished_at`` minus the moment it was produced (both clocks are this
   machine's). Then a **paced** phase offers messages at half the measured rate
   for ``--paced-seconds``: its p50/p99 are the latency "at that load" (the
@@ -64,10 +64,13 @@ import psycopg  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
+    CountPoll,
     append_result,
     bench_database,
     child_pids,
+    cpu_delta,
     cpu_seconds,
+    cpu_snapshot,
     credentials,
     libpq_url,
     log_directory,
@@ -93,6 +96,7 @@ class Case:
     load_after: str
     latencies: list[float] | None = None
     cpu_ms: dict[str, float] | None = None  # CPU per message, by process
+    shared_ms: dict[str, float] | None = None  # CPU per message: postgres, redis, machine
 
     @property
     def rate(self) -> float:
@@ -169,6 +173,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
 
     token = credentials(env, "e2e", "bench/e2e.py")[1]
     procs: list = []
+    polls: list[CountPoll] = []
     try:
         web, api = start_web(env, logs, workers=2, threads=4)
         procs.append(web)
@@ -190,26 +195,31 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         bootstrap = env["KAFKA_BOOTSTRAP_SERVERS"]
         # Warm-up: imports, first connections, the consumer group's assignment.
         warm = max(10, min(100, n // 10))
+        # The clock's poll, 20 times a second on one connection (its Postgres CPU is
+        # charged to the case); the full counts are read once, at the end.
+        count_succeeded = CountPoll(db, "SELECT count(*) FROM runs WHERE status = 'succeeded'")
+        polls.append(count_succeeded)
         produce(bootstrap, topic, 10_000_000, warm, partitions, "warmup")
-        wait_for(lambda: poimen_counts(db)[0], warm, timeout, "poimen warm-up")
+        wait_for(count_succeeded, warm, timeout, "poimen warm-up")
 
         settle()
         load_before = load_average()
-        cpu_before = process_cpu(procs)
+        cpu_before, shared_before = process_cpu(procs), cpu_snapshot({})
         sent: list[float] = []
         producer = threading.Thread(
             target=lambda: sent.append(produce(bootstrap, topic, 0, n, partitions, "burst")))
         started = time.monotonic()
         producer.start()
-        done = wait_for(lambda: poimen_counts(db)[0] - warm, n, timeout, "poimen")
+        done = wait_for(lambda: count_succeeded() - warm, n, timeout, "poimen")
         producer.join()
         succeeded, runs, starts = poimen_counts(db)
-        cpu_after = process_cpu(procs)
+        cpu_after, shared_after = process_cpu(procs), cpu_snapshot({})
         burst = Case("poimen", n, done - started,
                      duplicates=(runs - n - warm) + (starts - runs),
                      load_before=load_before, load_after=load_average(),
                      latencies=latencies(db, "burst"),
-                     cpu_ms=_cpu_ms(cpu_before, cpu_after, n))
+                     cpu_ms=_cpu_ms(cpu_before, cpu_after, n),
+                     shared_ms=_shared_ms(shared_before, shared_after, n))
 
         paced = None
         if paced_seconds > 0:
@@ -219,7 +229,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
             load_before = load_average()
             t0 = time.monotonic()
             produce(bootstrap, topic, n, m, partitions, "paced", rate=rate)
-            done = wait_for(lambda: poimen_counts(db)[0] - warm - n, m, timeout, "poimen paced")
+            done = wait_for(lambda: count_succeeded() - warm - n, m, timeout, "poimen paced")
             _, runs, starts = poimen_counts(db)
             paced = Case("poimen paced", m, done - t0,
                          duplicates=(runs - n - m - warm) + (starts - runs),
@@ -227,6 +237,8 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
                          latencies=latencies(db, "paced"))
         return burst, paced
     finally:
+        for poll in polls:
+            poll.close()
         for proc in reversed(procs):
             proc.stop()
 
@@ -246,17 +258,19 @@ def plain_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
         settle()
         load_before = load_average()
         cpu_before, own_before = process_cpu([worker]), time.process_time()
+        shared_before = cpu_snapshot({})
         started = time.monotonic()
         sender = threading.Thread(target=lambda: [task.apply_async() for _ in range(n)])
         sender.start()
         done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "plain celery")
         sender.join()
         cpu = _cpu_ms(cpu_before, process_cpu([worker]), n)
+        shared = _shared_ms(shared_before, cpu_snapshot({}), n)
         # apply_async runs in this process (with the polling loop): the sender's CPU.
         cpu["sender (bench process)"] = (time.process_time() - own_before) * 1000 / n
         time.sleep(1.0)  # late duplicates would land now
         return Case("plain celery", n, done - started, int(redis.get(counter) or 0) - n,
-                    load_before, load_average(), cpu_ms=cpu)
+                    load_before, load_average(), cpu_ms=cpu, shared_ms=shared)
     finally:
         worker.stop()
         sender_app.close()
@@ -283,7 +297,7 @@ def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
                     timeout)
         settle()
         load_before = load_average()
-        cpu_before = process_cpu([worker, bridge])
+        cpu_before, shared_before = process_cpu([worker, bridge]), cpu_snapshot({})
         started = time.monotonic()
         producer = threading.Thread(target=produce,
                                     args=(bootstrap, topic, 0, n, partitions, "burst"))
@@ -291,12 +305,21 @@ def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
         done = wait_for(lambda: int(redis.get(counter) or 0), n, timeout, "naive bridge")
         producer.join()
         cpu = _cpu_ms(cpu_before, process_cpu([worker, bridge]), n)
+        shared = _shared_ms(shared_before, cpu_snapshot({}), n)
         time.sleep(1.0)
         return Case("naive bridge", n, done - started, int(redis.get(counter) or 0) - n,
-                    load_before, load_average(), cpu_ms=cpu)
+                    load_before, load_average(), cpu_ms=cpu, shared_ms=shared)
     finally:
         bridge.stop()
         worker.stop()
+
+
+def _shared_ms(before, after, n: int) -> dict[str, float]:
+    """CPU milliseconds per message of the shared services (every ``postgres`` and
+    ``redis-server`` process) and of the whole machine (the Kafka broker, the producer,
+    everything else included), between two ``cpu_snapshot`` readings."""
+    delta = cpu_delta(before, after)
+    return {name: delta.get(name, 0.0) * 1000 / n for name in ("postgres", "redis", "machine")}
 
 
 def _cpu_ms(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
@@ -345,6 +368,10 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
         lines.append(f"- Poimen CPU per message in the burst, ms by process (with its "
                      f"workers): {parts}; total {sum(burst.cpu_ms.values()):.1f} "
                      f"(Postgres and the broker not counted)")
+    lines += [
+        f"- {case.name} CPU per message of the shared services and the whole machine, ms: "
+        + ", ".join(f"{name} {value:.1f}" for name, value in case.shared_ms.items())
+        for case in (burst, plain, naive) if case.shared_ms]
     if paced is not None:
         lines.append(
             f"- Poimen paced at half that rate ({paced.count / paced.seconds:.0f}/s offered, "
