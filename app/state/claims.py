@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.liveness import LIVE_BOOTS_SQL, boot_alive
+from app.liveness import boot_alive, claimer_live_sql
 from app.models import TERMINAL_STATUSES, RunStatus
 
 from .compose import (
@@ -118,7 +118,7 @@ _CLAIMED_COLUMNS = ", ".join(_CLAIMED_NAMES) + ", " \
 # Liveness is part of every claim: the claiming boot must hold its lock *in
 # the same statement*. A process whose lock vanished (Postgres restarted, its
 # connection was cut) may not know yet; Postgres does, and refuses.
-_CLAIMER_LIVE = f"EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot)"
+_CLAIMER_LIVE = claimer_live_sql(":boot")
 
 # The run (found by primary key) is running: ``status_is``, so that no index on status
 # can take the lookup from the primary key.

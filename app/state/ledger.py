@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.liveness import LIVE_BOOTS_SQL
+from app.liveness import LIVE_BOOTS_SQL, claimer_live_sql
 
 from .compose import outbox_rows, send_woken, slot_release
 
@@ -106,7 +106,7 @@ FENCE = """
              WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
 """
 # The claimer's liveness, evaluated in the claim statement itself.
-LIVE = f"live AS (SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :claimer) AS ok)"
+LIVE = f"live AS (SELECT {claimer_live_sql(':claimer')} AS ok)"
 
 ENTRY_EVENT_FIELDS = ("jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, "
                  "'entry_id', entry.id)")

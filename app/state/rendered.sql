@@ -189,6 +189,7 @@ WITH  changed AS (
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
      RETURNING id, tenant_id, status, attempt, workflow_name, workflow_version, concurrency_key, concurrency_limit),
@@ -362,6 +363,7 @@ UPDATE runs SET last_sent_at = now()
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
               AND (r.last_sent_at <= r.updated_at
@@ -430,6 +432,7 @@ WITH heads AS (
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.concurrency_limit
@@ -446,6 +449,7 @@ WITH heads AS (
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
                    < h.max_running)
@@ -459,36 +463,26 @@ SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs
 
 -- app/state/claims.py: CLAIM_QUEUED
 WITH  changed AS (
-   UPDATE runs
-      SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
-          started_at = coalesce(started_at, now()), updated_at = now()
-    WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
-      AND (not_before IS NULL OR not_before <= now())
-      AND EXISTS (
-   SELECT b.boot_id
-     FROM worker_boots b
-     JOIN pg_locks l
-       ON l.locktype = 'advisory'
-      AND l.classid = CAST(1347373389 AS oid)
-      AND l.objid = CAST(b.lock_key AS oid)
-      AND l.objsubid = 2
-      AND l.granted
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-WHERE b.boot_id = :boot)
-      AND concurrency_limit IS NULL
-      AND NOT EXISTS (SELECT 1 FROM tenants t
-                       WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
-       event AS (
-       INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-       SELECT tenant_id, id, 'run.started',
-              jsonb_build_object('run_id', (id)::text, 'type', 'run.started') || jsonb_build_object('attempt', attempt)
-         FROM changed
-        WHERE true
+UPDATE runs
+   SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
+       started_at = coalesce(started_at, now()), updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
+   AND (not_before IS NULL OR not_before <= now())
+   AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND concurrency_limit IS NULL
+   AND NOT EXISTS (SELECT 1 FROM tenants t
+                    WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.started',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.started') || jsonb_build_object('attempt', attempt)
+      FROM changed
+     WHERE true
 
-   )
+)
 
-       SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/claims.py: CLAIM_SLOT
 WITH
@@ -496,17 +490,7 @@ WITH
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :boot)
+         WHERE r.id = :run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
     ),
     verdict AS (
         SELECT CASE
@@ -520,6 +504,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
                     + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
@@ -535,6 +520,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))
                     + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
@@ -567,75 +553,65 @@ WITH
 
 -- app/state/claims.py: TAKE_OVER
 WITH  changed AS (
-   UPDATE runs
-      SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                        WHEN takeovers >= :max_takeovers THEN 'failed'
-                        ELSE 'running' END,
-          claimed_by = :boot,
-          attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                   THEN 0 ELSE 1 END,
-          takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                       THEN 0 ELSE 1 END,
-          error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
-                       THEN jsonb_build_object(
-                           'code', 'worker_lost', 'type', 'poimen.WorkerLost',
-                           'message', 'the run outlived ' || takeovers || ' lost workers '
-                                      || '(max_takeovers); it is not resumed again',
-                           'traceback', '')
-                       ELSE error END,
-          finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                             THEN now() ELSE finished_at END,
-          updated_at = now()
-    WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
-   SELECT b.boot_id
-     FROM worker_boots b
-     JOIN pg_locks l
-       ON l.locktype = 'advisory'
-      AND l.classid = CAST(1347373389 AS oid)
-      AND l.objid = CAST(b.lock_key AS oid)
-      AND l.objsubid = 2
-      AND l.granted
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
-       event AS (
-       INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-       SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
-              jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END
-         FROM changed
-        WHERE true
+UPDATE runs
+   SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                     WHEN takeovers >= :max_takeovers THEN 'failed'
+                     ELSE 'running' END,
+       claimed_by = :boot,
+       attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                THEN 0 ELSE 1 END,
+       takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                    THEN 0 ELSE 1 END,
+       error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
+                    THEN jsonb_build_object(
+                        'code', 'worker_lost', 'type', 'poimen.WorkerLost',
+                        'message', 'the run outlived ' || takeovers || ' lost workers '
+                                   || '(max_takeovers); it is not resumed again',
+                        'traceback', '')
+                    ELSE error END,
+       finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                          THEN now() ELSE finished_at END,
+       updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
+           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END
+      FROM changed
+     WHERE true
 
-   )
-       ,
-   joined AS (
-       UPDATE step_entries e SET children_done = e.children_done + 1
-         FROM step_children c JOIN changed s ON s.id = c.child_run_id
-        WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
-       RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-   ),
-   woken AS (
-       UPDATE runs p
-          SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                            ELSE p.status END,
-              wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                 ELSE p.wait_reason END,
-              updated_at = now(), last_sent_at = now()
-         FROM joined j
-        WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-          AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
-       RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                 p.traceparent, p.tracestate
-   ),
-   woken_event AS (
-       INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-       SELECT tenant_id, id, 'run.joined',
-              jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-         FROM woken
-        WHERE status = 'queued'
+)
+    ,
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
 
-   )
+)
 
-       SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: TAKE_OVER_SLOT
 WITH
@@ -656,6 +632,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))) >= me.max_running
                THEN 'tenant_cap'
@@ -669,6 +646,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))) >= me.concurrency_limit
                THEN 'concurrency'
@@ -698,17 +676,7 @@ WITH
                               ELSE v.reason END,
            updated_at = now()
       FROM verdict v
-     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :boot)
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -781,29 +749,19 @@ WITH
 
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
-   UPDATE runs SET claimed_by = :boot, updated_at = now()
-    WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
-   SELECT b.boot_id
-     FROM worker_boots b
-     JOIN pg_locks l
-       ON l.locktype = 'advisory'
-      AND l.classid = CAST(1347373389 AS oid)
-      AND l.objid = CAST(b.lock_key AS oid)
-      AND l.objsubid = 2
-      AND l.granted
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-WHERE b.boot_id = :boot)
-    RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-       event AS (
-       INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-       SELECT tenant_id, id, 'run.adopted',
-              jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
-         FROM changed
-        WHERE true
+UPDATE runs SET claimed_by = :boot, updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.adopted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+      FROM changed
+     WHERE true
 
-   )
+)
 
-       SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/claims.py: ADOPT_SLOT
 WITH
@@ -824,6 +782,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))) >= me.max_running
                THEN 'tenant_cap'
@@ -837,6 +796,7 @@ WITH
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ))) >= me.concurrency_limit
                THEN 'concurrency'
@@ -845,17 +805,7 @@ WITH
     ), changed AS (
     UPDATE runs SET claimed_by = :boot, updated_at = now()
       FROM verdict v
-     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :boot) AND v.reason IS NULL
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AND v.reason IS NULL
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1364,17 +1314,7 @@ slot_woken_event AS (
     SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: CLAIM_STATE
-SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :boot) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
+SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
 
 -- app/state/claims.py: HOLDER
 SELECT claimed_by, status FROM runs WHERE id = :run;
@@ -1403,17 +1343,7 @@ WITH
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
              WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-, live AS (SELECT EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :claimer) AS ok),
+, live AS (SELECT EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS ok),
     claimed AS (
         INSERT INTO step_markers (entry_id, position, run_id, claimed_by, status)
         SELECT :entry, :position, run.id, :claimer, 'claimed' FROM run, live WHERE live.ok
@@ -1434,6 +1364,7 @@ SELECT m.status, m.claimed_by, m.claims, m.result, m.error,
       AND l.objid = CAST(b.lock_key AS oid)
       AND l.objsubid = 2
       AND l.granted
+      AND l.mode = 'ExclusiveLock'
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE b.boot_id = m.claimed_by) AS holder_live
      FROM step_markers m WHERE m.entry_id = :entry AND m.position = :position;
@@ -1442,17 +1373,7 @@ WHERE b.boot_id = m.claimed_by) AS holder_live
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
              WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-, live AS (SELECT EXISTS (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
- WHERE b.boot_id = :claimer) AS ok)
+, live AS (SELECT EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS ok)
     UPDATE step_markers m SET claimed_by = :claimer, claims = m.claims + 1, claimed_at = now()
       FROM run, live
      WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
@@ -1659,6 +1580,7 @@ DELETE FROM worker_boots b
        AND l.objid = CAST(b.lock_key AS oid)
        AND l.objsubid = 2
        AND l.granted
+       AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
                AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)

@@ -116,6 +116,14 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_a_boot_cut_off_server_side_claims_nothing",),
     ),
     Mutant(
+        "liveness_counts_shared_holders",
+        "only the boot's own exclusive lock makes it live, never a claimer's shared check",
+        "app/liveness.py",
+        "       AND l.mode = 'ExclusiveLock'\n",
+        "",
+        (f"{CLAIM_TESTS}::test_a_claimers_check_of_a_dead_boot_never_makes_it_look_live",),
+    ),
+    Mutant(
         "takeover_without_claimer_liveness",
         "a boot without its lock takes nothing over",
         CLAIMS,

@@ -296,6 +296,32 @@ def test_a_boot_cut_off_server_side_claims_nothing(session, admit, boot_factory,
     assert events_of(pg, run_id) == ["run.admitted"]
 
 
+def test_a_claimers_check_of_a_dead_boot_never_makes_it_look_live(session, boot_factory,
+                                                                  dead_boot, dsn, pg):
+    """A claim asks its own boot's liveness with a shared try-lock of the boot's key
+    (``claimer_live_sql``). For a dead boot the try-lock succeeds, and the asking
+    transaction holds the key, shared, until it ends: rescuers, repair and metrics must
+    still see the boot dead (only an exclusive holder is live), or its runs would
+    wait for a takeover that never comes while such a transaction lasts."""
+    from app.liveness import boot_alive, claimer_live_sql, live_boot_count
+
+    dead, live = dead_boot(), boot_factory()
+    ask = f"SELECT {claimer_live_sql('%s')}"
+    with psycopg.connect(dsn) as checker:  # one transaction, open until the end
+        assert checker.execute(ask, [dead]).fetchone()[0] is False
+        assert checker.execute(ask, [live.boot_id]).fetchone()[0] is True
+        held = pg.execute(
+            "SELECT l.mode FROM pg_locks l JOIN worker_boots b "
+            "ON l.locktype = 'advisory' AND l.objid = CAST(b.lock_key AS oid) "
+            "AND l.objsubid = 2 WHERE b.boot_id = %s AND l.granted", [dead]).fetchall()
+        assert held == [("ShareLock",)]  # the asking transaction's, on the dead key
+        live_now = live_boot_count(session)
+        assert not boot_alive(session, dead)
+        assert boot_alive(session, live.boot_id)
+        checker.rollback()
+    assert live_boot_count(session) == live_now
+
+
 def test_a_cut_off_boot_cannot_take_over_wreckage(session, admit, boot_factory, dead_boot, pg):
     run_id, dead = admit(), dead_boot()
     hold_as(pg, run_id, dead)
