@@ -191,6 +191,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY",
                                                DEFAULT_TAKEOVER_DELAY)),
         "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
+        # POST /v1/runs answered in front of Flask when plain (app/fastpath.py); 0: off.
+        "POIMEN_ADMISSION_FAST_PATH": env.get("POIMEN_ADMISSION_FAST_PATH", "1") != "0",
         # The most runs one POST /v1/runs/batch may admit.
         "POIMEN_BATCH_MAX": int(env.get("POIMEN_BATCH_MAX", DEFAULT_BATCH_MAX)),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).

@@ -23,7 +23,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
     from flask import Flask
 
-    from poimenconfig import load_config
+    from poimenconfig import load_config, telemetry_settings
     from workers import registry
 
     from . import api, enqueue, health, logs, metrics  # noqa: F401 - enqueue registers its hooks
@@ -60,6 +60,13 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     init_console(app)
     register_error_handlers(app)
     register_cli(app)
+    # OpenTelemetry's and Sentry's Flask instrumentation see only what Flask serves.
+    telemetry = telemetry_settings()
+    if app.config["POIMEN_ADMISSION_FAST_PATH"] and not (telemetry.otlp_endpoint
+                                                         or telemetry.sentry_dsn):
+        from . import fastpath
+
+        fastpath.install(app)
     return app
 
 

@@ -108,16 +108,21 @@ def _json_body() -> dict[str, Any]:
             415, "unsupported_media_type", "send the body as application/json",
             {"content_type": request.content_type},
         )
-    try:
-        # Strict JSON (no NaN or Infinity), numbers kept as written (see admission.loads).
-        body = loads(request.get_data(cache=True))
-    except (ValueError, RecursionError) as err:
-        raise ApiError(400, "malformed_json", "the request body is not valid JSON",
-                       {"reason": str(err)[:200]}) from err
+    body = parse_json(request.get_data(cache=True))
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", "the request body must be a JSON object",
                        {"type": type(body).__name__})
     return body
+
+
+def parse_json(data: bytes) -> Any:
+    """A request body as JSON, or raise a 400 ``malformed_json``."""
+    try:
+        # Strict JSON (no NaN or Infinity), numbers kept as written (see admission.loads).
+        return loads(data)
+    except (ValueError, RecursionError) as err:
+        raise ApiError(400, "malformed_json", "the request body is not valid JSON",
+                       {"reason": str(err)[:200]}) from err
 
 
 def _unstorable(value: Any) -> str | None:
@@ -203,49 +208,73 @@ def idempotency_key(fields: dict[str, Any], header: str | None) -> str | None:
 @require_token(ADMIT)
 def create_run():
     started = time.perf_counter()
-    fields = validate_run_request(_json_body())
-    fields["dispatch_key"] = idempotency_key(fields, request.headers.get("Idempotency-Key"))
-    logs.note(dispatch_key=fields.get("dispatch_key"))
+    body = _json_body()
     principal = g.principal
+    admission = admit_one(principal, body, request.headers, started,
+                          single_statements(db.session, send_pending), note=logs.note)
+    logs.note(run_id=admission.run.id)
+    response = _json(serialize_run(admission.run, principal.tenant_name),
+                     201 if admission.created else 200)
+    for name, value in answer_headers(admission, request.script_root):
+        response.headers[name] = value
+    return response
+
+
+# The exceptions with which ``admit_run`` refuses a request (``refusal`` answers them).
+REFUSALS = (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.DataError,
+            AdmissionConflict)
+
+
+def admit_one(principal, body: Any, headers, started: float, store,
+              note=None) -> Admission:
+    """``POST /v1/runs``'s work on a parsed body, whoever serves the request: the view
+    above, or ``app/fastpath.py`` in front of Flask. Raises ``ApiError`` for a refusal.
+
+    ``headers`` is the request's (werkzeug's ``EnvironHeaders``); ``store`` is
+    ``single_statements(...)``, whose ``commit()`` hands a new run to the sender;
+    ``note`` adds fields to the request's log records.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", "the request body must be a JSON object",
+                       {"type": type(body).__name__})
+    fields = validate_run_request(body)
+    fields["dispatch_key"] = idempotency_key(fields, headers.get("Idempotency-Key"))
+    if note is not None:
+        note(dispatch_key=fields.get("dispatch_key"))
     # Admission is one statement (run and event together), so it needs no
     # transaction around it: in autocommit it is one round trip, not BEGIN,
     # statement, COMMIT. A replay's read is another statement, which sees the
     # winner ON CONFLICT waited for. Both run on psycopg directly
     # (app/state/direct.py); the run is handed to the sender only by
     # store.commit(), after the row is committed.
-    store = single_statements(db.session, send_pending)
     try:
         admission = admit_run(
             store,
             tenant_id=principal.tenant_id,
             origin=AdmissionOrigin.HTTP,
-            origin_detail=(request.headers.get("User-Agent") or "")[:255] or None,
+            origin_detail=(headers.get("User-Agent") or "")[:255] or None,
             # W3C Trace Context: kept on the run when valid, ignored (never an error) if not.
-            trace=tracecontext.from_headers(request.headers),
+            trace=tracecontext.from_headers(headers),
             **fields,
         )
-    except (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.DataError,
-            AdmissionConflict) as err:
+    except REFUSALS as err:
         store.rollback()
         if isinstance(err, AdmissionConflict):
             metrics.ADMISSIONS.labels("http", "conflict").inc()
         raise refusal(err, fields) from err
-    body = serialize_run(admission.run, principal.tenant_name)
-    # get_run's URL without url_for (its rule building is a twentieth of the view).
-    location = f"{request.script_root}{bp.url_prefix}/runs/{admission.run.id}"
     store.commit()
     metrics.ADMISSION_SECONDS.labels("http").observe(time.perf_counter() - started)
-    logs.note(run_id=admission.run.id)
-    if admission.created:
-        metrics.ADMISSIONS.labels("http", "created").inc()
-        response = _json(body, 201)
-        response.headers["Location"] = location
-        return response
-    metrics.ADMISSIONS.labels("http", "replayed").inc()
-    response = _json(body)
-    response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = location
-    return response
+    metrics.ADMISSIONS.labels("http", "created" if admission.created else "replayed").inc()
+    return admission
+
+
+def answer_headers(admission: Admission, script_root: str) -> list[tuple[str, str]]:
+    """The headers of ``POST /v1/runs``'s answer besides the JSON body's own."""
+    # get_run's URL without url_for (its rule building is a twentieth of the view).
+    headers = [("Location", f"{script_root}{bp.url_prefix}/runs/{admission.run.id}")]
+    if not admission.created:
+        headers.append(("Idempotent-Replayed", "true"))
+    return headers
 
 
 def refusal(err: Exception, fields: dict[str, Any]) -> ApiError:
@@ -359,8 +388,7 @@ def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
             return admit_run(db.session, workflow_ref=req.workflow_ref, input=req.input,
                              goal_id=req.goal_id, dispatch_key=req.dispatch_key,
                              concurrency_key=req.concurrency_key, trace=req.trace, **common)
-    except (AdmissionConflict, registry.UnknownWorkflow, registry.InvalidConcurrencyKey,
-            sa_exc.DataError) as err:
+    except REFUSALS as err:
         return err
 
 

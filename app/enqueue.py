@@ -319,10 +319,11 @@ def _send_after_commit(session: Session) -> None:
         send_pending(pending)
 
 
-def send_pending(pending: dict) -> None:
+def send_pending(pending: dict, celery_app=None) -> None:
     """Hand the runs a committed write left to send (``compose.send_after_commit``) to this
-    process's sender: the session's ``after_commit``, and ``state.direct``'s statements."""
-    out = sender(current_app.extensions["celery"])
+    process's sender: the session's ``after_commit``, and ``state.direct``'s statements.
+    ``celery_app``: the app's (``current_app``'s when None, which needs an app context)."""
+    out = sender(celery_app if celery_app is not None else current_app.extensions["celery"])
     for run_id, (workflow_ref, traceparent, tracestate) in pending.items():
         out.put(run_id, workflow_ref,
                 TraceContext(traceparent, tracestate) if traceparent else None)

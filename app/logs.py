@@ -52,9 +52,13 @@ def request_id() -> str:
     """The current request's id: the caller's ``X-Request-ID``, or one made for it."""
     rid = g.get("request_id")
     if rid is None:
-        given = request.headers.get("X-Request-ID", "")
-        rid = g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        rid = g.request_id = request_id_from(request.headers.get("X-Request-ID", ""))
     return rid
+
+
+def request_id_from(given: str) -> str:
+    """The id of a request that sent ``X-Request-ID: given`` (kept if plain, else a new one)."""
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 def _request_context() -> Mapping[str, Any]:

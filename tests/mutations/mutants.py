@@ -42,6 +42,17 @@ MUTANTS: list[Mutant] = [
          "test_first_spawn_creates_and_replay_returns_the_same_run",),
     ),
     Mutant(
+        "fast_path_dispatches_a_refusal_again",
+        "an admission answered in front of Flask runs once: a refusal is answered, "
+        "never handed to Flask to run again",
+        "app/fastpath.py",
+        "            return self._flask_answer(environ, start_response, err, principal, rid, "
+        "started)\n",
+        "            return self.flask_wsgi(environ, start_response)\n",
+        ("tests/app/test_fast_admission.py::"
+         "test_a_conflict_is_answered_once_and_admits_nothing",),
+    ),
+    Mutant(
         "admission_check_then_insert",
         "the index decides a key: admission never reads before it inserts",
         "app/state/runs.py",
