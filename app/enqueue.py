@@ -250,11 +250,19 @@ class Sender:
                 else:
                     written.append(message)
             if written:
-                # One pipelined write, as kombu's batch would do it.
-                with wire.client.pipeline(transaction=False) as pipeline:
-                    for key, payload in written:
-                        pipeline.lpush(key, payload)
-                    pipeline.execute()
+                # One LPUSH of the batch's messages per queue: ``LPUSH k a b`` leaves the
+                # list as ``LPUSH k a`` then ``LPUSH k b`` would (a worker's BRPOP takes
+                # ``a`` first), one command instead of one per message. Queues pipelined.
+                lists: dict[str, list[str]] = {}
+                for key, payload in written:
+                    lists.setdefault(key, []).append(payload)
+                if len(lists) == 1:
+                    wire.client.lpush(key, *lists[key])
+                else:
+                    with wire.client.pipeline(transaction=False) as pipeline:
+                        for key, payloads in lists.items():
+                            pipeline.lpush(key, *payloads)
+                        pipeline.execute()
         if not rest:
             return
         # One pipelined write for the batch on Redis (kombu's Producer.batch; a transport

@@ -127,3 +127,30 @@ def test_the_sender_writes_wire_and_send_task_messages_in_one_batch(
     routed_seen = {json.loads(m)["headers"]["id"] for m in redis_client.lrange(priority_key, 0, -1)}
     assert str(routed) in routed_seen
     redis_client.delete(priority_key)
+
+
+@pytest.mark.parametrize("queues", [1, 2])
+def test_a_batch_lands_in_each_queue_in_the_order_it_was_handed_over(
+        app, celery_app, celery_tasks, redis_client, queue_name, queues):
+    """One LPUSH per queue per batch: a worker's BRPOP still takes the runs in send order."""
+    runs = [(uuid.uuid4(), "echo" if queues == 1 or i % 3 else "routed-side", None)
+            for i in range(12)]
+    redis_client.delete(queue_name, celery_tasks.SIDE_QUEUE)
+    try:
+        with app.app_context():
+            out = sender(celery_app)
+            assert out.wait_idle(10)
+            with celery_app.producer_or_acquire() as producer:
+                out._send(producer, runs)  # one batch, as the sender thread takes it
+
+        def taken(key):  # in a worker's order: BRPOP takes from the right
+            order = []
+            while (raw := redis_client.rpop(key)) is not None:
+                order.append(json.loads(raw)["headers"]["id"])
+            return order
+
+        assert taken(queue_name) == [str(r) for r, ref, _ in runs if ref == "echo"]
+        assert taken(celery_tasks.SIDE_QUEUE) == [str(r) for r, ref, _ in runs
+                                                  if ref == "routed-side"]
+    finally:
+        redis_client.delete(celery_tasks.SIDE_QUEUE)

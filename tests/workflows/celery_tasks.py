@@ -53,6 +53,15 @@ def routed_slow(ctx, input):
     return {"pid": os.getpid(), "ppid": os.getppid()}
 
 
+# A queue of its own without a priority: the sender writes its runs as wire messages.
+SIDE_QUEUE = f"{os.environ.get('POIMEN_QUEUE', 'poimen')}.side"
+
+
+@workflow("routed-side", version="1", queue=SIDE_QUEUE)
+def routed_side(ctx, input):
+    return {}
+
+
 @workflow("over-time", version="1", time_limit=3)
 def over_time(ctx, input):
     """Sleep past the hard time limit, without checkpoints."""
