@@ -268,6 +268,21 @@ def machine_summary(database_url: str) -> dict[str, str]:
     }
 
 
+def quiet_database(database_url: str) -> bool:
+    """``VACUUM ANALYZE`` then ``CHECKPOINT``, so a case does not pay for the previous
+    case's writes: autovacuum wakes up for a table that grew by thousands of rows (the raw
+    insert case adds ~60,000) and, landing in the next case, cost it a third of its
+    rate; a checkpoint those writes brought on lands there too, with its page flushes.
+    False where the role may not (``CHECKPOINT`` needs ``pg_checkpoint``)."""
+    try:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE")
+            conn.execute("CHECKPOINT")
+        return True
+    except psycopg.errors.InsufficientPrivilege:
+        return False
+
+
 def settle(limit: float = 1.5, cap: float = 300.0) -> None:
     """Wait until the one-minute load average is under ``limit`` (the previous phase's
     load must not be charged to the next one), for at most ``cap`` seconds."""

@@ -49,6 +49,7 @@ from bench._common import (  # noqa: E402
     CpuMeter,
     WrkResult,
     bench_database,
+    quiet_database,
     child_pids,
     load_average,
     log_directory,
@@ -104,6 +105,7 @@ def _raw_insert_loop(url: str, tenant_id: int, prefix: str, duration: float,
 
 def raw_insert_rate(url: str, tenant_id: int, duration: float) -> float:
     """Inserts/s of the admission statement alone, over separate processes (no GIL)."""
+    quiet_database(url)  # as before every case (measured_wrk)
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(RAW_CONNECTIONS)
     results = ctx.Queue()
@@ -241,7 +243,11 @@ def backend_pids(db_url: str) -> list[int]:
 
 def measured_wrk(wrk: str, web: Web, db_url: str, path: str, lua: str, *, duration: float,
                  wrk_threads: int, connections: int = CONNECTIONS) -> WrkResult:
-    """``run_wrk`` plus the CPU each request cost gunicorn, Postgres and wrk itself."""
+    """``run_wrk`` plus the CPU each request cost gunicorn, Postgres and wrk itself.
+
+    Each case starts on a quiet database (``quiet_database``: vacuumed, checkpointed), so
+    no case pays for the previous one's writes."""
+    quiet_database(db_url)
     meter = CpuMeter({"gunicorn": lambda: child_pids(web.process.pid),
                       "postgres": lambda: backend_pids(db_url)})
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
