@@ -108,6 +108,15 @@ class PoimenLogger(Logger):
 _MISSING = object()
 
 
+def _status(a):
+    status = a._resp.status
+    return status.split(None, 1)[0] if isinstance(status, str) else status
+
+
+def _sent(a):
+    return getattr(a._resp, "sent", None)
+
+
 class LazyAtoms(Mapping):
     """gunicorn's access-log atoms, each made when the format asks for it.
 
@@ -121,6 +130,30 @@ class LazyAtoms(Mapping):
 
     __slots__ = ("_logger", "_resp", "_req", "_environ", "_time")
 
+    # gunicorn.glogging.Logger.atoms, letter by letter.
+    LETTERS = {
+        "h": lambda a: a._environ.get("REMOTE_ADDR", "-"),
+        "l": lambda a: "-",
+        "u": lambda a: a._logger._get_user(a._environ) or "-",
+        "t": lambda a: time.strftime("[%d/%b/%Y:%H:%M:%S %z]"),
+        "r": lambda a: " ".join((a._environ["REQUEST_METHOD"], a._environ["RAW_URI"],
+                                 a._environ["SERVER_PROTOCOL"])),
+        "s": _status,
+        "m": lambda a: a._environ.get("REQUEST_METHOD"),
+        "U": lambda a: a._environ.get("PATH_INFO"),
+        "q": lambda a: a._environ.get("QUERY_STRING"),
+        "H": lambda a: a._environ.get("SERVER_PROTOCOL"),
+        "b": lambda a: _sent(a) is not None and str(_sent(a)) or "-",
+        "B": _sent,
+        "f": lambda a: a._environ.get("HTTP_REFERER", "-"),
+        "a": lambda a: a._environ.get("HTTP_USER_AGENT", "-"),
+        "T": lambda a: a._time.seconds,
+        "D": lambda a: a._time.seconds * 1000000 + a._time.microseconds,
+        "M": lambda a: a._time.seconds * 1000 + int(a._time.microseconds / 1000),
+        "L": lambda a: f"{a._time.seconds:d}.{a._time.microseconds:06d}",
+        "p": lambda a: f"<{os.getpid()}>",
+    }
+
     def __init__(self, logger, resp, req, environ, request_time):
         self._logger, self._resp, self._req = logger, resp, req
         self._environ, self._time = environ, request_time
@@ -132,10 +165,10 @@ class LazyAtoms(Mapping):
         return value.replace('"', '\\"') if isinstance(value, str) else value
 
     def __iter__(self):
-        return iter(_LETTERS)
+        return iter(self.LETTERS)
 
     def __len__(self) -> int:  # a record takes a non-empty mapping as its arguments
-        return len(_LETTERS)
+        return len(self.LETTERS)
 
     def _value(self, key: str):
         if key.startswith("{"):
@@ -156,42 +189,11 @@ class LazyAtoms(Mapping):
                 if k.lower() == name:
                     found = v
             return found
-        atom = _LETTERS.get(key)
+        atom = self.LETTERS.get(key)
         return _MISSING if atom is None else atom(self)
 
 
-def _status(a: LazyAtoms):
-    status = a._resp.status
-    return status.split(None, 1)[0] if isinstance(status, str) else status
 
-
-def _sent(a: LazyAtoms):
-    return getattr(a._resp, "sent", None)
-
-
-# gunicorn.glogging.Logger.atoms, letter by letter.
-_LETTERS = {
-    "h": lambda a: a._environ.get("REMOTE_ADDR", "-"),
-    "l": lambda a: "-",
-    "u": lambda a: a._logger._get_user(a._environ) or "-",
-    "t": lambda a: time.strftime("[%d/%b/%Y:%H:%M:%S %z]"),
-    "r": lambda a: "%s %s %s" % (a._environ["REQUEST_METHOD"], a._environ["RAW_URI"],
-                                 a._environ["SERVER_PROTOCOL"]),
-    "s": _status,
-    "m": lambda a: a._environ.get("REQUEST_METHOD"),
-    "U": lambda a: a._environ.get("PATH_INFO"),
-    "q": lambda a: a._environ.get("QUERY_STRING"),
-    "H": lambda a: a._environ.get("SERVER_PROTOCOL"),
-    "b": lambda a: _sent(a) is not None and str(_sent(a)) or "-",
-    "B": _sent,
-    "f": lambda a: a._environ.get("HTTP_REFERER", "-"),
-    "a": lambda a: a._environ.get("HTTP_USER_AGENT", "-"),
-    "T": lambda a: a._time.seconds,
-    "D": lambda a: a._time.seconds * 1000000 + a._time.microseconds,
-    "M": lambda a: a._time.seconds * 1000 + int(a._time.microseconds / 1000),
-    "L": lambda a: "%d.%06d" % (a._time.seconds, a._time.microseconds),
-    "p": lambda a: "<%s>" % os.getpid(),
-}
 
 
 _ACCESS_FIELDS = ("request_id", "tenant", "run_id")  # app/logs.py ACCESS_FIELDS

@@ -207,6 +207,7 @@ class Sender:
         # One wire (and its Redis client) per producer channel; a channel kombu drops
         # takes its wire with it.
         self.wires: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.wire: RedisWire | None = None  # the last batch's, for ``_write_direct``
         threading.Thread(target=self._run, name="poimen-sender", daemon=True).start()
 
     def put(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None = None
@@ -250,19 +251,8 @@ class Sender:
                 else:
                     written.append(message)
             if written:
-                # One LPUSH of the batch's messages per queue: ``LPUSH k a b`` leaves the
-                # list as ``LPUSH k a`` then ``LPUSH k b`` would (a worker's BRPOP takes
-                # ``a`` first), one command instead of one per message. Queues pipelined.
-                lists: dict[str, list[str]] = {}
-                for key, payload in written:
-                    lists.setdefault(key, []).append(payload)
-                if len(lists) == 1:
-                    wire.client.lpush(key, *lists[key])
-                else:
-                    with wire.client.pipeline(transaction=False) as pipeline:
-                        for key, payloads in lists.items():
-                            pipeline.lpush(key, *payloads)
-                        pipeline.execute()
+                _lpush(wire, written)
+                self.wire = wire
         if not rest:
             return
         # One pipelined write for the batch on Redis (kombu's Producer.batch; a transport
@@ -273,6 +263,24 @@ class Sender:
         with producer.batch(max_size=len(rest) * 2):
             for run_id, ref, trace in rest:
                 _publish(self.celery_app, run_id, ref, None, producer, trace, declare=[])
+
+    def _write_direct(self, batch: list[tuple[uuid.UUID, str, TraceContext | None]]) -> bool:
+        """Write ``batch`` with the wire of the last batch, without a producer; False
+        (nothing written) unless every run goes out as a wire message to a queue declared
+        since the last error. A producer's checkout from kombu's pool (and its release)
+        costs more than a small batch's write."""
+        wire = self.wire
+        if wire is None or not RedisWire.usable(self.celery_app, wire.channel):
+            return False
+        written = []
+        for item in batch:
+            message = wire.message(*item)
+            # A priority-0 message's list is its queue's name (kombu's ``_q_for_pri``).
+            if message is None or message[0] not in self.declared:
+                return False
+            written.append(message)
+        _lpush(wire, written)
+        return True
 
     def _run(self) -> None:
         backoff = 0.1
@@ -286,13 +294,15 @@ class Sender:
                 except queue.Empty:
                     break
             try:
-                with self.celery_app.producer_or_acquire() as producer:
-                    self._send(producer, batch)
+                if not self._write_direct(batch):
+                    with self.celery_app.producer_or_acquire() as producer:
+                        self._send(producer, batch)
                 self._done(len(batch))
                 batch.clear()
                 backoff = 0.1
             except Exception as err:  # noqa: BLE001 - the broker is away: keep the batch, retry
                 self.declared.clear()
+                self.wire = None
                 log.warning("could not send %d run(s) to the broker (%s); retrying in %.1fs",
                             len(batch), type(err).__name__, backoff)
                 time.sleep(backoff)
@@ -302,6 +312,22 @@ class Sender:
                               self.MAX_BACKLOG, len(batch))
                     self._done(len(batch))
                     batch.clear()
+
+
+def _lpush(wire: RedisWire, written: list[tuple[str, str]]) -> None:
+    """One LPUSH of the messages per list: ``LPUSH k a b`` leaves the list as ``LPUSH k a``
+    then ``LPUSH k b`` would (a worker's BRPOP takes ``a`` first), one command instead of
+    one per message. Several lists: one pipelined write."""
+    lists: dict[str, list[str]] = {}
+    for key, payload in written:
+        lists.setdefault(key, []).append(payload)
+    if len(lists) == 1:
+        wire.client.lpush(key, *lists[key])
+        return
+    with wire.client.pipeline(transaction=False) as pipeline:
+        for key, payloads in lists.items():
+            pipeline.lpush(key, *payloads)
+        pipeline.execute()
 
 
 _sender: Sender | None = None

@@ -45,8 +45,8 @@ from werkzeug.datastructures import EnvironHeaders
 import logconfig
 
 from . import logs, metrics
-from .api import admit_one, answer_headers, parse_json, serialize_run
 from .admission import dumps
+from .api import admit_one, answer_headers, parse_json, serialize_run
 from .auth import ADMIT, TENANT_HEADER, _principals, hash_token
 from .enqueue import send_pending
 from .extensions import db

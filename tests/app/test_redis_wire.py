@@ -129,9 +129,10 @@ def test_the_sender_writes_wire_and_send_task_messages_in_one_batch(
     redis_client.delete(priority_key)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["with-producer", "direct"])
 @pytest.mark.parametrize("queues", [1, 2])
 def test_a_batch_lands_in_each_queue_in_the_order_it_was_handed_over(
-        app, celery_app, celery_tasks, redis_client, queue_name, queues):
+        app, celery_app, celery_tasks, redis_client, queue_name, queues, direct):
     """One LPUSH per queue per batch: a worker's BRPOP still takes the runs in send order."""
     runs = [(uuid.uuid4(), "echo" if queues == 1 or i % 3 else "routed-side", None)
             for i in range(12)]
@@ -140,8 +141,14 @@ def test_a_batch_lands_in_each_queue_in_the_order_it_was_handed_over(
         with app.app_context():
             out = sender(celery_app)
             assert out.wait_idle(10)
-            with celery_app.producer_or_acquire() as producer:
-                out._send(producer, runs)  # one batch, as the sender thread takes it
+            if direct:  # as the sender writes a batch once its queues are declared
+                with celery_app.producer_or_acquire() as producer:
+                    out._send(producer, [(uuid.uuid4(), ref, None) for _, ref, _ in runs])
+                redis_client.delete(queue_name, celery_tasks.SIDE_QUEUE)
+                assert out._write_direct(runs)
+            else:
+                with celery_app.producer_or_acquire() as producer:
+                    out._send(producer, runs)  # one batch, as the sender thread takes it
 
         def taken(key):  # in a worker's order: BRPOP takes from the right
             order = []
@@ -154,3 +161,19 @@ def test_a_batch_lands_in_each_queue_in_the_order_it_was_handed_over(
                                                   if ref == "routed-side"]
     finally:
         redis_client.delete(celery_tasks.SIDE_QUEUE)
+
+
+def test_a_batch_the_wire_cannot_write_whole_is_not_written_directly(
+        app, celery_app, celery_tasks, redis_client, queue_name):
+    """A run that needs send_task (a priority), or a queue not declared since the last
+    error, sends the batch through a producer: the direct write writes nothing."""
+    with app.app_context():
+        out = sender(celery_app)
+        with celery_app.producer_or_acquire() as producer:
+            out._send(producer, [(uuid.uuid4(), "echo", None)])
+        before = redis_client.llen(queue_name)
+        assert not out._write_direct([(uuid.uuid4(), "echo", None),
+                                      (uuid.uuid4(), "routed-slow", None)])
+        out.declared.discard(queue_name)
+        assert not out._write_direct([(uuid.uuid4(), "echo", None)])
+        assert redis_client.llen(queue_name) == before
