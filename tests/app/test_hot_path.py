@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 
+import pytest
 from sqlalchemy import text
 
 from tests.conftest import connect
@@ -28,8 +29,16 @@ def _post(client, creds, **body):
                        headers=creds.headers)
 
 
+@pytest.fixture(params=["fast_path", "flask"])
+def served_by(request, app, monkeypatch):
+    """Who answers a plain admission: app/fastpath.py, or Flask's view (fast path off)."""
+    if request.param == "flask":
+        monkeypatch.setattr(app, "wsgi_app", app.wsgi_app.flask_wsgi)
+    return request.param
+
+
 def test_an_admission_is_one_statement_in_autocommit(app, client, tenant, statements,
-                                                     database_url):
+                                                     database_url, served_by):
     assert _post(client, tenant).status_code == 201  # the token is now cached
     statements.clear()
     response = _post(client, tenant, dispatch_key=f"k-{uuid.uuid4().hex}")
@@ -43,7 +52,8 @@ def test_an_admission_is_one_statement_in_autocommit(app, client, tenant, statem
                           (response.json["id"],)).fetchone()[0] == 1
 
 
-def test_a_replay_reads_the_winner_in_autocommit_too(app, client, tenant, statements):
+def test_a_replay_reads_the_winner_in_autocommit_too(app, client, tenant, statements,
+                                                     served_by):
     key = f"k-{uuid.uuid4().hex}"
     first = _post(client, tenant, dispatch_key=key)
     statements.clear()

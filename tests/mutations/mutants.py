@@ -74,8 +74,8 @@ MUTANTS: list[Mutant] = [
         "admission_in_a_transaction",
         "an admission is one round trip: its one statement runs in autocommit (issue 10)",
         "app/api.py",
-        "    store = single_statements(db.session, send_pending)\n",
-        "    store = db.session\n",
+        "                          single_statements(db.session, send_pending), note=logs.note)\n",
+        "                          db.session, note=logs.note)\n",
         ("tests/app/test_hot_path.py::test_an_admission_is_one_statement_in_autocommit",),
     ),
     Mutant(
