@@ -82,17 +82,30 @@ class PrincipalCache:
 _principals = PrincipalCache()
 
 
-def _authenticate() -> Principal:
-    header = request.headers.get("Authorization", "")
+def _bearer(header: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def cached_principal(authorization: str, acting_for: str | None) -> Principal | None:
+    """The principal this process has cached for the request's ``Authorization`` header
+    (and ``X-Poimen-Tenant``), or None: no bearer token, or not looked up recently."""
+    token = _bearer(authorization)
+    return None if token is None else _principals.get((hash_token(token), acting_for))
+
+
+def _authenticate() -> Principal:
+    token = _bearer(request.headers.get("Authorization", ""))
+    if token is None:
         raise ApiError(
             401,
             "unauthorized",
             "missing bearer token",
             headers={"WWW-Authenticate": 'Bearer realm="poimen"'},
         )
-    return principal_for(hash_token(token.strip()), request.headers.get(TENANT_HEADER))
+    return principal_for(hash_token(token), request.headers.get(TENANT_HEADER))
 
 
 def principal_for(token_hash: str, acting_for: str | None = None) -> Principal:

@@ -47,7 +47,7 @@ import logconfig
 from . import logs, metrics
 from .admission import dumps
 from .api import admit_one, answer_headers, parse_json, serialize_run
-from .auth import ADMIT, TENANT_HEADER, _principals, hash_token
+from .auth import ADMIT, TENANT_HEADER, cached_principal
 from .enqueue import send_pending
 from .extensions import db
 from .state.direct import SingleStatements
@@ -107,11 +107,8 @@ class FastAdmission:
 
     def _principal(self, environ: dict):
         """The cached principal of the request's bearer token if it may admit, else None."""
-        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return None
-        principal = _principals.get((hash_token(token), environ.get(_TENANT_KEY)))
+        principal = cached_principal(environ.get("HTTP_AUTHORIZATION", ""),
+                                     environ.get(_TENANT_KEY))
         return principal if principal is not None and principal.allows(ADMIT) else None
 
     def _body(self, environ: dict) -> bytes | None:
