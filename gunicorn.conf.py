@@ -193,9 +193,6 @@ class LazyAtoms(Mapping):
         return _MISSING if atom is None else atom(self)
 
 
-
-
-
 _ACCESS_FIELDS = ("request_id", "tenant", "run_id")  # app/logs.py ACCESS_FIELDS
 
 logger_class = PoimenLogger
