@@ -11,12 +11,14 @@ kombu puts them.
 from __future__ import annotations
 
 import json
+import select
 import uuid
 
 import pytest
 from celery import signals
+from redis.exceptions import ResponseError
 
-from app.enqueue import RedisWire, _publish, sender
+from app.enqueue import RedisWire, _publish, _Template, sender
 from app.tracecontext import TraceContext
 
 TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "vendor=1")
@@ -52,7 +54,12 @@ def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
         _publish(celery_app, run_id, workflow_ref, None, producer, trace)
         wire = RedisWire(celery_app, producer.channel)
         assert RedisWire.usable(celery_app, producer.channel)
+        # The wire's first message of a workflow makes its template; the one compared is
+        # written from it, as every later message of the workflow is.
+        assert wire.message(uuid.uuid4(), workflow_ref, trace) is not None
         written = wire.message(run_id, workflow_ref, trace)
+        names = tuple(trace.headers()) if trace is not None else ()
+        assert isinstance(wire._templates[(workflow_ref, names)], _Template)
     assert written is not None
     key, payload = written
     celery_message = _take(redis_client, key, run_id)
@@ -63,6 +70,7 @@ def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
 @pytest.mark.parametrize("workflow_ref, trace", [
     ("echo", None),           # the default queue
     ("echo", TRACE),          # a run admitted with W3C Trace Context
+    ("echo", TraceContext(TRACE.traceparent, None)),  # a traceparent alone
     ("soft-time", None),      # a workflow's time limits travel in the message
 ])
 def test_a_wire_message_is_send_tasks_message(app, celery_app, celery_tasks, redis_client,
@@ -177,3 +185,45 @@ def test_a_batch_the_wire_cannot_write_whole_is_not_written_directly(
         out.declared.discard(queue_name)
         assert not out._write_direct([(uuid.uuid4(), "echo", None)])
         assert redis_client.llen(queue_name) == before
+
+
+def _wire(celery_app, producer) -> RedisWire:
+    wire = RedisWire(celery_app, producer.channel)
+    wire.write([("PING",)])
+    return wire
+
+
+def test_a_write_with_an_error_reply_leaves_the_connection_in_step(app, celery_app,
+                                                                   redis_client):
+    """Every reply of a write is read before its first error is raised: the next write
+    reads its own replies, not the rest of the last one's."""
+    wrong, good = f"zz-wire-{uuid.uuid4().hex}", f"zz-wire-{uuid.uuid4().hex}"
+    redis_client.set(wrong, "a string, not a list")
+    try:
+        with app.app_context(), celery_app.producer_or_acquire() as producer:
+            wire = _wire(celery_app, producer)
+            with pytest.raises(ResponseError):
+                wire.write([("LPUSH", wrong, "x"), ("LPUSH", good, "y")])
+            wire.write([("LPUSH", good, "z")])
+            wire.write([("RPUSH", good, "last")])
+        assert redis_client.lrange(good, 0, -1) == [b"z", b"y", b"last"]
+    finally:
+        redis_client.delete(wrong, good)
+
+
+def test_a_write_on_a_connection_the_server_closed_is_made_on_a_new_one(
+        app, celery_app, redis_client):
+    """The wire keeps its connection between batches: one Redis closed (a restart, a
+    CLIENT KILL, an idle timeout) is connected again and the write lands once."""
+    key = f"zz-wire-{uuid.uuid4().hex}"
+    try:
+        with app.app_context(), celery_app.producer_or_acquire() as producer:
+            wire = _wire(celery_app, producer)
+            host, port = wire._connection._sock.getsockname()[:2]
+            assert redis_client.client_kill(f"{host}:{port}")
+            # Redis closes a killed client on its next turn: wait until it did.
+            assert select.select([wire._connection._sock], [], [], 5)[0]
+            wire.write([("LPUSH", key, "after the kill")])
+        assert redis_client.lrange(key, 0, -1) == [b"after the kill"]
+    finally:
+        redis_client.delete(key)
