@@ -66,9 +66,20 @@ def _not_json(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+# One decoder and one encoder per shape, made once: ``json.loads``/``json.dumps`` with
+# arguments make a new one per call (more than half of a small document's CPU).
+_DECODER = json.JSONDecoder(parse_float=ExactNumber, parse_constant=_not_json)
+_ENCODERS: dict[tuple[bool, int | None], json.JSONEncoder] = {}
+
+
 def loads(data: str | bytes) -> Any:
     """Parse strict JSON, reading non-integer numbers as ``ExactNumber``."""
-    return json.loads(data, parse_float=ExactNumber, parse_constant=_not_json)
+    if isinstance(data, (bytes, bytearray)):  # as json.loads reads bytes
+        data = data.decode(json.detect_encoding(data), "surrogatepass")
+    elif not isinstance(data, str):
+        raise TypeError(f"the JSON object must be str, bytes or bytearray, not "
+                        f"{type(data).__name__}")
+    return _DECODER.decode(data)
 
 
 def _number_text(number: float) -> str:
@@ -109,8 +120,12 @@ def dumps(value: Any, *, ascii: bool = False, indent: int | None = None) -> str:
     non-JSON types raise).
     """
     if not _holds_exact_number(value):
-        return json.dumps(value, ensure_ascii=ascii, indent=indent, allow_nan=False,
-                          separators=(",", ": " if indent is not None else ":"))
+        encoder = _ENCODERS.get((ascii, indent))
+        if encoder is None:
+            encoder = _ENCODERS[(ascii, indent)] = json.JSONEncoder(
+                ensure_ascii=ascii, indent=indent, allow_nan=False,
+                separators=(",", ": " if indent is not None else ":"))
+        return encoder.encode(value)
     chunks: Iterator[str] = json.encoder._make_iterencode(  # noqa: SLF001 - stable since 2.7
         {},
         _refuse,

@@ -31,7 +31,6 @@ off and taken over) finds its writes refused instead of finishing twice.
 from __future__ import annotations
 
 import enum
-import json
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from .compose import (
     slot_release,
     slot_status_is,
     status_is,
+    to_json,
     with_event,
     with_woken,
 )
@@ -609,16 +609,16 @@ def finish_run(
     """
     assert status in TERMINAL_STATUSES
     params = {
-        "run": run_id, "boots": _fence(boot_id), "status": status, "result": _json(result),
-        "error": _json(error), "failed": int(status == RunStatus.FAILED),
-        "event_type": f"run.{status}", "event_extra": _json({"error": error} if error else None),
+        "run": run_id, "boots": _fence(boot_id), "status": status, "result": to_json(result),
+        "error": to_json(error), "failed": int(status == RunStatus.FAILED),
+        "event_type": f"run.{status}", "event_extra": to_json({"error": error} if error else None),
     }
     kind = None
     if close is not None:
         kind = "insert" if close.entry_id is None else "update"
         params.update(entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
-                      entry_status=close.status, actions=_json(close.actions),
-                      outputs=_json(close.outputs), entry_error=_json(close.error),
+                      entry_status=close.status, actions=to_json(close.actions),
+                      outputs=to_json(close.outputs), entry_error=to_json(close.error),
                       next_step=close.next_step, events=close.events,
                       entry_event=f"step.{close.status}")
     row = session.execute(_FINISHES[kind, slots], params).one_or_none()
@@ -632,11 +632,7 @@ def schedule_retry(session: Session, run_id: uuid.UUID,
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
         RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
-                 "error": _json(error)},
+                 "error": to_json(error)},
     ).one_or_none()
     send_woken(session, row)
     return row is not None
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, default=str)

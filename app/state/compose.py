@@ -14,7 +14,9 @@ Every statement built from these is printed whole, as Postgres receives it, in
 
 from __future__ import annotations
 
+import json
 import uuid
+from typing import Any
 
 from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
@@ -30,6 +32,17 @@ ENDED = "('succeeded', 'failed', 'cancelled')"
 # ``app/enqueue.py`` hands them to the sender after commit and forgets them on rollback.
 # The trace context is the run's (its columns), carried as plain values.
 PENDING_SENDS = "poimen_pending_enqueue"
+
+
+# json.dumps(value, default=str) made once: json.dumps with an argument makes an encoder
+# per call, more than half of a small value's CPU.
+_ENCODE = json.JSONEncoder(default=str).encode
+
+
+def to_json(value: Any) -> str | None:
+    """A parameter for a ``jsonb`` column: ``value`` as JSON (what it cannot write, as its
+    ``str``), None as SQL NULL."""
+    return None if value is None else _ENCODE(value)
 
 
 def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.liveness import LIVE_BOOTS_SQL, claimer_live_sql
 
-from .compose import outbox_rows, send_woken, slot_release
+from .compose import outbox_rows, send_woken, slot_release, to_json
 
 
 class DeclaredAction(Protocol):
@@ -301,7 +300,7 @@ def enter_step(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], step:
     """Append entry ``entry_no`` into ``step`` (fenced); None if the run is not ours."""
     return session.execute(ENTER, {
         "run": run_id, "boots": ours, "entry_no": entry_no, "step": step.id,
-        "actions": _json(declared_actions(step)), "events": events,
+        "actions": to_json(declared_actions(step)), "events": events,
     }).one_or_none()
 
 
@@ -351,7 +350,7 @@ def finish_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], en
     """
     status = "failed" if error is not None else "completed"
     params = {"run": run_id, "boots": ours, "entry": entry_id, "position": position,
-              "status": status, "result": _json(result), "error": _json(error),
+              "status": status, "result": to_json(result), "error": to_json(error),
               "event_type": f"action.{status}", "step": step_id, "entry_no": entry_no,
               "name": name, "key": key}
     statement = COMPLETE_MARKER
@@ -375,8 +374,8 @@ def close_entry(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID],
     with its ``step.entered`` and ``step.<status>`` events in that order.
     """
     params = {"run": run_id, "boots": ours, "status": close.status,
-              "actions": _json(close.actions), "outputs": _json(close.outputs),
-              "error": _json(close.error), "next_step": close.next_step,
+              "actions": to_json(close.actions), "outputs": to_json(close.outputs),
+              "error": to_json(close.error), "next_step": close.next_step,
               "events": close.events, "event_type": f"step.{close.status}"}
     if close.entry_id is None:
         return session.execute(INSERT_CLOSED, {**params, "entry_no": close.entry_no,
@@ -394,7 +393,7 @@ def wait_for_children(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID]
     is not ours has ``entry_waits`` without ``run_waits`` (the caller rolls back).
     """
     row = session.execute(WAIT, {"run": run_id, "boots": ours, "entry": entry_id,
-                                 "actions": _json(actions), "outputs": _json(outputs)}).one()
+                                 "actions": to_json(actions), "outputs": to_json(outputs)}).one()
     # A run of a limited group that waits for its children gives its slot up:
     # the next run waiting for it is sent once this commits.
     send_woken(session, row)
@@ -409,7 +408,3 @@ def children(session: Session, entry_id: int) -> list[Row]:
 def history(session: Session, run_id: uuid.UUID, before_entry: int) -> list[Row]:
     """The run's entries numbered below ``before_entry``, oldest first."""
     return session.execute(HISTORY, {"run": run_id, "entry_no": before_entry}).all()
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, default=str)
