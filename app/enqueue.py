@@ -30,7 +30,6 @@ import uuid
 import weakref
 
 from flask import current_app
-from redis import exceptions as redis_exceptions
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
@@ -154,6 +153,8 @@ class RedisWire:
         connection's own retry (the channel's setting), then the caller's. redis-py's
         ``execute_command`` and pipelines around the same write (a pool checkout and
         release, metrics, response callbacks) cost as much CPU again as the write."""
+        from redis import exceptions as redis_exceptions  # not at import: it loads OpenTelemetry
+
         with self._lock:
             if self._connection is None:
                 self._connection = self.client.connection_pool.get_connection()
@@ -425,6 +426,8 @@ class Sender:
 def _spoke(connection) -> bool:
     """Whether the server sent anything on an idle connection (it closed it, or the reply
     stream is out of step): the pool's checkout test (``ConnectionPool.get_connection``)."""
+    from redis import exceptions as redis_exceptions
+
     if connection._sock is None:
         return False
     try:
@@ -434,6 +437,8 @@ def _spoke(connection) -> bool:
 
 
 def _write(connection, commands: list[tuple]) -> None:
+    from redis import exceptions as redis_exceptions
+
     connection.send_packed_command(connection.pack_commands(commands))
     error = None
     for _ in commands:
