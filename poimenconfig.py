@@ -534,6 +534,9 @@ class OutboxSettings:
     prefix: str = DEFAULT_TOPIC_PREFIX
     batch_size: int = 1000
     poll_interval: float = 0.2
+    # After a batch that was not full: milliseconds before the next read, so a steady
+    # trickle of events is read, produced and marked in batches, not a few at a time.
+    batch_linger_ms: float = 20.0
     standby_interval: float = 1.0
     lock_check_interval: float = 1.0
     topic_partitions: int = DEFAULT_TOPIC_PARTITIONS
@@ -555,6 +558,8 @@ def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
         raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
     database = libpq_url(env["DATABASE_URL"])
     defaults = OutboxSettings(database, database, {})
+    if float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS", 0)) < 0:
+        raise SystemExit("POIMEN_OUTBOX_BATCH_LINGER_MS must not be negative")
     return OutboxSettings(
         database_url=database,
         # Session advisory locks need a direct connection: a transaction-mode
@@ -564,6 +569,8 @@ def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
         prefix=topic_prefix(env),
         batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", defaults.batch_size)),
         poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", defaults.poll_interval)),
+        batch_linger_ms=float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS",
+                                      defaults.batch_linger_ms)),
         standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL",
                                        defaults.standby_interval)),
         lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL",

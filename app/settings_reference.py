@@ -235,6 +235,9 @@ SETTINGS: tuple[Setting, ...] = (
     # -- outbox
     _outbox("POIMEN_OUTBOX_BATCH_SIZE", "1000", OUTBOX, "Rows read and published per batch."),
     _outbox("POIMEN_OUTBOX_POLL_INTERVAL", "0.2", OUTBOX, "Seconds between reads when idle."),
+    _outbox("POIMEN_OUTBOX_BATCH_LINGER_MS", "20", OUTBOX,
+            "Milliseconds the relay waits after a batch that was not full before it reads "
+            "again, so a steady trickle is published in batches; `0`: read again at once."),
     _outbox("POIMEN_OUTBOX_STANDBY_INTERVAL", "1", OUTBOX,
             "Seconds between a standby relay's tries for the lock."),
     _outbox("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL", "1", OUTBOX,

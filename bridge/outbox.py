@@ -364,6 +364,11 @@ class OutboxRelay:
                         self._prune_if_due()
                         if shipped == 0:
                             self._stop.wait(cfg.poll_interval)
+                        elif cfg.batch_linger_ms > 0:
+                            # Not full: the events come a few at a time. Each batch pays a
+                            # read, a round trip to the broker and a marking commit, so
+                            # let the next one gather (a full batch goes on at once).
+                            self._stop.wait(cfg.batch_linger_ms / 1000)
                 except LockLost as lost:
                     log.warning("lost the outbox lock (%s): standing by", lost)
                     self._step_down()

@@ -31,7 +31,7 @@ from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE
 from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
-from poimenconfig import libpq_url, parse_retention
+from poimenconfig import libpq_url, outbox_settings, parse_retention
 from tests.processes import (
     BIN,
     ROOT,
@@ -502,6 +502,47 @@ def test_kill_between_produce_and_mark_repeats_events_but_loses_none(world):
 # -- Verify 5: one active relay ------------------------------------------------------------------
 
 
+def _reads_during_a_trickle(world: World, relay: Relay, seconds: float = 3.0,
+                            every: float = 0.02) -> tuple[float, set[int]]:
+    """Insert one event every ``every`` s for ``seconds`` (a transaction each, as runs
+    write them); return the relay's reads meanwhile and the ids inserted."""
+    ids: set[int] = set()
+    with world.connect() as conn:
+        before = relay.metric("poimen_outbox_reads_total")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ids |= set(insert_events(conn, world.tenant_id))
+            time.sleep(every)
+        reads = relay.metric("poimen_outbox_reads_total") - before
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=20,
+               what="the trickle published")
+    return reads, ids
+
+
+def test_a_trickle_is_published_in_batches_a_linger_apart(world):
+    world.add_tenant()
+    world.declare()
+    reader = world.reader()
+    # After a batch that was not full the relay waits the linger before it reads again.
+    lingering = world.start_relay("outbox-lingering", POIMEN_OUTBOX_BATCH_LINGER_MS="400")
+    wait_until(lambda: lingering.active, timeout=10, what="the lingering relay active")
+    reads, ids = _reads_during_a_trickle(world, lingering)
+    assert reads <= 3.0 / 0.4 + 3, f"{reads} reads in 3 s with a 400 ms linger"
+    lingering.proc.stop()
+
+    # The same trickle without the linger: a read after every few events (the contrast
+    # shows the count above is the linger's doing, not the trickle's).
+    eager = world.start_relay("outbox-eager", POIMEN_OUTBOX_BATCH_LINGER_MS="0")
+    wait_until(lambda: eager.active, timeout=15, what="the eager relay active")
+    eager_reads, more = _reads_during_a_trickle(world, eager)
+    print(f"reads in 3 s: {reads} with a 400 ms linger, {eager_reads} without")
+    assert eager_reads >= 30, f"{eager_reads} reads in 3 s without a linger"
+
+    # Nothing lost, each event on the topic.
+    reader.wait_for_ids(ids | more)
+    assert set(reader.ce_ids()) == ids | more == world.table_ids()
+
+
 def test_two_relays_one_publishes_and_the_standby_takes_over(world):
     world.add_tenant()
     world.declare()
@@ -735,3 +776,11 @@ def test_heroku_database_urls_are_accepted():
     assert libpq_url("postgresql+psycopg://u@h/d") == "postgresql://u@h/d"
     assert libpq_url("postgresql://u@h/d") == "postgresql://u@h/d"
 
+
+
+def test_the_linger_is_read_in_milliseconds_and_never_negative():
+    env = {"DATABASE_URL": "postgres://u@h/d", "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
+    assert outbox_settings(env).batch_linger_ms == 20
+    assert outbox_settings({**env, "POIMEN_OUTBOX_BATCH_LINGER_MS": "0"}).batch_linger_ms == 0
+    with pytest.raises(SystemExit, match="must not be negative"):
+        outbox_settings({**env, "POIMEN_OUTBOX_BATCH_LINGER_MS": "-5"})
