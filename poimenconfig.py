@@ -558,7 +558,8 @@ def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
         raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
     database = libpq_url(env["DATABASE_URL"])
     defaults = OutboxSettings(database, database, {})
-    if float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS", 0)) < 0:
+    linger_ms = float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS", defaults.batch_linger_ms))
+    if linger_ms < 0:
         raise SystemExit("POIMEN_OUTBOX_BATCH_LINGER_MS must not be negative")
     return OutboxSettings(
         database_url=database,
@@ -569,8 +570,7 @@ def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
         prefix=topic_prefix(env),
         batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", defaults.batch_size)),
         poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", defaults.poll_interval)),
-        batch_linger_ms=float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS",
-                                      defaults.batch_linger_ms)),
+        batch_linger_ms=linger_ms,
         standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL",
                                        defaults.standby_interval)),
         lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL",

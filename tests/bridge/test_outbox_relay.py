@@ -499,7 +499,7 @@ def test_kill_between_produce_and_mark_repeats_events_but_loses_none(world):
     assert_per_run_order(messages)
 
 
-# -- Verify 5: one active relay ------------------------------------------------------------------
+# -- batches: a trickle of events is read a linger apart -----------------------------------------
 
 
 def _reads_during_a_trickle(world: World, relay: Relay, seconds: float = 3.0,
@@ -541,6 +541,9 @@ def test_a_trickle_is_published_in_batches_a_linger_apart(world):
     # Nothing lost, each event on the topic.
     reader.wait_for_ids(ids | more)
     assert set(reader.ce_ids()) == ids | more == world.table_ids()
+
+
+# -- Verify 5: one active relay ------------------------------------------------------------------
 
 
 def test_two_relays_one_publishes_and_the_standby_takes_over(world):
@@ -775,7 +778,6 @@ def test_heroku_database_urls_are_accepted():
     assert libpq_url("postgres://u:p@h:5432/d") == "postgresql://u:p@h:5432/d"
     assert libpq_url("postgresql+psycopg://u@h/d") == "postgresql://u@h/d"
     assert libpq_url("postgresql://u@h/d") == "postgresql://u@h/d"
-
 
 
 def test_the_linger_is_read_in_milliseconds_and_never_negative():
