@@ -39,6 +39,32 @@ from .tracecontext import TraceContext
 
 _COMPARED = ("workflow_ref", "input", "goal_id")
 
+# Keys Poimen derives name one run forever: a schedule's tick (``schedule:``), an inbox
+# message's place in its log and so every DLQ replay of it (``kafka:``), a fan-out child
+# (admitted with origin ``fanout``). A workflow's ``key_reuse`` is the caller's policy over
+# the caller's own keys: applied to a derived key it would run a tick again whenever a beat
+# re-admits it, and make a redelivered message a second run.
+DERIVED_KEY_PREFIXES = ("schedule:", "kafka:")
+_DERIVING_ORIGINS = frozenset({AdmissionOrigin.SCHEDULE.value, AdmissionOrigin.FANOUT.value})
+
+# How often one admission goes round when a key changes hands between its statements (key
+# reuse: another caller released the ended holder and had not inserted yet when this one
+# read): each round is decided by the index again, and a round ends only on a run.
+_KEY_ROUNDS = 8
+
+
+def key_is_derived(dispatch_key: str, origin: str) -> bool:
+    """True if ``dispatch_key`` is one Poimen derived (no key_reuse policy applies to it)."""
+    return origin in _DERIVING_ORIGINS or dispatch_key.startswith(DERIVED_KEY_PREFIXES)
+
+
+def reusable_statuses(workflow: registry.Workflow, dispatch_key: str,
+                      origin: str) -> tuple[str, ...]:
+    """The ended statuses whose run's key this request may take (none for a derived key)."""
+    if key_is_derived(dispatch_key, origin):
+        return ()
+    return registry.KEY_REUSE_POLICIES[workflow.key_reuse]
+
 
 class ExactNumber(float):
     """A JSON number with a fraction or an exponent, keeping the digits it was written with.
@@ -250,26 +276,29 @@ def admit_run(
     # One statement, one round trip: the insert that the index may refuse, and
     # the run.admitted outbox event only for a row that was really inserted.
     # (Plain SQL: building this through the ORM cost more CPU than the database.)
-    inserted = state_runs.admit(session, values, input_json=input_json,
-                                event_json=json.dumps(event_fields))
-    if inserted is not None:
-        return Admission(run=inserted, created=True)
-    # The key is taken. A workflow whose policy lets a new request take an ended run's
-    # key (key_reuse) tries that first, in this transaction; the index still decides.
-    if state_runs.release_key(session, tenant_id=tenant_id, dispatch_key=dispatch_key,
-                              workflow_name=workflow.name,
-                              reusable=registry.KEY_REUSE_POLICIES[workflow.key_reuse],
-                              ttl=workflow.key_ttl or 0):
+    event_json = json.dumps(event_fields)
+    reusable = () if dispatch_key is None else reusable_statuses(workflow, dispatch_key,
+                                                                  origin_value)
+    for _ in range(_KEY_ROUNDS):
         inserted = state_runs.admit(session, values, input_json=input_json,
-                                    event_json=json.dumps(event_fields))
+                                    event_json=event_json)
         if inserted is not None:
             return Admission(run=inserted, created=True)
-
-    # The key is taken. Under READ COMMITTED this statement sees the row the
-    # conflicting transaction committed (ON CONFLICT waited for it).
-    replay = _replay(session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
-    assert replay is not None, "ON CONFLICT found a row that is not there"
-    return replay
+        # The key is taken. A workflow whose policy lets a new request take an ended run's
+        # key (key_reuse, caller keys only) tries that first; the index still decides.
+        if reusable and state_runs.release_key(
+                session, tenant_id=tenant_id, dispatch_key=dispatch_key,
+                workflow_name=workflow.name, reusable=reusable, ttl=workflow.key_ttl or 0):
+            continue
+        # Under READ COMMITTED this statement sees the row the conflicting transaction
+        # committed (ON CONFLICT waited for it).
+        replay = _replay(session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
+        if replay is not None:
+            return replay
+        # Nobody holds the key: between this request's statements another one released
+        # it (key reuse) and has not inserted yet -- possible where each statement commits
+        # on its own (the single-request path). Go round: the index decides again.
+    raise RuntimeError(f"dispatch_key changed hands {_KEY_ROUNDS} times during one admission")
 
 
 def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: str,
@@ -363,7 +392,8 @@ def admit_many(
             row = by_id.get(values["id"])
             if row is not None:
                 outcomes[values["ord"]] = Admission(run=row, created=True)
-            elif registry.KEY_REUSE_POLICIES[workflows[values["ord"]].key_reuse]:
+            elif reusable_statuses(workflows[values["ord"]], values["dispatch_key"],
+                                   origin_value):
                 # Rare: a policy may let this request take an ended run's key. The single
                 # path decides that (RELEASE_KEY, then ADMIT; else a replay or a conflict).
                 outcomes[values["ord"]] = _admit_alone(

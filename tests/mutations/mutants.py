@@ -71,6 +71,26 @@ MUTANTS: list[Mutant] = [
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
     ),
     Mutant(
+        "derived_key_released_by_key_reuse",
+        "a key Poimen derives (schedule tick, kafka:, fan-out child) names one run forever: "
+        "key_reuse applies to caller keys only",
+        "app/admission.py",
+        "    return origin in _DERIVING_ORIGINS or dispatch_key.startswith(DERIVED_KEY_PREFIXES)\n",
+        "    return False\n",
+        ("tests/app/test_derived_keys.py::test_a_derived_key_is_never_released",),
+    ),
+    Mutant(
+        "admission_gives_up_when_the_key_changes_hands",
+        "an admission ends on a run even when another request released the key between its "
+        "statements: it goes round and the index decides again",
+        "app/admission.py",
+        "        if replay is not None:\n            return replay\n",
+        "        assert replay is not None, 'ON CONFLICT found a row that is not there'\n"
+        "        return replay\n",
+        ("tests/app/test_derived_keys.py::"
+         "test_a_key_released_between_the_insert_and_the_read_ends_on_a_run",),
+    ),
+    Mutant(
         "admission_in_a_transaction",
         "an admission is one round trip: its one statement runs in autocommit (issue 10)",
         "app/api.py",

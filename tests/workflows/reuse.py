@@ -36,3 +36,13 @@ if os.environ.get("POIMEN_TEST_SCHEDULE_TENANT"):
               schedule_input=lambda tick: {"tick": tick.isoformat()})
     def every_few_seconds(ctx, input):
         return input
+
+
+if os.environ.get("POIMEN_TEST_REUSABLE_SCHEDULE_TENANT"):
+    # A schedule whose workflow lets a caller take an ended run's key: its ticks' keys are
+    # Poimen's, so a beat re-admitting a tick must still find that tick's one run.
+    @workflow("reusable-schedule", key_reuse="after_end",
+              schedule=float(os.environ.get("POIMEN_TEST_SCHEDULE_SECONDS", "20")),
+              schedule_tenant=os.environ["POIMEN_TEST_REUSABLE_SCHEDULE_TENANT"])
+    def reusable_schedule(ctx, input):
+        return input
