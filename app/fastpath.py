@@ -1,4 +1,4 @@
-"""``POST /v1/runs`` answered in front of Flask when the request is plain (issue 25).
+"""``POST /v1/runs`` answered in front of Flask when the request is plain.
 
 An admission is one statement in Postgres, yet through Flask each one also paid
 for a request context and an app context (pushed and popped), URL matching,

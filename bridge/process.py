@@ -24,7 +24,7 @@ import logconfig
 log = logging.getLogger("poimen.bridge")
 
 # No `_created` series: a timestamp per counter that Prometheus does not use
-# (issue 29: noise in every scrape).
+# (noise in every scrape).
 disable_created_metrics()
 
 

@@ -4,7 +4,7 @@ kombu emulates acknowledgements on Redis: a delivered message is recorded in
 the ``unacked`` hash and its index (``QoS.append``, one MULTI/EXEC round trip)
 and removed from them when it is acknowledged (``QoS.ack``, a second one).
 Both block the worker's event loop. Under ``bench/execution.py`` the two were
-47 % of the main process's samples (py-spy, 2026-12-04, after task events were
+47 % of the main process's samples (py-spy, bench/RESULTS.md; after task events were
 batched), while the pool processes waited for their next run.
 
 This transport records a delivery exactly as kombu does, at once. It defers

@@ -5,7 +5,7 @@ Celery's worker buffers its task events (``task-received``, ``-started``,
 next turn. Under load a turn holds about one event, and on Redis each flush is
 a ``PUBLISH`` round trip (with a new redis-py client), so every run cost the
 worker's main process three round trips for monitoring alone: 45 % of its
-samples under ``bench/execution.py`` (py-spy, 2026-12-04), while the pool
+samples under ``bench/execution.py`` (py-spy; bench/RESULTS.md), while the pool
 processes waited for it to hand them their next run.
 
 This consumer step takes that per-event flush away and flushes on the

@@ -1,4 +1,4 @@
-"""The store's single statements on psycopg, without the ORM session (issue 25).
+"""The store's single statements on psycopg, without the ORM session.
 
 A statement that is whole on its own (a claim, a run's end: one round trip each)
 runs in autocommit. Through a ``Session`` it still pays the session's machinery
