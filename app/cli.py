@@ -179,16 +179,23 @@ def register_cli(app: Flask) -> None:
     @topics.command("replay-dlq")
     @click.option("--tenant", "tenant_name", required=True, help="The tenant whose DLQ to replay.")
     @click.option("--reason", help="Only dead letters with this reason (poimen.dlq.reason).")
-    @click.option("--since", help="Only those dead-lettered since: ISO 8601 time, or an age "
-                                  "(30m, 2h, 7d).")
+    @click.option("--since", help="Again, those dead-lettered since: ISO 8601 time, or an age "
+                                  "(30m, 2h, 7d); replayed ones and copies included.")
+    @click.option("--from-start", is_flag=True,
+                  help="Again, the whole topic: replayed ones and copies included.")
     @click.option("--dry-run", is_flag=True, help="List what would be replayed; publish nothing.")
     @_domain_errors
     def topics_replay_dlq(tenant_name: str, reason: str | None, since: str | None,
-                          dry_run: bool):
+                          from_start: bool, dry_run: bool):
         """Re-publish a tenant's dead letters to its dispatch topic (safe to run twice).
 
-        A message keeps its dispatch key (a keyless one gets the key derived from
-        its origin), so replaying it again yields the same run, never a second.
+        Each dead letter is replayed once: a replay starts where the last one
+        ended (the poimen-dlq-replay group's offsets, committed once the broker
+        acknowledged the copies) and skips copies an earlier replay published
+        that were dead-lettered again. --from-start or --since read again on
+        purpose, each message still published once per replay. A message keeps
+        its dispatch key (a keyless one gets the key derived from its origin), so
+        publishing it again yields the same run, never a second.
         """
         from confluent_kafka import KafkaException
 
@@ -196,6 +203,8 @@ def register_cli(app: Flask) -> None:
         from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
         tenant_service.find_tenant(tenant_name)
+        if since and from_start:
+            raise click.UsageError("give --since or --from-start, not both")
         try:
             when = parse_since(since) if since else None
         except ValueError as err:
@@ -204,7 +213,7 @@ def register_cli(app: Flask) -> None:
             report = replay_dead_letters(
                 kafka_client_settings(), topic_prefix(), tenant_name,
                 group=consumer_group(REPLAY_GROUP), reason=reason, since=when,
-                dry_run=dry_run, show=click.echo)
+                from_start=from_start, dry_run=dry_run, show=click.echo)
         except (RuntimeError, TimeoutError, KafkaException) as err:
             raise click.ClickException(str(err)) from err
         click.echo(report.summary(dry_run))

@@ -72,8 +72,8 @@ from .inbox_faults import (
     batch_body,
     batch_fault,
     batch_item,
-    response_fault,
     message_timestamp,
+    response_fault,
     run_request_body,
 )
 from .kafka import describe
