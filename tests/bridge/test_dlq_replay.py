@@ -216,6 +216,58 @@ def test_replaying_letters_that_keep_failing_three_times_leaves_at_most_twice_as
             print(f"--- {proc.name} ---\n{proc.log()[-4000:]}")
 
 
+def test_a_filtered_replay_of_a_letter_that_keeps_failing_publishes_it_once(
+        test_env, make_tenant, tmp_path):
+    """A letter a --reason filter leaves out stops the commit in its partition, so the
+    letters after it are read again by the next replay: one that was replayed and failed
+    again is known by its dead-lettered copy, and is not published a second time."""
+    from tests.bridge.test_inbox_relay import topic_size
+
+    service, tenant = make_tenant(service=True), make_tenant()
+    tag = uuid.uuid4().hex[:8]
+    bootstrap = test_env["KAFKA_BOOTSTRAP_SERVERS"]
+    env = {**test_env, "POIMEN_TOPIC_PREFIX": f"dlqf{tag}", "POIMEN_INBOX_GROUP": f"inbox-{tag}",
+           "POIMEN_API_TOKEN": service.token, "POIMEN_INBOX_BACKOFF_INITIAL": "0.2",
+           "POIMEN_INBOX_BACKOFF_MAX": "1", "POIMEN_INBOX_METADATA_REFRESH_MS": "1000"}
+    prefix = topic_prefix(env)
+    dlq = dead_letter_topic(prefix, tenant.name)
+    declare_topics(bootstrap, prefix, [tenant.name], 1)
+    started = []
+    try:
+        web, api = start_web(env, tmp_path, workers=1, threads=4, name="web")
+        started.append(web)
+        # The relay's bug is never fixed: the replayed message fails again, every time.
+        relay, relay_metrics = start_inbox({**env, "POIMEN_API_URL": api,
+                                            "POIMEN_INBOX_TEST_RAISE_ON": BUG}, tmp_path)
+        started.append(relay)
+        producer = Producer({"bootstrap.servers": bootstrap})
+        for value in ({"workflow_ref": f"never-{tag}", "dispatch_key": "left-out"},  # http_422
+                      {"workflow_ref": "echo", "input": {"why": BUG}, "dispatch_key": "bug"}):
+            producer.produce(dispatch_topic(prefix, tenant.name), json.dumps(value).encode(),
+                             partition=0)
+        assert producer.flush(30) == 0
+
+        def dead_lettered(count: int) -> None:
+            wait_until(lambda: topic_size(bootstrap, dlq) == count
+                       and sum(metric(relay_metrics, "poimen_inbox_dead_lettered_total",
+                                      reason=r) for r in ("http_422", "internal_error"))
+                       == count, timeout=90, what=f"{count} dead letters")
+
+        dead_lettered(2)
+        out = replay(env, tenant.name, "--reason", "internal_error")
+        assert "replayed 1 of 1" in out, out
+        dead_lettered(3)  # its copy failed again
+        for attempt in (2, 3):
+            out = replay(env, tenant.name, "--reason", "internal_error")
+            assert "replayed 0 of 2" in out and "1 replayed_and_dead_lettered_again" in out \
+                and "1 copy_of_a_replayed_letter" in out, f"replay {attempt}: {out}"
+        assert topic_size(bootstrap, dlq) == 3
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+            print(f"--- {proc.name} ---\n{proc.log()[-4000:]}")
+
+
 # -- the rules replay applies to each dead letter (no broker needed) ---------------------------
 
 

@@ -562,6 +562,16 @@ MUTANTS: list[Mutant] = [
          "test_replaying_letters_that_keep_failing_three_times_leaves_at_most_twice_as_many",),
     ),
     Mutant(
+        "dlq_replay_forgets_letters_with_a_copy",
+        "a plain DLQ replay never publishes a letter an earlier replay published that was "
+        "dead-lettered again (its copy names it), commit or not",
+        "bridge/dlq.py",
+        '                elif f"{source}:{letter.partition}:{letter.offset}" in copied:\n',
+        "                elif False:\n",
+        ("tests/bridge/test_dlq_replay.py::"
+         "test_a_filtered_replay_of_a_letter_that_keeps_failing_publishes_it_once",),
+    ),
+    Mutant(
         "dlq_replay_commits_nothing",
         "a DLQ replay records what it replayed (the replay group's offsets, after the "
         "broker's acknowledgement): the next plain replay starts after it",
