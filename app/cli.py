@@ -102,7 +102,9 @@ def register_cli(app: Flask) -> None:
                   help="A service token: may act for any tenant named in X-Poimen-Tenant.")
     @click.option("--label", help="A note saying who holds the token.")
     @click.option("--scope", type=click.Choice(SCOPES),
-                  help="Limit the token: 'admit' may only POST /v1/runs (the inbox's token).")
+                  help="Limit or widen the token: 'admit' may only POST /v1/runs (the inbox's "
+                       "token); 'admin' may also do the operator's actions (replaying dead "
+                       "letters from the console).")
     @_domain_errors
     def tokens_create(tenant_name: str | None, service: bool, label: str | None,
                       scope: str | None):

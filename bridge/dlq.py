@@ -11,11 +11,15 @@ like any message.
 Each dead letter is replayed once. After the broker acknowledged every copy,
 replay commits the replay group's offsets on the dead-letter topic past what it
 handled, and the next replay starts there: it reads only letters written since.
-A copy that fails again is dead-lettered again, carrying ``poimen.replay.from``;
-such a *dead-lettered copy* is not replayed by a plain replay (its message was
-replayed once already), so replaying N letters that keep failing leaves at most
-2N in the topic however often it runs. A letter a filter left out (``--reason``,
-``--since``) stops the commit in its partition, so a later replay still gets it.
+A copy that fails again is dead-lettered again, carrying ``poimen.replay.from``
+(the letter it copies); a plain replay publishes neither such a *dead-lettered
+copy* nor the letter it names (its message was replayed once already), so
+replaying N letters that keep failing leaves at most 2N in the topic however
+often it runs. A letter a filter left out (``--reason``) stops the commit in its
+partition, so a later replay still gets it; the letters after it are read
+again, and those replayed before are published again only if they did not fail
+(no copy names them), which admission answers with the same run. Two replays
+of one tenant at the same time may both publish a letter (the same run, too).
 
 To replay again on purpose (the first replay failed again and the cause is now
 fixed): ``--from-start`` reads the whole topic, ``--since`` what was

@@ -534,7 +534,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "inbox_keyless_message_gets_no_key",
-        "a message without dispatch_key is admitted under kafka:<topic>:<partition>:<offset>",
+        "a message without dispatch_key is admitted under a derived kafka:<topic>:... key",
         "bridge/inbox_faults.py",
         '    if body.get("dispatch_key") is not None:\n        return value, False\n',
         "    return value, False\n",
