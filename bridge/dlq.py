@@ -198,9 +198,17 @@ class DeadLetterTopic:
         self._consumer.close()
 
     def resume_offsets(self) -> dict[int, int]:
-        """Where a plain replay starts: the group's commit, else the start (within the bounds)."""
-        return {p: min(max(self.committed.get(p, self.low[p]), self.low[p]), self.high[p])
-                for p in self.low}
+        """Where a plain replay starts: the group's commit, else the partition's start.
+
+        A commit below the start (retention deleted letters) starts at the start; one
+        past the end can only be a deleted and re-created topic's (an end never moves
+        back otherwise), so its letters are all new: the start too.
+        """
+        starts = {}
+        for p, low in self.low.items():
+            at = self.committed.get(p, low)
+            starts[p] = at if low <= at <= self.high[p] else low
+        return starts
 
     def offsets_since(self, since: datetime) -> dict[int, int]:
         """The first offset of each partition written at or after ``since``."""
@@ -248,20 +256,6 @@ class DeadLetterTopic:
             self._consumer.commit(offsets=[TopicPartition(self.topic, p, o)
                                            for p, o in sorted(offsets.items())],
                                   asynchronous=False)
-
-
-def read_dead_letters(settings: Mapping[str, str], topic: str, group: str,
-                      since: datetime | None = None, timeout: float = 30.0
-                      ) -> Iterator[DeadLetter]:
-    """Yield the records of ``topic`` from ``since`` (else the start) to its end as of now.
-
-    Nothing is committed: this is a reading, not a replay.
-    """
-    with DeadLetterTopic(settings, topic, group, timeout) as dlq:
-        if not dlq.exists:
-            log.info("%s does not exist: nothing was dead-lettered", topic)
-            return
-        yield from dlq.read(dlq.offsets_since(since) if since is not None else dlq.low)
 
 
 def replay_request(letter: DeadLetter) -> tuple[bytes | None, str]:

@@ -311,3 +311,14 @@ def test_what_replay_publishes_for_each_kind_of_dead_letter():
     assert replay_request(letter(None)) == (None, "never_a_run:no_value")
     orphan = DeadLetter(0, 0, 0, None, b'{"workflow_ref": "echo"}', [], {"reason": "x"})
     assert replay_request(orphan) == (None, "keyless_without_origin")
+
+
+def test_a_plain_replay_starts_at_the_commit_within_the_topics_bounds():
+    from bridge.dlq import DeadLetterTopic
+
+    dlq = object.__new__(DeadLetterTopic)  # the bounds and commits only, no broker
+    dlq.low, dlq.high = {0: 0, 1: 5, 2: 0, 3: 0}, {0: 10, 1: 9, 2: 3, 3: 4}
+    dlq.committed = {0: 7, 1: 2, 2: 8}
+    # 0: the commit; 1: below the start (retention deleted letters): the start;
+    # 2: past the end, a re-created topic's letters are all new: the start; 3: none yet.
+    assert dlq.resume_offsets() == {0: 7, 1: 5, 2: 0, 3: 0}
