@@ -193,8 +193,10 @@ def register_cli(app: Flask) -> None:
 
         Each dead letter is replayed once: a replay starts where the last one
         ended (the poimen-dlq-replay group's offsets, committed once the broker
-        acknowledged the copies) and skips copies an earlier replay published
-        that were dead-lettered again. --from-start or --since read again on
+        acknowledged the copies) and skips what an earlier replay published
+        that was dead-lettered again (the copy, and the letter it names), so N
+        letters that keep failing stay at most 2N. --from-start or --since read
+        again on
         purpose, each message still published once per replay. A message keeps
         its dispatch key (a keyless one gets the key derived from its origin), so
         publishing it again yields the same run, never a second.
