@@ -1,8 +1,10 @@
 """Bearer-token auth. A token acts for one tenant; a service token for any named one.
 
 A token's scope narrows what it may do: none (NULL) is everything its kind
-allows; ``admit`` is ``POST /v1/runs`` only, which is all the Kafka inbox needs,
-so a leaked inbox token can create runs but not read, list or cancel them.
+allows but the operator's actions; ``admit`` is ``POST /v1/runs`` only, which is
+all the Kafka inbox needs, so a leaked inbox token can create runs but not read,
+list or cancel them; ``admin`` is everything, the operator's actions included
+(replaying the inbox's dead letters from the console).
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ from .models import ApiToken, Tenant
 TOKEN_PREFIX = "pmn_"
 TENANT_HEADER = "X-Poimen-Tenant"
 
-# The scopes a token may be given, each naming the one action it allows.
+# The scopes a token may be given: ``admit`` names the one action it allows,
+# ``admin`` allows every action, the operator's included.
 ADMIT = "admit"
-SCOPES = (ADMIT,)
+ADMIN = "admin"
+SCOPES = (ADMIT, ADMIN)
+# Actions for operators only: an unscoped token (a tenant's callers) may not do them.
+# Replaying dead letters re-publishes every message of the tenant's DLQ at once.
+REPLAY_DLQ = "replay_dlq"
+ADMIN_ACTIONS = frozenset({REPLAY_DLQ})
 
 
 def hash_token(token: str) -> str:
@@ -46,7 +54,12 @@ class Principal:
     scope: str | None = None
 
     def allows(self, action: str) -> bool:
-        """Whether this token may do ``action`` (``admit``, ``read``, ``cancel``)."""
+        """Whether this token may do ``action`` (``admit``, ``read``, ``cancel``,
+        ``replay_dlq``)."""
+        if self.scope == ADMIN:
+            return True
+        if action in ADMIN_ACTIONS:
+            return False
         return self.scope is None or self.scope == action
 
 

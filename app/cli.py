@@ -102,7 +102,9 @@ def register_cli(app: Flask) -> None:
                   help="A service token: may act for any tenant named in X-Poimen-Tenant.")
     @click.option("--label", help="A note saying who holds the token.")
     @click.option("--scope", type=click.Choice(SCOPES),
-                  help="Limit the token: 'admit' may only POST /v1/runs (the inbox's token).")
+                  help="Limit or widen the token: 'admit' may only POST /v1/runs (the inbox's "
+                       "token); 'admin' may also do the operator's actions (replaying dead "
+                       "letters from the console).")
     @_domain_errors
     def tokens_create(tenant_name: str | None, service: bool, label: str | None,
                       scope: str | None):
@@ -179,16 +181,25 @@ def register_cli(app: Flask) -> None:
     @topics.command("replay-dlq")
     @click.option("--tenant", "tenant_name", required=True, help="The tenant whose DLQ to replay.")
     @click.option("--reason", help="Only dead letters with this reason (poimen.dlq.reason).")
-    @click.option("--since", help="Only those dead-lettered since: ISO 8601 time, or an age "
-                                  "(30m, 2h, 7d).")
+    @click.option("--since", help="Again, those dead-lettered since: ISO 8601 time, or an age "
+                                  "(30m, 2h, 7d); replayed ones and copies included.")
+    @click.option("--from-start", is_flag=True,
+                  help="Again, the whole topic: replayed ones and copies included.")
     @click.option("--dry-run", is_flag=True, help="List what would be replayed; publish nothing.")
     @_domain_errors
     def topics_replay_dlq(tenant_name: str, reason: str | None, since: str | None,
-                          dry_run: bool):
+                          from_start: bool, dry_run: bool):
         """Re-publish a tenant's dead letters to its dispatch topic (safe to run twice).
 
-        A message keeps its dispatch key (a keyless one gets the key derived from
-        its origin), so replaying it again yields the same run, never a second.
+        Each dead letter is replayed once: a replay starts where the last one
+        ended (the poimen-dlq-replay group's offsets, committed once the broker
+        acknowledged the copies) and skips what an earlier replay published
+        that was dead-lettered again (the copy, and the letter it names), so N
+        letters that keep failing stay at most 2N. --from-start or --since read
+        again on
+        purpose, each message still published once per replay. A message keeps
+        its dispatch key (a keyless one gets the key derived from its origin), so
+        publishing it again yields the same run, never a second.
         """
         from confluent_kafka import KafkaException
 
@@ -196,6 +207,8 @@ def register_cli(app: Flask) -> None:
         from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
         tenant_service.find_tenant(tenant_name)
+        if since and from_start:
+            raise click.UsageError("give --since or --from-start, not both")
         try:
             when = parse_since(since) if since else None
         except ValueError as err:
@@ -204,7 +217,7 @@ def register_cli(app: Flask) -> None:
             report = replay_dead_letters(
                 kafka_client_settings(), topic_prefix(), tenant_name,
                 group=consumer_group(REPLAY_GROUP), reason=reason, since=when,
-                dry_run=dry_run, show=click.echo)
+                from_start=from_start, dry_run=dry_run, show=click.echo)
         except (RuntimeError, TimeoutError, KafkaException) as err:
             raise click.ClickException(str(err)) from err
         click.echo(report.summary(dry_run))

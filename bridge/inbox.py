@@ -6,8 +6,10 @@ admission, so every run it creates went through the same validation, auth and
 state of its own: a redelivered message is replayed at admission (200), not
 filtered here, because two dedup layers disagree exactly when things go wrong.
 A message without a ``dispatch_key`` is admitted under one derived from its
-place in the log (``kafka:<topic>:<partition>:<offset>``), so it too is one run
-under any redelivery.
+place in the log and its stored time
+(``kafka:<topic>:<partition>:<offset>:<timestamp_ms>``), so it too is one run
+under any redelivery, and a re-created topic's messages are not taken for the
+old topic's.
 
 Offsets are committed per partition, in order, and only past messages that
 either the API admitted (a 200/201 whose body is a run) or the dead-letter
@@ -70,6 +72,7 @@ from .inbox_faults import (
     batch_body,
     batch_fault,
     batch_item,
+    message_timestamp,
     response_fault,
     run_request_body,
 )
@@ -144,7 +147,7 @@ class InboxMetrics:
                               "Dispatch partitions assigned to this relay.", registry=r)
         self.derived_keys = Counter(
             "poimen_inbox_derived_keys_total",
-            "Messages without a dispatch_key admitted under kafka:<topic>:<partition>:<offset>.",
+            "Messages without a dispatch_key admitted under a derived kafka:<topic>:... key.",
             registry=r)
         self.internal_errors = Counter("poimen_inbox_internal_errors_total",
                                        "Exceptions raised by the relay's own code on a message.",
@@ -177,7 +180,7 @@ class Outcome:
     reason: str = ""
     status: int | None = None
     detail: str = ""
-    derived_key: bool = False  # admitted under kafka:<topic>:<partition>:<offset>
+    derived_key: bool = False  # admitted under a derived kafka:... key
 
     @property
     def done(self) -> bool:
@@ -414,7 +417,7 @@ class BatchEntry:
     message: Message
     body: bytes
     trace: dict[str, str]
-    derived: bool  # admitted under kafka:<topic>:<partition>:<offset>
+    derived: bool  # admitted under a derived kafka:... key
 
 
 @dataclass(frozen=True)
@@ -434,7 +437,7 @@ def _headers_size(headers: Iterable[tuple[str, bytes | None]]) -> int:
 
 def dead_letter_record(*, key: bytes | None, value: bytes | None,
                        headers: list[tuple[str, bytes]] | None, topic: str, partition: int,
-                       offset: int, reason: str, status: int | None = None, detail: str = "",
+                       offset: int, timestamp_ms: int | None, reason: str, status: int | None = None, detail: str = "",
                        extra_headers: Iterable[tuple[str, bytes]] = (),
                        limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> DeadLetter:
     """Return the dead letter of a message: the original plus ``poimen.dlq.*`` headers.
@@ -452,6 +455,10 @@ def dead_letter_record(*, key: bytes | None, value: bytes | None,
         ("poimen.dlq.origin.topic", topic.encode()),
         ("poimen.dlq.origin.partition", str(partition).encode()),
         ("poimen.dlq.origin.offset", str(offset).encode()),
+        # The origin's stored time: replay derives a keyless message's key from it
+        # (bridge/dlq.py), and the copy it publishes sits at a new place and time.
+        *([("poimen.dlq.origin.timestamp", str(timestamp_ms).encode())]
+          if timestamp_ms is not None else []),
         *extra_headers,
     ]
     kept = list(headers or [])
@@ -898,7 +905,8 @@ class Inbox:
                                        "setting)")
                 try:
                     body, derived = run_request_body(value, msg.topic(), msg.partition(),
-                                                     msg.offset())
+                                                     msg.offset(),
+                                                     message_timestamp(*msg.timestamp()))
                 except MessageFault as bad:
                     outcomes[index] = self._fault(msg, tenant, bad.fault)
                     continue
@@ -1008,7 +1016,8 @@ class Inbox:
             for _ in range(DLQ_SIZE_TRIES):
                 record = dead_letter_record(
                     key=msg.key(), value=msg.value(), headers=msg.headers(), topic=msg.topic(),
-                    partition=msg.partition(), offset=msg.offset(), reason=reason, status=status,
+                    partition=msg.partition(), offset=msg.offset(),
+                    timestamp_ms=message_timestamp(*msg.timestamp()), reason=reason, status=status,
                     detail=detail, extra_headers=extra_headers, limit=limit)
                 error = self._produce(topic, record)
                 if not error:

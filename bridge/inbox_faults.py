@@ -71,26 +71,43 @@ class MessageFault(ValueError):
         return Fault(FaultKind.MESSAGE, self.reason, detail=str(self))
 
 
-def derived_dispatch_key(topic: str, partition: int, offset: int) -> str:
-    """Return the ``dispatch_key`` of a message that has none: its place in the log.
+def derived_dispatch_key(topic: str, partition: int, offset: int,
+                         timestamp_ms: int | None) -> str:
+    """Return the ``dispatch_key`` of a message that has none: its place and its time.
 
-    A topic, partition and offset name one message for the life of the topic, so
-    every redelivery of a keyless message replays one run instead of adding one.
+    The place (topic, partition, offset) names one message only for the life of
+    the topic: a topic deleted and re-created starts its offsets at 0 again, and
+    a keyless message there would replay (or conflict with) a run of the old
+    topic's message at that offset. The message's timestamp (``CreateTime``,
+    or ``LogAppendTime`` on a topic so configured) is stored with it in the log,
+    so every redelivery of the same message derives the same key, while the
+    message at the same offset of a re-created topic carries its own time.
+    ``timestamp_ms`` None (a broker of the 0.9 message format, which keeps no
+    time; a dead letter written before the time was recorded) derives the key
+    of the place alone, ``kafka:<topic>:<partition>:<offset>``, as before.
     """
-    return f"kafka:{topic}:{partition}:{offset}"
+    if timestamp_ms is None:
+        return f"kafka:{topic}:{partition}:{offset}"
+    return f"kafka:{topic}:{partition}:{offset}:{timestamp_ms}"
+
+
+def message_timestamp(kind: int, timestamp_ms: int) -> int | None:
+    """Return a message's stored time in ms from ``Message.timestamp()``, None if it has none."""
+    # confluent_kafka.TIMESTAMP_NOT_AVAILABLE is 0; an old-format message reads (0, -1).
+    return timestamp_ms if kind != 0 and timestamp_ms >= 0 else None
 
 
 def run_request_body(value: bytes | None, topic: str, partition: int,
-                     offset: int) -> tuple[bytes, bool]:
+                     offset: int, timestamp_ms: int | None) -> tuple[bytes, bool]:
     """Return the ``POST /v1/runs`` body for a message, and whether its key was derived.
 
     The body is the message's value exactly as the producer wrote it: the API
     validates every field (an unknown field is its 422, not silently dropped
     here), and nothing is re-encoded, so numbers keep their digits and text is
     not inflated by escaping. The one change is for a message whose
-    ``dispatch_key`` is absent or null: its derived key is appended as the last
-    member (a duplicate name resolves to the last one in the API's parser and in
-    Postgres ``jsonb``).
+    ``dispatch_key`` is absent or null: its derived key
+    (``derived_dispatch_key``) is appended as the last member (a duplicate name
+    resolves to the last one in the API's parser and in Postgres ``jsonb``).
 
     Raise ``MessageFault`` if the value is not a UTF-8 JSON object.
     """
@@ -111,7 +128,7 @@ def run_request_body(value: bytes | None, topic: str, partition: int,
         raise MessageFault("not_an_object", f"a JSON {kind}, not an object")
     if body.get("dispatch_key") is not None:
         return value, False
-    key = json.dumps(derived_dispatch_key(topic, partition, offset)).encode()
+    key = json.dumps(derived_dispatch_key(topic, partition, offset, timestamp_ms)).encode()
     inner = value.rstrip(JSON_WHITESPACE)[:-1].rstrip(JSON_WHITESPACE)  # without the final }
     if not body:  # {} has no member to follow
         return b'{"dispatch_key":' + key + b"}", True

@@ -31,7 +31,7 @@ from workers import registry
 from .. import runs as run_service
 from ..admission import AdmissionConflict, admit_run, dumps
 from ..api import MAX_KEY_LEN, _decode_cursor, _encode_cursor, _unstorable
-from ..auth import ADMIT
+from ..auth import ADMIT, REPLAY_DLQ
 from ..errors import ApiError
 from ..extensions import db
 from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus
@@ -343,7 +343,7 @@ def schedules():
 def inbox():
     from confluent_kafka import KafkaException
 
-    from bridge.dlq import read_dead_letters, replay_request
+    from bridge.dlq import DeadLetterTopic, replay_request
     from bridge.topics import dead_letter_topic
 
     kafka = _kafka()
@@ -351,19 +351,28 @@ def inbox():
     topic = dead_letter_topic(kafka["prefix"], g.principal.tenant_name)
     letters, by_reason, read = [], {}, 0
     try:
-        for letter in read_dead_letters(kafka["settings"], topic, kafka["group"], timeout=10):
-            read += 1
-            by_reason[letter.reason or "-"] = by_reason.get(letter.reason or "-", 0) + 1
-            if reason is None or letter.reason == reason:
-                letters.append(_letter_row(letter, replay_request(letter)))
-            if read >= MAX_LETTERS:
-                break
+        with DeadLetterTopic(kafka["settings"], topic, kafka["group"], timeout=10) as dlq:
+            # Where the next replay starts: the letters before it were replayed.
+            resume = dlq.resume_offsets() if dlq.exists else {}
+            for letter in dlq.read(dlq.low) if dlq.exists else ():
+                read += 1
+                by_reason[letter.reason or "-"] = by_reason.get(letter.reason or "-", 0) + 1
+                if reason is None or letter.reason == reason:
+                    verdict = replay_request(letter)
+                    if letter.offset < resume.get(letter.partition, 0):
+                        verdict = (None, "replayed")
+                    elif letter.copy_of:
+                        verdict = (None, "copy_of_a_replayed_letter")
+                    letters.append(_letter_row(letter, verdict))
+                if read >= MAX_LETTERS:
+                    break
     except (KafkaException, TimeoutError, RuntimeError) as err:
         raise ConsoleError(503, "kafka_unavailable", KAFKA_ERRORS_NOTE,
                            {"reason": type(err).__name__}) from err
     return render_template("console/inbox.html", topic=topic, letters=letters,
                            by_reason=dict(sorted(by_reason.items())), reason=reason,
-                           capped=read >= MAX_LETTERS, max_letters=MAX_LETTERS)
+                           capped=read >= MAX_LETTERS, max_letters=MAX_LETTERS,
+                           can_replay=g.principal.allows(REPLAY_DLQ))
 
 
 def _letter_row(letter, replayable: tuple[bytes | None, str]) -> dict[str, Any]:
@@ -396,8 +405,12 @@ def replay_inbox():
     from bridge.dlq import replay_dead_letters
 
     principal = g.principal
-    if not principal.allows(ADMIT):
-        raise ConsoleError(403, "forbidden", "this token may not create runs")
+    if not principal.allows(REPLAY_DLQ):
+        # A replay re-publishes the tenant's whole DLQ: an operator's action, not a caller's.
+        raise ConsoleError(403, "forbidden",
+                           "replaying dead letters needs a token with the admin scope "
+                           "(flask --app app tokens create --tenant NAME --scope admin)",
+                           {"scope": principal.scope, "action": REPLAY_DLQ})
     kafka = _kafka()
     reason = request.form.get("reason", "").strip() or None
     try:

@@ -6,6 +6,7 @@ An ``admit``-scoped token (the Kafka inbox's) can create runs and nothing else;
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -172,3 +173,71 @@ def test_metrics_over_gunicorn_without_a_token_are_not_found(live_api):
     response = requests.get(f"{live_api}/metrics", timeout=10)
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
+
+
+# Replaying the inbox's dead letters from the console: the admin scope only ---------------------
+
+CONSOLE_SECRET = "c" * 40
+
+
+def console_client(token: str):
+    """A test client of a console-enabled app (Kafka from the environment), signed in."""
+    import re
+
+    from app import create_app
+
+    client = create_app({"POIMEN_CONSOLE_SECRET": CONSOLE_SECRET, "TESTING": True}).test_client()
+    page = client.get("/console/sign-in").get_data(as_text=True)
+    csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+    assert client.post("/console/sign-in",
+                       data={"csrf_token": csrf, "token": token}).status_code == 302
+    # Sign-in starts a fresh session, with a CSRF token of its own (every page's sign-out form).
+    page = client.get("/console/runs").get_data(as_text=True)
+    return client, re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+
+
+def test_only_an_admin_scoped_token_replays_dead_letters_from_the_console(app, make_tenant,
+                                                                           test_env):
+    """Issue 43, item 6: any tenant token could start a replay of the tenant's whole DLQ.
+    A replay is an operator's action: a token with the admin scope; others get a 403."""
+    from confluent_kafka import Producer
+
+    from app.tenants import create_token, find_tenant
+    from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
+    from poimenconfig import topic_prefix
+    from tests.bridge.test_inbox_relay import topic_size
+
+    tenant = make_tenant()
+    with app.app_context():
+        admin = create_token(find_tenant(tenant.name), False, "ops", scope="admin")
+    bootstrap, prefix = test_env["KAFKA_BOOTSTRAP_SERVERS"], topic_prefix()
+    declare_topics(bootstrap, prefix, [tenant.name], 1)
+    source = dispatch_topic(prefix, tenant.name)
+    producer = Producer({"bootstrap.servers": bootstrap})
+    producer.produce(dead_letter_topic(prefix, tenant.name),
+                     json.dumps({"workflow_ref": "echo", "dispatch_key": "k1"}).encode(),
+                     headers=[("poimen.dlq.reason", b"http_422"),
+                              ("poimen.dlq.origin.topic", source.encode()),
+                              ("poimen.dlq.origin.partition", b"0"),
+                              ("poimen.dlq.origin.offset", b"0")])
+    assert producer.flush(30) == 0
+
+    # The tenant's own unscoped token sees the page, not the button, and its POST is refused.
+    client, csrf = console_client(tenant.token)
+    refused = client.post("/console/inbox/replay", data={"csrf_token": csrf},
+                          headers={"Accept": "application/json"})
+    assert refused.status_code == 403, refused.data[:300]
+    error = refused.json["error"]
+    assert set(error) == {"code", "message", "details"} and error["code"] == "forbidden"
+    assert error["details"] == {"scope": None, "action": "replay_dlq"}
+    assert topic_size(bootstrap, source) == 0  # nothing was published
+    page = client.get("/console/inbox").get_data(as_text=True)
+    assert 'id="replay-needs-admin"' in page and 'id="replay"' not in page
+
+    # An admin-scoped token replays; a second replay from the page publishes nothing more.
+    client, csrf = console_client(admin)
+    assert 'id="replay"' in client.get("/console/inbox").get_data(as_text=True)
+    for _ in range(2):
+        done = client.post("/console/inbox/replay", data={"csrf_token": csrf})
+        assert done.status_code == 303, done.data[:300]
+        assert topic_size(bootstrap, source) == 1

@@ -28,6 +28,7 @@ from poimenconfig import inbox_settings
 
 JSON = "application/json"
 TOPIC = "poimen.acme.dispatch"
+T0 = 1_796_432_478_134  # a CreateTime in ms (2026-12-04)
 
 
 def run(status: int = 201) -> dict:
@@ -140,6 +141,9 @@ class FakeMessage:
     def headers(self) -> list:
         return self.trace
 
+    def timestamp(self) -> tuple[int, int]:
+        return 1, T0 + self.at  # CreateTime
+
 
 class ScriptedAPI:
     """Answers calls from a script; records each call's path, items and headers."""
@@ -198,7 +202,7 @@ def test_each_item_ends_as_its_own_answer_says(inbox):
     [(path, items, headers)] = api.calls
     assert path == "/v1/runs/batch" and headers["X-Poimen-Tenant"] == "acme" and len(items) == 4
     # The keyless message went with its derived key, the same as alone.
-    assert items[3]["dispatch_key"] == f"kafka:{TOPIC}:0:3" and outcomes[3].derived_key is False
+    assert items[3]["dispatch_key"] == f"kafka:{TOPIC}:0:3:{T0 + 3}" and outcomes[3].derived_key is False
 
 
 def test_a_malformed_message_is_dead_lettered_alone_and_never_joins_the_batch(inbox):

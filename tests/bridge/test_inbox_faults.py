@@ -18,6 +18,7 @@ from bridge.inbox_faults import (
     FaultKind,
     MessageFault,
     derived_dispatch_key,
+    message_timestamp,
     response_fault,
     run_request_body,
 )
@@ -26,6 +27,7 @@ from tests.processes import ROOT
 
 JSON = "application/json"
 RUN = json.dumps({"id": "4b7e…", "status": "queued", "workflow_ref": "echo"}).encode()
+T0 = 1_796_432_478_134  # a CreateTime in ms (2026-12-04)
 
 
 def api_error(code: str) -> bytes:
@@ -49,7 +51,7 @@ def api_error(code: str) -> bytes:
 ])
 def test_unparsable_messages_are_message_faults(value, reason):
     with pytest.raises(MessageFault) as err:
-        run_request_body(value, "poimen.acme.dispatch", 0, 7)
+        run_request_body(value, "poimen.acme.dispatch", 0, 7, T0)
     assert err.value.reason == reason
     assert err.value.fault.kind is FaultKind.MESSAGE
 
@@ -60,14 +62,14 @@ def test_the_body_is_forwarded_byte_for_byte():
     value = ('{"workflow_ref": "echo",  "dispatchKey": "typo", "dispatch_key": "k",\n'
              '"input": {"n": 0.1000000000000000055511151231257827, "big": 1e23, '
              '"s": "\U0001F600\u00e9"}}').encode()
-    body, derived = run_request_body(value, "poimen.acme.dispatch", 0, 7)
+    body, derived = run_request_body(value, "poimen.acme.dispatch", 0, 7, T0)
     assert body == value and not derived
 
 
 def test_an_emoji_message_is_not_inflated_by_escaping():
     value = json.dumps({"workflow_ref": "echo", "input": {"s": "\U0001F600" * 100_000}},
                        ensure_ascii=False).encode()
-    body, derived = run_request_body(value, "poimen.acme.dispatch", 2, 40)
+    body, derived = run_request_body(value, "poimen.acme.dispatch", 2, 40, T0)
     assert derived and len(body) < len(value) + 100  # not 3x, as \ud83d\ude00 escapes were
 
 
@@ -78,11 +80,11 @@ def test_an_emoji_message_is_not_inflated_by_escaping():
     b"{}",
     b" { } ",
 ])
-def test_a_message_without_a_key_gets_the_key_of_its_place_in_the_log(value):
-    body, derived = run_request_body(value, "poimen.acme.dispatch", 3, 41)
+def test_a_message_without_a_key_gets_the_key_of_its_place_and_time_in_the_log(value):
+    body, derived = run_request_body(value, "poimen.acme.dispatch", 3, 41, T0)
     assert derived
     parsed = json.loads(body)
-    assert parsed["dispatch_key"] == "kafka:poimen.acme.dispatch:3:41"
+    assert parsed["dispatch_key"] == f"kafka:poimen.acme.dispatch:3:41:{T0}"
     # Everything else is as the producer wrote it.
     original = json.loads(value)
     original.pop("dispatch_key", None)
@@ -92,9 +94,20 @@ def test_a_message_without_a_key_gets_the_key_of_its_place_in_the_log(value):
 
 
 def test_the_derived_key_is_stable_and_fits_the_api():
-    key = derived_dispatch_key("poimen." + "t" * 63 + ".dispatch", 2**31 - 1, 2**63 - 1)
-    assert key == derived_dispatch_key("poimen." + "t" * 63 + ".dispatch", 2**31 - 1, 2**63 - 1)
+    topic = "poimen." + "t" * 63 + ".dispatch"
+    key = derived_dispatch_key(topic, 2**31 - 1, 2**63 - 1, 2**63 - 1)
+    assert key == derived_dispatch_key(topic, 2**31 - 1, 2**63 - 1, 2**63 - 1)
     assert len(key) <= 255  # the API's dispatch_key limit
+
+
+def test_the_derived_key_names_the_message_not_only_its_place():
+    # The same offset of a re-created topic holds another message, written at another time.
+    assert (derived_dispatch_key("poimen.acme.dispatch", 0, 0, T0)
+            != derived_dispatch_key("poimen.acme.dispatch", 0, 0, T0 + 1))
+    # No stored time (the 0.9 message format; a dead letter of an older relay): the place alone.
+    assert derived_dispatch_key("poimen.acme.dispatch", 0, 5, None) == "kafka:poimen.acme.dispatch:0:5"
+    assert message_timestamp(1, T0) == T0 and message_timestamp(2, T0) == T0
+    assert message_timestamp(0, -1) is None
 
 
 # -- the API's answer -------------------------------------------------------------------------
@@ -156,6 +169,7 @@ def test_a_redirect_names_where_it_pointed():
 def dead_letter(value: bytes | None, key: bytes | None = b"k", headers=None, limit=1_000_000):
     return dead_letter_record(key=key, value=value, headers=headers,
                               topic="poimen.acme.dispatch", partition=0, offset=9,
+                              timestamp_ms=T0,
                               reason="invalid_json", detail="not JSON", limit=limit)
 
 
@@ -171,6 +185,8 @@ def test_a_small_dead_letter_is_the_original_plus_reason_and_origin():
     assert h["trace"] == b"abc" and h["poimen.dlq.reason"] == b"invalid_json"
     assert (h["poimen.dlq.origin.topic"], h["poimen.dlq.origin.partition"],
             h["poimen.dlq.origin.offset"]) == (b"poimen.acme.dispatch", b"0", b"9")
+    # The origin's stored time: what replay derives a keyless message's key from.
+    assert h["poimen.dlq.origin.timestamp"] == str(T0).encode()
     assert "poimen.dlq.truncated" not in h
 
 

@@ -19,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.bridge import test_inbox_relay
 from tests.bridge.test_inbox_relay import (
@@ -27,9 +28,11 @@ from tests.bridge.test_inbox_relay import (
     committed,
     headers,
     metric,
+    metric_sum,
     read_topic,
     request,
     runs,
+    topic_end,
     topic_size,
     wait_runs,
 )
@@ -49,16 +52,23 @@ RAISE_MARKER = "__poimen_test_raise__"
 
 def produce(bootstrap: str, topic: str, value: bytes | dict, key: bytes | None = None) -> int:
     """Publish one message to partition 0 and return its offset once acknowledged."""
+    return produce_timed(bootstrap, topic, value, key)[0]
+
+
+def produce_timed(bootstrap: str, topic: str, value: bytes | dict,
+                  key: bytes | None = None) -> tuple[int, int]:
+    """Publish one message to partition 0; return its offset and stored time (ms)."""
     raw = json.dumps(value).encode() if isinstance(value, dict) else value
     reports: list = []
     # Above librdkafka's 1,000,000-byte default: the hostile values include a larger one.
     producer = Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 2_000_000})
     producer.produce(topic, raw, key=key, partition=0,
-                     on_delivery=lambda err, msg: reports.append((err, msg.offset())))
+                     on_delivery=lambda err, msg: reports.append(
+                         (err, msg.offset(), msg.timestamp()[1])))
     assert producer.flush(30) == 0, "the broker did not acknowledge the message"
-    [(err, offset)] = reports
+    [(err, offset, timestamp)] = reports
     assert err is None, err
-    return offset
+    return offset, timestamp
 
 
 def dead_letters(bootstrap: str, topic: str, expect: int, timeout: float = 2) -> dict[int, list]:
@@ -254,11 +264,12 @@ def test_keyless_messages_stay_one_run_each_after_redelivery(setup, pg):
     emoji = json.dumps({"workflow_ref": "echo", "input": {"s": "\U0001F600" * 100_000}},
                        ensure_ascii=False).encode()
     assert len(emoji) < 500_000
-    offsets = [produce(setup.bootstrap, setup.topic, small),
-               produce(setup.bootstrap, setup.topic, emoji)]
+    placed = [produce_timed(setup.bootstrap, setup.topic, small),
+              produce_timed(setup.bootstrap, setup.topic, emoji)]
     relay, url = setup.start_relay()
     got = wait_runs(pg, setup.tenant, 2)
-    keys = [f"kafka:{setup.topic}:0:{offset}" for offset in offsets]
+    # The documented derived key: the message's place and its stored time.
+    keys = [f"kafka:{setup.topic}:0:{offset}:{timestamp}" for offset, timestamp in placed]
     assert sorted(r["dispatch_key"] for r in got) == sorted(keys)
     assert run_with_key(pg, setup.tenant, keys[1])[0]["input"] == {"s": "\U0001F600" * 100_000}
     # The runs are in Postgres once the API commits; the relay counts them when the
@@ -277,6 +288,59 @@ def test_keyless_messages_stay_one_run_each_after_redelivery(setup, pg):
     assert metric(url, "poimen_inbox_admitted_total") == 0
     assert sorted(r["dispatch_key"] for r in runs(pg, setup.tenant)) == sorted(keys)
     assert topic_size(setup.bootstrap, setup.dlq) == 0
+
+
+def recreate_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    """Delete ``topic`` and create it again, empty, as an operator's AdminClient would."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics([topic], operation_timeout=10).values():
+        future.result()
+
+    def created() -> bool:
+        try:
+            for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+                future.result()
+        except KafkaException as err:  # the deletion may take a moment to settle
+            if err.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                return False
+            raise
+        return True
+
+    wait_until(created, timeout=20, what=f"{topic} created again")
+    wait_until(lambda: topic_end(bootstrap, topic) == [0], timeout=10,
+               what=f"{topic} empty after re-creation")
+
+
+def test_keyless_messages_of_a_recreated_topic_are_new_runs(setup, pg):
+    """Issue 43, item 7: a re-created topic starts its offsets at 0 again; its keyless
+    messages are new messages, never a replay of (or a conflict with) the old topic's."""
+    setup.declare()
+    same = request(input={"n": "same"})
+    produce(setup.bootstrap, setup.topic, same)
+    produce(setup.bootstrap, setup.topic, request(input={"n": "old"}))
+    relay, url = setup.start_relay()
+    wait_runs(pg, setup.tenant, 2)
+    setup.wait_committed([2], what="both offsets of the old topic committed")
+    relay.stop()
+
+    recreate_topic(setup.bootstrap, setup.topic)
+    # At offsets 0 and 1 again: the same value as before, then a different one.
+    assert produce(setup.bootstrap, setup.topic, same) == 0
+    assert produce(setup.bootstrap, setup.topic, request(input={"n": "new"})) == 1
+    # The old topic's commit (2) is past the new topic's end: the group starts over
+    # from the first message, as for a new topic; say so explicitly, as an operator would.
+    reset_offsets(setup, 0)
+    _, url = setup.start_relay()
+    wait_until(lambda: metric(url, "poimen_inbox_admitted_total")
+               + metric(url, "poimen_inbox_replayed_total")
+               + metric_sum(url, "poimen_inbox_dead_lettered_total") >= 2, timeout=30,
+               what="both messages of the re-created topic answered")
+    got = runs(pg, setup.tenant)
+    assert sorted(r["input"]["n"] for r in got) == ["new", "old", "same", "same"], got
+    assert metric(url, "poimen_inbox_admitted_total") == 2
+    assert metric(url, "poimen_inbox_replayed_total") == 0
+    assert topic_size(setup.bootstrap, setup.dlq) == 0
+    assert len({r["dispatch_key"] for r in got}) == 4
 
 
 # -- SIGTERM while a dead-letter write waits for its acknowledgement ----------------------------

@@ -554,12 +554,61 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "inbox_keyless_message_gets_no_key",
-        "a message without dispatch_key is admitted under kafka:<topic>:<partition>:<offset>",
+        "a message without dispatch_key is admitted under a derived kafka:<topic>:... key",
         "bridge/inbox_faults.py",
         '    if body.get("dispatch_key") is not None:\n        return value, False\n',
         "    return value, False\n",
         ("tests/bridge/test_inbox_hostile.py::"
          "test_keyless_messages_stay_one_run_each_after_redelivery",),
+    ),
+    Mutant(
+        "inbox_derived_key_names_only_the_place",
+        "a derived kafka: key names the message (place and stored time): a re-created "
+        "topic's keyless message is a new run, a redelivered one the same run",
+        "bridge/inbox_faults.py",
+        '    return f"kafka:{topic}:{partition}:{offset}:{timestamp_ms}"\n',
+        '    return f"kafka:{topic}:{partition}:{offset}"\n',
+        ("tests/bridge/test_inbox_hostile.py::"
+         "test_keyless_messages_of_a_recreated_topic_are_new_runs",),
+    ),
+    Mutant(
+        "dlq_replay_replays_dead_lettered_copies",
+        "a plain DLQ replay never publishes a dead-lettered copy of an earlier replay: "
+        "N letters that keep failing stay at most 2N however often it runs",
+        "bridge/dlq.py",
+        "                if letter.copy_of:\n",
+        "                if False:\n",
+        ("tests/bridge/test_dlq_replay.py::"
+         "test_replaying_letters_that_keep_failing_three_times_leaves_at_most_twice_as_many",),
+    ),
+    Mutant(
+        "dlq_replay_forgets_letters_with_a_copy",
+        "a plain DLQ replay never publishes a letter an earlier replay published that was "
+        "dead-lettered again (its copy names it), commit or not",
+        "bridge/dlq.py",
+        '                elif f"{source}:{letter.partition}:{letter.offset}" in copied:\n',
+        "                elif False:\n",
+        ("tests/bridge/test_dlq_replay.py::"
+         "test_a_filtered_replay_of_a_letter_that_keeps_failing_publishes_it_once",),
+    ),
+    Mutant(
+        "dlq_replay_commits_nothing",
+        "a DLQ replay records what it replayed (the replay group's offsets, after the "
+        "broker's acknowledgement): the next plain replay starts after it",
+        "bridge/dlq.py",
+        "            dlq.commit(report.committed)\n",
+        "            dlq.commit({})\n",
+        ("tests/bridge/test_dlq_replay.py::"
+         "test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none",),
+    ),
+    Mutant(
+        "console_replay_without_admin_scope",
+        "replaying dead letters from the console needs the admin scope",
+        "app/console/views.py",
+        "    if not principal.allows(REPLAY_DLQ):\n",
+        "    if not principal.allows(ADMIT):\n",
+        ("tests/app/test_least_privilege.py::"
+         "test_only_an_admin_scoped_token_replays_dead_letters_from_the_console",),
     ),
     Mutant(
         "inbox_retries_its_own_bugs_forever",
