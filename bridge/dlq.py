@@ -83,7 +83,7 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
     try:
         when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"--since {value!r}: give an ISO 8601 time (2026-11-29T10:00:00Z) "
+        raise ValueError(f"--since {value!r}: give an ISO 8601 time (YYYY-MM-DDTHH:MM:SSZ) "
                          "or an age (30m, 2h, 7d)") from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
