@@ -501,6 +501,8 @@ def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
             yield bool(conn.execute(statement, {"namespace": REPAIR_LOCK_NAMESPACE}).scalar())
     finally:
         conn.close()
+
+
 # Waking runs that wait for a slot: as many as will pass the claim, oldest first. The
 # claim (``claims._verdict``) lets a run take a slot of its group (a limited (tenant,
 # workflow, key); a capped tenant) while the slots held by live boots, the queued due
@@ -563,7 +565,7 @@ def _wake(waiting: str) -> TextClause:
 # wakes its tenant's runs itself (``WAKE_TENANT``).
 WAKE_WAITING = _wake(f"w.status = '{RunStatus.WAITING}' AND w.wait_reason IN {LIMITED_WAITS}")
 
-# A tenant's cap change: its locks, the cap, then the runs waiting for the tenant's
+# A tenant's cap change: its lock, the cap, then the runs waiting for the tenant's
 # slots that the new cap frees (every one, if the cap was lifted), in one transaction
 # (``change_tenant_cap``). The lock is the one every claim of the capped tenant's runs
 # takes first (``LOCK_SLOTS``): a claim that read the old cap and is parking a run
