@@ -64,9 +64,18 @@ def register_cli(app: Flask) -> None:
         """Set tenant NAME's limits: --max-running N caps its running runs."""
         if (max_running is None) == (not no_max_running):
             raise click.UsageError("give one of --max-running N or --no-max-running")
-        tenant = tenant_service.set_max_running(name, None if no_max_running else max_running)
+        from .enqueue import sender
+
+        change = tenant_service.set_max_running(name, None if no_max_running else max_running)
+        tenant = change.tenant
         cap = "none" if tenant.max_running is None else tenant.max_running
-        click.echo(f"tenant {tenant.name}: max running {cap}")
+        woken = f" ({len(change.woken)} waiting run(s) re-queued)" if change.woken else ""
+        click.echo(f"tenant {tenant.name}: max running {cap}{woken}")
+        # The runs it re-queued go out before the command exits: a send left to exit
+        # time finds the interpreter shutting down (beat's repair would re-send them).
+        if change.woken and not sender(current_app.extensions["celery"]).wait_idle(10):
+            click.echo("the broker did not take every re-queued run; beat's repair re-sends "
+                       "them", err=True)
 
     @app.cli.group()
     def schedules():

@@ -6,12 +6,15 @@ These raise ``TenantError`` subclasses; the CLI translates them into messages.
 from __future__ import annotations
 
 import re
+import uuid
+from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
 
 from .auth import SCOPES, hash_token, new_token
 from .extensions import db
 from .models import ApiToken, Tenant
+from .state.runs import change_tenant_cap
 
 # Tenant names appear in topic names: lowercase, digits, '_' and '-'.
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -53,19 +56,27 @@ class InvalidCap(TenantError):
     pass
 
 
-def set_max_running(name: str, max_running: int | None) -> Tenant:
+@dataclass(frozen=True)
+class CapChange:
+    tenant: Tenant
+    woken: list[uuid.UUID]  # the runs the change re-queued (waiting for the tenant's slots)
+
+
+def set_max_running(name: str, max_running: int | None) -> CapChange:
     """Cap tenant ``name``'s running runs at ``max_running`` (None: no cap); commit.
 
     Claims decide the cap (docs/internals/execution.md#concurrency-limits-and-tenant-caps).
-    Runs already running keep running; runs waiting for the tenant's slots when
-    it is raised or removed are re-queued by beat's next repair.
+    Runs already running keep running. A cap raised or lifted frees slots, and the
+    same transaction re-queues as many runs waiting for them as it freed (every one
+    when lifted), oldest first; they are sent once it commits.
     """
     if max_running is not None and (isinstance(max_running, bool) or max_running < 1):
         raise InvalidCap("--max-running must be a positive integer")
     tenant = find_tenant(name)
-    tenant.max_running = max_running
+    woken = change_tenant_cap(db.session, tenant.id, max_running)
     db.session.commit()
-    return tenant
+    db.session.refresh(tenant)
+    return CapChange(tenant, [row.id for row in woken])
 
 
 def list_tenants() -> list[Tenant]:

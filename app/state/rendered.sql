@@ -402,28 +402,24 @@ SELECT pg_try_advisory_xact_lock(:namespace, 0);
 SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 
 -- app/state/runs.py: WAKE_WAITING
-WITH heads AS (
-        SELECT DISTINCT ON (w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''))
-               w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit
+WITH
+    waiters AS (
+        SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+               w.wait_reason, w.created_at,
+               row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                                  ORDER BY w.created_at, w.id) AS group_place,
+               row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                                  ORDER BY w.created_at, w.id) AS tenant_place
           FROM runs w
-         WHERE w.status = 'waiting' AND w.wait_reason = 'concurrency'
-         ORDER BY w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''), w.created_at,
-                  w.id
-    ),
-    tenant_heads AS (
-        SELECT DISTINCT ON (w.tenant_id) w.id, w.tenant_id, t.max_running
-          FROM runs w JOIN tenants t ON t.id = w.tenant_id
-         WHERE w.status = 'waiting' AND w.wait_reason = 'tenant_cap'
-           AND t.max_running IS NOT NULL
-         ORDER BY w.tenant_id, w.created_at, w.id
-    )
+         WHERE w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    ), changed AS (
     UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
            last_sent_at = now()
      WHERE id IN (
-           (SELECT h.id FROM heads h
-             WHERE (SELECT count(*) FROM runs r
-                     WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(h.tenant_id AS text) || '|' || h.workflow_name || '|' || coalesce(h.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                       AND (('' || r.status) = 'running' AND r.claimed_by IN (
+           SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+            WHERE CASE WHEN w.wait_reason = 'concurrency'
+                       THEN w.group_place <= w.concurrency_limit
+                            AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -434,13 +430,13 @@ WITH heads AS (
        AND l.granted
        AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
-                   < h.concurrency_limit
-            UNION
-            SELECT h.id FROM tenant_heads h
-             WHERE (SELECT count(*) FROM runs r
-                     WHERE CAST(r.tenant_id AS text) = CAST(h.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                       AND (('' || r.status) = 'running' AND r.claimed_by IN (
+))
+                              + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                                <= w.concurrency_limit
+                       WHEN t.max_running IS NULL THEN true
+                       ELSE w.tenant_place <= t.max_running
+                            AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
     SELECT b.boot_id
       FROM worker_boots b
       JOIN pg_locks l
@@ -451,11 +447,97 @@ WITH heads AS (
        AND l.granted
        AND l.mode = 'ExclusiveLock'
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) OR ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now())))
-                   < h.max_running)
+))
+                              + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                                <= t.max_running
+                  END
+            ORDER BY w.created_at, w.id
             LIMIT :limit)
        AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
+     RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM changed
+         WHERE true
+
+    )
+
+        SELECT * FROM changed;
+
+-- app/state/runs.py: LOCK_TENANT
+SELECT pg_advisory_xact_lock(1347373396, CAST(:tenant AS integer));
+
+-- app/state/runs.py: SET_TENANT_CAP
+UPDATE tenants SET max_running = :max_running WHERE id = :tenant;
+
+-- app/state/runs.py: WAKE_TENANT
+WITH
+    waiters AS (
+        SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+               w.wait_reason, w.created_at,
+               row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                                  ORDER BY w.created_at, w.id) AS group_place,
+               row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                                  ORDER BY w.created_at, w.id) AS tenant_place
+          FROM runs w
+         WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
+    ), changed AS (
+    UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE id IN (
+           SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+            WHERE CASE WHEN w.wait_reason = 'concurrency'
+                       THEN w.group_place <= w.concurrency_limit
+                            AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.mode = 'ExclusiveLock'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))
+                              + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                                <= w.concurrency_limit
+                       WHEN t.max_running IS NULL THEN true
+                       ELSE w.tenant_place <= t.max_running
+                            AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.mode = 'ExclusiveLock'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+))
+                              + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                                <= t.max_running
+                  END
+            ORDER BY w.created_at, w.id
+            LIMIT :limit)
+       AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+     RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM changed
+         WHERE true
+
+    )
+
+        SELECT * FROM changed;
 
 -- app/state/runs.py: WAITING_BY_REASON
 SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs

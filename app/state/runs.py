@@ -39,13 +39,16 @@ from .compose import (
     WITH_WOKEN,
     due,
     group_lock_key,
+    group_scope,
     holds_slot,
     same_group,
     same_tenant,
     send_after_commit,
     send_woken,
     slot_release,
+    slot_status_is,
     status_is,
+    tenant_scope,
     with_event,
     with_woken,
 )
@@ -498,48 +501,82 @@ def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
             yield bool(conn.execute(statement, {"namespace": REPAIR_LOCK_NAMESPACE}).scalar())
     finally:
         conn.close()
-# Runs waiting for a slot that is free (a slot's holder died: its boot's lock
-# is gone; a queued run ahead of them was cancelled; a wake-up raced a commit):
-# the oldest waiting run of each such group, and of each such capped tenant, is
-# re-queued and marked sent. Beat's backstop; the statement that ends a slot's
-# holder wakes the next run itself. Counted as the claim counts: slots held by
-# live boots, plus runs queued and due (they will take a slot first).
-WAKE_WAITING = text(
-    f"""
-    WITH heads AS (
-        SELECT DISTINCT ON (w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''))
-               w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit
-          FROM runs w
-         WHERE w.status = '{RunStatus.WAITING}' AND w.wait_reason = '{WaitReason.CONCURRENCY}'
-         ORDER BY w.tenant_id, w.workflow_name, coalesce(w.concurrency_key, ''), w.created_at,
-                  w.id
-    ),
-    tenant_heads AS (
-        SELECT DISTINCT ON (w.tenant_id) w.id, w.tenant_id, t.max_running
-          FROM runs w JOIN tenants t ON t.id = w.tenant_id
-         WHERE w.status = '{RunStatus.WAITING}' AND w.wait_reason = '{WaitReason.TENANT_CAP}'
-           AND t.max_running IS NOT NULL
-         ORDER BY w.tenant_id, w.created_at, w.id
-    )
+
+
+# Waking runs that wait for a slot: as many as will pass the claim, oldest first. The
+# claim (``claims._verdict``) lets a run take a slot of its group (a limited (tenant,
+# workflow, key); a capped tenant) while the slots held by live boots, the queued due
+# runs older than it and the older runs waiting for that slot number fewer than the
+# limit. So the waiter at ``place`` in its group's line (1: the oldest) is woken when
+# place + held + older queued <= limit: as many as the slots free, never one that
+# would park again behind an older one. A tenant whose cap is gone (NULL) holds no
+# run back: every run that waited for its cap is woken. In a group's line, runs that
+# wait for the tenant's cap stand too (the claim counts them ahead of the group's
+# newer runs). The woken runs go back to ``queued`` (``run.woken``), marked sent; each
+# claims again under its group's locks. ``waiting``: the waiting runs (``w``) to wake.
+def _wake(waiting: str) -> TextClause:
+    def ahead(scope: str) -> str:
+        """SQL: how many runs of waiter ``w``'s group (``scope`` over ``r``) take a slot
+        before it (a sum over one status at a time, as the claim counts)."""
+        older = "(r.created_at, r.id) < (w.created_at, w.id)"
+        return (f"(SELECT count(*) FROM runs r WHERE {scope} AND {holds_slot('r')})\n"
+                f"                              + (SELECT count(*) FROM runs r WHERE {scope}\n"
+                f"                                    AND {due('r', slot=True)} AND {older})")
+
+    return with_event(
+        f"""
     UPDATE runs SET status = '{RunStatus.QUEUED}', wait_reason = NULL, updated_at = now(),
            last_sent_at = now()
      WHERE id IN (
-           (SELECT h.id FROM heads h
-             WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_group("r", "h")}
-                       AND ({holds_slot("r")} OR {due("r", slot=True)}))
-                   < h.concurrency_limit
-            UNION
-            SELECT h.id FROM tenant_heads h
-             WHERE (SELECT count(*) FROM runs r
-                     WHERE {same_tenant("r", "h")}
-                       AND ({holds_slot("r")} OR {due("r", slot=True)}))
-                   < h.max_running)
+           SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+            WHERE CASE WHEN w.wait_reason = '{WaitReason.CONCURRENCY}'
+                       THEN w.group_place <= w.concurrency_limit
+                            AND w.group_place + {ahead(same_group("r", "w"))}
+                                <= w.concurrency_limit
+                       WHEN t.max_running IS NULL THEN true
+                       ELSE w.tenant_place <= t.max_running
+                            AND w.tenant_place + {ahead(same_tenant("r", "w"))}
+                                <= t.max_running
+                  END
+            ORDER BY w.created_at, w.id
             LIMIT :limit)
        AND {status_is("runs", RunStatus.WAITING)} AND wait_reason IN {LIMITED_WAITS}
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
-    """
-)
+    """,
+        "id, tenant_id, workflow_name, workflow_version, traceparent, tracestate",
+        "'run.woken'",
+        before=f"""
+    waiters AS (
+        SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+               w.wait_reason, w.created_at,
+               row_number() OVER (PARTITION BY {group_scope("w")}, w.concurrency_limit IS NULL
+                                  ORDER BY w.created_at, w.id) AS group_place,
+               row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                                  ORDER BY w.created_at, w.id) AS tenant_place
+          FROM runs w
+         WHERE {waiting}
+    ),""",
+    )
+
+
+# Beat's backstop: runs waiting for a slot that is free (a slot's holder died: its
+# boot's lock is gone; a queued run ahead of them was cancelled; a cap was raised or
+# lifted, or set while runs ran, behind a claim's back), in every group and tenant.
+# The statement that ends a slot's holder wakes the next run itself, and a cap change
+# wakes its tenant's runs itself (``WAKE_TENANT``).
+WAKE_WAITING = _wake(f"w.status = '{RunStatus.WAITING}' AND w.wait_reason IN {LIMITED_WAITS}")
+
+# A tenant's cap change: its lock, the cap, then the runs waiting for the tenant's
+# slots that the new cap frees (every one, if the cap was lifted), in one transaction
+# (``change_tenant_cap``). The lock is the one every claim of the capped tenant's runs
+# takes first (``LOCK_SLOTS``): a claim that read the old cap and is parking a run
+# commits before the wake's snapshot (which sees the run and wakes it), and a claim
+# that comes after reads the new cap. No run is left waiting for a cap that is gone.
+LOCK_TENANT = text(
+    f"SELECT pg_advisory_xact_lock({TENANT_LOCK_NAMESPACE}, CAST(:tenant AS integer))")
+SET_TENANT_CAP = text("UPDATE tenants SET max_running = :max_running WHERE id = :tenant")
+WAKE_TENANT = _wake(
+    f"{tenant_scope('w')} = CAST(CAST(:tenant AS integer) AS text) "
+    f"AND {slot_status_is('w', RunStatus.WAITING)} AND w.wait_reason = '{WaitReason.TENANT_CAP}'")
 
 # What waiting runs wait for, for the poimen_runs_waiting{reason} gauge.
 WAITING_BY_REASON = text(
@@ -551,8 +588,23 @@ WAITING_BY_REASON = text(
 
 
 def wake_waiting_runs(session: Session, *, limit: int | None) -> list[Row]:
-    """Re-queue (and mark sent) the oldest waiting run of each group with a free slot."""
+    """Re-queue (and mark sent) the waiting runs each group has free slots for, oldest
+    first, and every run waiting for a cap that was lifted; at most ``limit``."""
     return session.execute(WAKE_WAITING, {"limit": limit}).all()
+
+
+def change_tenant_cap(session: Session, tenant_id: int, max_running: int | None) -> list[Row]:
+    """Set tenant ``tenant_id``'s cap to ``max_running`` (None: no cap) in ``session``'s
+    transaction, and re-queue the runs waiting for its slots that the new cap frees:
+    every one if it was lifted, oldest first. They are sent once the caller commits;
+    return them."""
+    session.execute(LOCK_TENANT, {"tenant": tenant_id})
+    session.execute(SET_TENANT_CAP, {"tenant": tenant_id, "max_running": max_running})
+    woken = session.execute(WAKE_TENANT, {"tenant": tenant_id, "limit": None}).all()
+    for row in woken:
+        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                          row.traceparent, row.tracestate)
+    return woken
 
 
 def waiting_by_reason(session_or_conn) -> dict[str, int]:

@@ -27,17 +27,20 @@ import re
 import pytest
 
 from app.state import claims
+from app.state import runs as state_runs
 from app.state.runs import _PARAMETER
 
 SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
 ALLOWED = SLOT_INDEXES | {"runs_pkey"}
 
 # Every claims statement of a limited run: they count slots (a claim, a takeover, an
-# adoption) or wake the next run waiting for one (an end, a release, a retry).
+# adoption) or wake the next run waiting for one (an end, a release, a retry); and a
+# tenant's cap change, which wakes the runs waiting for its slots.
 STATEMENTS = {
-    name: getattr(claims, name)
-    for name in ("CLAIM_SLOT", "TAKE_OVER_SLOT", "ADOPT_SLOT", "FINISH", "FINISH_INSERTED",
-                 "FINISH_CLOSED", "RELEASE", "RETRY")
+    **{name: getattr(claims, name)
+       for name in ("CLAIM_SLOT", "TAKE_OVER_SLOT", "ADOPT_SLOT", "FINISH", "FINISH_INSERTED",
+                    "FINISH_CLOSED", "RELEASE", "RETRY")},
+    "WAKE_TENANT": state_runs.WAKE_TENANT,
 }
 
 # The same statements of an unlimited run: they find their run by primary key only.

@@ -299,6 +299,60 @@ MUTANTS: list[Mutant] = [
          "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
     ),
     Mutant(
+        "cap_lift_wakes_none",
+        "a tenant cap lifted frees every slot it held back: every run waiting for it is woken "
+        "(by the cap change, and by repair if one is left), never left waiting for good",
+        "app/state/runs.py",
+        "                       WHEN t.max_running IS NULL THEN true\n",
+        "                       WHEN t.max_running IS NULL THEN false\n",
+        ("tests/workers/test_concurrency.py::test_lifting_a_cap_wakes_every_run_waiting_for_it",
+         "tests/workers/test_concurrency.py::"
+         "test_repair_wakes_runs_left_waiting_for_a_cap_that_is_gone"),
+    ),
+    Mutant(
+        "cap_raise_wakes_one",
+        "a tenant cap raised wakes as many runs waiting for it as it freed, at once (not one "
+        "per repair tick)",
+        "app/state/runs.py",
+        "                       ELSE w.tenant_place <= t.max_running\n",
+        "                       ELSE w.tenant_place <= 1\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_raising_a_cap_wakes_as_many_runs_as_it_freed_oldest_first",
+         "tests/workers/test_concurrency.py::test_repair_wakes_as_many_as_a_raised_cap_frees"),
+    ),
+    Mutant(
+        "wake_counts_newer_queued_runs",
+        "a wake-up counts only the queued runs older than a waiter as taking a slot first (a "
+        "newer one stands behind it in the claim): a backlog does not swallow a raised cap",
+        "app/state/runs.py",
+        "                f\"                                    AND {due('r', slot=True)} AND {older})\")",
+        "                f\"                                    AND {due('r', slot=True)})\")",
+        ("tests/workers/test_concurrency.py::"
+         "test_raising_a_cap_wakes_as_many_runs_as_it_freed_oldest_first",),
+    ),
+    Mutant(
+        "wake_line_without_cap_waiters",
+        "a limited group's line, for a wake-up, holds its runs waiting for the tenant's cap "
+        "too (the claim counts them ahead): a newer run is not woken to park again behind one",
+        "app/state/runs.py",
+        "               row_number() OVER (PARTITION BY {group_scope(\"w\")}, "
+        "w.concurrency_limit IS NULL\n",
+        "               row_number() OVER (PARTITION BY {group_scope(\"w\")}, w.wait_reason\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_a_run_left_waiting_for_a_gone_cap_does_not_block_its_group",),
+    ),
+    Mutant(
+        "cap_change_without_lock",
+        "a cap change wakes its tenant's waiting runs under the tenant's slot lock: a claim "
+        "parking a run under the old cap commits before the wake-up's snapshot (no run left "
+        "waiting for a cap that is gone)",
+        "app/state/runs.py",
+        "    session.execute(LOCK_TENANT, {\"tenant\": tenant_id})\n",
+        "",
+        ("tests/workers/test_concurrency.py::"
+         "test_a_cap_lift_racing_a_claim_that_parks_still_wakes_it",),
+    ),
+    Mutant(
         "claim_in_a_transaction",
         "a claim is one round trip: its one statement runs in autocommit (issue 10)",
         "workers/execution.py",

@@ -483,3 +483,229 @@ def test_adoption_keeps_the_slot_only_if_no_run_took_it_while_the_boot_was_dead(
     session.commit()
     assert state(pg, mine)[:3] == ("running", None, lost)
     assert state(pg, alone)[:3] == ("running", None, new.boot_id)
+
+
+# -- a cap change wakes the runs it frees (issue 43, item 2) ------------------------------------
+#
+# On the savepoint fixture (``db_session``): the runs, claims and the cap change live in one
+# transaction the test rolls back; the boots are real (their locks on their own
+# connections), so the slot counts see live holders.
+
+@pytest.fixture
+def tx_admit(db_session, tx_tenant):
+    """Admit a run of ``tx_tenant`` in ``db_session`` and return its id."""
+    from sqlalchemy import text
+
+    from app.admission import admit_run
+
+    def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs):
+        run_id = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref=workflow_ref,
+                           input=input or {}, **kwargs).run.id
+        # created_at is now(), the transaction's start: one instant for every run of the
+        # test. Admitted in their own transactions, runs line up in admission order.
+        db_session.execute(text("UPDATE runs SET created_at = clock_timestamp() "
+                                "WHERE id = :run"), {"run": run_id})
+        db_session.commit()
+        return run_id
+
+    return make
+
+
+def tx_state(session, run_id):
+    from sqlalchemy import text
+
+    return tuple(session.execute(text("SELECT status, wait_reason FROM runs WHERE id = :run"),
+                                 {"run": run_id}).one())
+
+
+def tx_events(session, run_id):
+    from sqlalchemy import text
+
+    return list(session.execute(text("SELECT event_type FROM outbox WHERE run_id = :run "
+                                     "ORDER BY id"), {"run": run_id}).scalars())
+
+
+def tx_set_cap(db_session, name, cap):
+    """``set_max_running`` as the CLI calls it (its commit releases a savepoint here)."""
+    from app.tenants import set_max_running
+
+    set_max_running(name, cap)
+    db_session.commit()
+
+
+def parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, cap, count,
+                        workflow_ref="echo", input=None):
+    """Cap ``tx_tenant`` at ``cap`` and claim ``count`` runs: ``cap`` run, the rest wait."""
+    tx_set_cap(db_session, tx_tenant.name, cap)
+    runs = [tx_admit(workflow_ref, input) for _ in range(count)]
+    outcomes = [claim(db_session, run, boot.boot_id) for run in runs]
+    assert [o.outcome for o in outcomes] == ([ClaimOutcome.CLAIMED] * cap
+                                             + [ClaimOutcome.SLOT_WAIT] * (count - cap))
+    assert {o.wait_reason for o in outcomes[cap:]} <= {"tenant_cap"}
+    return runs
+
+
+def test_lifting_a_cap_wakes_every_run_waiting_for_it(db_session, tx_admit, tx_tenant,
+                                                      boot_factory):
+    """The runs waiting for the cap go back to queued in the cap change's own transaction
+    (``WAKE_TENANT``), each with a ``run.woken`` event, and pass the claim. Before, every
+    wake statement required a cap: they waited for good."""
+    boot = boot_factory()
+    first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 4)
+    tx_set_cap(db_session, tx_tenant.name, None)
+    assert [tx_state(db_session, r) for r in waiting] == [("queued", None)] * 3
+    assert tx_events(db_session, waiting[0]) == ["run.admitted", "run.waiting", "run.woken"]
+    assert [claim(db_session, r, boot.boot_id).outcome for r in waiting] == [
+        ClaimOutcome.CLAIMED] * 3
+
+
+def test_lifting_a_cap_leaves_a_woken_run_to_its_groups_limit(db_session, tx_admit, tx_tenant,
+                                                             boot_factory):
+    """Woken, a run still passes its own group's limit: two runs of one key waited for the
+    cap; lifted, one starts and the other waits for the key's slot."""
+    boot = boot_factory()
+    tx_set_cap(db_session, tx_tenant.name, 1)
+    blocker = tx_admit("echo")
+    assert claim(db_session, blocker, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+    a, b = tx_admit("keyed", {"customer": "k"}), tx_admit("keyed", {"customer": "k"})
+    assert [claim(db_session, r, boot.boot_id).wait_reason for r in (a, b)] == [
+        "tenant_cap", "tenant_cap"]
+    tx_set_cap(db_session, tx_tenant.name, None)
+    assert claim(db_session, a, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+    parked = claim(db_session, b, boot.boot_id)
+    assert (parked.outcome, parked.wait_reason) == (ClaimOutcome.SLOT_WAIT, "concurrency")
+
+
+def test_raising_a_cap_wakes_as_many_runs_as_it_freed_oldest_first(db_session, tx_admit,
+                                                                   tx_tenant, boot_factory):
+    """Cap 1 -> 5 with 6 waiting: the 4 oldest are woken at once (not one per repair
+    tick), and all 4 pass the claim; the 2 newest still wait. A newer queued run (its
+    message not yet taken) stands behind them, so it does not take one of the slots."""
+    boot = boot_factory()
+    first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 7)
+    newcomer = tx_admit("echo")  # queued and due, younger than every waiter
+    tx_set_cap(db_session, tx_tenant.name, 5)
+    assert [tx_state(db_session, r)[0] for r in waiting] == ["queued"] * 4 + ["waiting"] * 2
+    assert [claim(db_session, r, boot.boot_id).outcome for r in waiting[:4]] == [
+        ClaimOutcome.CLAIMED] * 4
+    assert claim(db_session, newcomer, boot.boot_id).wait_reason == "tenant_cap"
+
+
+def test_a_cap_raised_counts_older_queued_runs_and_a_cap_lowered_wakes_none(
+        db_session, tx_admit, tx_tenant, boot_factory):
+    """An older queued run takes a slot first: cap 1 -> 3 with one running, one older run
+    queued (not yet claimed) and two waiting wakes one. Lowering the cap frees nothing."""
+    from sqlalchemy import text
+
+    boot = boot_factory()
+    first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 4)
+    # waiting[0] was woken (a holder's end, say) and its message is on the way.
+    db_session.execute(text("UPDATE runs SET status = 'queued', wait_reason = NULL "
+                            "WHERE id = :run"), {"run": waiting[0]})
+    tx_set_cap(db_session, tx_tenant.name, 3)
+    assert [tx_state(db_session, r)[0] for r in waiting] == ["queued", "queued", "waiting"]
+    tx_set_cap(db_session, tx_tenant.name, 1)
+    assert tx_state(db_session, waiting[2]) == ("waiting", "tenant_cap")
+
+
+def test_repair_wakes_runs_left_waiting_for_a_cap_that_is_gone(db_session, tx_admit, tx_tenant,
+                                                              boot_factory):
+    """A cap lifted without its wake-up (by SQL, or before this rule): beat's repair wakes
+    every run still waiting for it, in one tick."""
+    from sqlalchemy import text
+
+    from app.state.runs import wake_waiting_runs
+
+    boot = boot_factory()
+    first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 4)
+    db_session.execute(text("UPDATE tenants SET max_running = NULL WHERE id = :id"),
+                       {"id": tx_tenant.id})
+    woken = {row.id for row in wake_waiting_runs(db_session, limit=None)}
+    assert set(waiting) <= woken
+    assert [tx_state(db_session, r) for r in waiting] == [("queued", None)] * 3
+
+
+def test_repair_wakes_as_many_as_a_raised_cap_frees(db_session, tx_admit, tx_tenant,
+                                                    boot_factory):
+    """A cap raised behind the claims' back (1 -> 5, by SQL): one repair tick wakes the 4
+    oldest of 6 waiting, not one per tick."""
+    from sqlalchemy import text
+
+    from app.state.runs import wake_waiting_runs
+
+    boot = boot_factory()
+    first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 7)
+    db_session.execute(text("UPDATE tenants SET max_running = 5 WHERE id = :id"),
+                       {"id": tx_tenant.id})
+    wake_waiting_runs(db_session, limit=None)
+    assert [tx_state(db_session, r)[0] for r in waiting] == ["queued"] * 4 + ["waiting"] * 2
+
+
+def test_a_run_left_waiting_for_a_gone_cap_does_not_block_its_group(db_session, tx_admit,
+                                                                   tx_tenant, boot_factory):
+    """A run of key k left waiting for a cap that is gone counts ahead of k's newer runs
+    (FIFO), which then wait for k's slot. Before, repair woke the newer run every tick and
+    its claim parked it again behind the stranded one, forever. Now one repair wakes the
+    stranded run; it runs, and its end hands k's slot on."""
+    from sqlalchemy import text
+
+    from app.state.claims import finish_run
+    from app.state.runs import wake_waiting_runs
+
+    boot = boot_factory()
+    tx_set_cap(db_session, tx_tenant.name, 1)
+    blocker = tx_admit("echo")
+    assert claim(db_session, blocker, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+    stranded = tx_admit("keyed", {"customer": "k"})
+    assert claim(db_session, stranded, boot.boot_id).wait_reason == "tenant_cap"
+    db_session.execute(text("UPDATE tenants SET max_running = NULL WHERE id = :id"),
+                       {"id": tx_tenant.id})
+    newer = tx_admit("keyed", {"customer": "k"})
+    assert claim(db_session, newer, boot.boot_id).wait_reason == "concurrency"
+
+    woken = {row.id for row in wake_waiting_runs(db_session, limit=None)}
+    assert stranded in woken and newer not in woken  # newer stands behind it in k's line
+    assert claim(db_session, stranded, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+    assert finish_run(db_session, stranded, boot.boot_id, status="succeeded")
+    db_session.commit()
+    assert claim(db_session, newer, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+
+
+def test_a_cap_lift_racing_a_claim_that_parks_still_wakes_it(app, admit, tenant, boot_factory,
+                                                            pg):
+    """B's claim read the cap, holds the tenant's lock and parks B (uncommitted); the cap
+    lift waits for that lock, then its wake-up sees B waiting: no run left waiting for a
+    cap that is gone. Without the lock, the lift's snapshot misses B, which then waits."""
+    from app.extensions import db
+
+    set_cap(app, tenant.name, 1)
+    a_run, b_run = admit("echo"), admit("echo")
+    a, b = boot_factory(), boot_factory()
+    with app.app_context():
+        assert claim(db.session, a_run, a.boot_id).outcome == ClaimOutcome.CLAIMED
+        parked = claim_run(db.session, b_run, b.boot_id, max_takeovers=max_takeovers_of)
+        assert parked.outcome == ClaimOutcome.SLOT_WAIT  # not committed: B holds the lock
+
+        done = {}
+
+        def lift():
+            from app.tenants import set_max_running
+
+            with app.app_context():
+                db.session.execute(db.text("SET application_name = 'test-cap-lifter'"))
+                try:
+                    set_max_running(tenant.name, None)
+                    done["ok"] = True
+                finally:
+                    db.session.remove()
+
+        thread = threading.Thread(target=lift, daemon=True)
+        thread.start()
+        try:
+            wait_until_waiting_on_a_lock(pg, "test-cap-lifter")
+        finally:
+            db.session.commit()
+            thread.join(10)
+    assert done == {"ok": True}
+    assert state(pg, b_run)[:2] == ("queued", None)
+    assert events_of(pg, b_run) == ["run.admitted", "run.waiting", "run.woken"]

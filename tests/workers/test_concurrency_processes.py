@@ -154,3 +154,106 @@ def test_a_capped_tenants_flood_does_not_hold_another_tenants_run(app, admit, ma
         "the capped tenant's runs ran more (or fewer) at once than its cap"
     assert started_events(pg, flood) == 20
 
+
+
+def set_cap_with_the_cli(env, name: str, *args: str) -> str:
+    """``flask --app app tenants set NAME ARGS``, as an operator runs it."""
+    import subprocess
+    import sys
+
+    from tests.processes import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "flask", "--app", "app", "tenants", "set", name,
+                           *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def woken_at(pg, run_ids):
+    """When the cap change's transaction woke ``run_ids`` (their ``run.woken`` events)."""
+    return pg.execute("SELECT min(created_at) FROM outbox WHERE run_id = ANY(%s) "
+                      "AND event_type = 'run.woken'", [list(run_ids)]).fetchone()[0]
+
+
+def waiting_for_the_cap(pg, run_ids) -> int:
+    return pg.execute("SELECT count(*) FROM runs WHERE id = ANY(%s) AND status = 'waiting' "
+                      "AND wait_reason = 'tenant_cap'", [list(run_ids)]).fetchone()[0]
+
+
+@pytest.mark.processes
+def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant, side_effects,
+                                                              fast_env, pg, log_dir, processes):
+    """Issue 43, item 2. Cap 1, three runs: one runs (8 s), two wait for the cap. The
+    operator lifts the cap with the CLI: both start beside the first at once. No beat:
+    the wake-up is the cap change's own (in its transaction), not a repair tick's (10 s
+    by default); before, the two waited for good, an end woke nothing under no cap."""
+    from app.tenants import set_max_running
+
+    with app.app_context():
+        set_max_running(tenant.name, 1)
+    first = admit("blind", {"seconds": 8})
+    waiters = [admit("blind", {"seconds": 0.5}) for _ in range(2)]
+    processes.append(start_worker(fast_env, log_dir, "w1", concurrency=3))
+    wait_until(lambda: side_effects(first, "start") == 1, timeout=60, what="the first to start")
+    wait_until(lambda: waiting_for_the_cap(pg, waiters) == 2, timeout=60,
+               what="the other two to wait for the tenant's cap")
+
+    lifted_at = pg.execute("SELECT clock_timestamp()").fetchone()[0]
+    out = set_cap_with_the_cli(fast_env, tenant.name, "--no-max-running")
+    assert "max running none" in out
+    for run_id in waiters:
+        wait_status(pg, run_id, {"succeeded"}, timeout=20)
+    wait_status(pg, first, {"succeeded"}, timeout=30)
+
+    spans = intervals(pg, [first, *waiters])
+    started = max(spans[r][0] for r in waiters)
+    # At once: the worker is idle and the messages go out with the commit. From the cap
+    # change's transaction, 2 s is room for a loaded machine; from the command (a Python
+    # process that builds the app first), 5 s: both far below the first run's 8 s and
+    # the repair interval (10 s).
+    waited = (started - woken_at(pg, waiters)).total_seconds()
+    assert waited < 2, f"the waiting runs started {waited:.1f}s after the cap was lifted"
+    waited = (started - lifted_at).total_seconds()
+    assert waited < 5, f"the waiting runs started {waited:.1f}s after `tenants set`"
+    assert most_at_once(spans.values()) == 3
+    assert started_events(pg, [first, *waiters]) == 3
+    assert "(2 waiting run(s) re-queued)" in out  # the command says what it woke
+
+
+@pytest.mark.processes
+def test_raising_a_tenant_cap_starts_as_many_waiting_runs_as_it_freed(app, admit, tenant,
+                                                                      side_effects, fast_env,
+                                                                      pg, log_dir, processes):
+    """Issue 43, item 2. Cap 1, seven slow runs: one runs, six wait. The cap goes to 5:
+    four more start at once (5 running), the last two wait for an end. No beat: the cap
+    change wakes as many as it freed; before, ends and repair woke one at a time (one run
+    per tenant per repair tick: 3 running after 15 s with the default interval)."""
+    from app.tenants import set_max_running
+
+    with app.app_context():
+        set_max_running(tenant.name, 1)
+    runs = [admit("blind", {"seconds": 6}) for _ in range(7)]
+    processes.append(start_worker(fast_env, log_dir, "w1", concurrency=7))
+    wait_until(lambda: side_effects(runs[0], "start") == 1, timeout=60,
+               what="the first to start")
+    wait_until(lambda: waiting_for_the_cap(pg, runs) == 6, timeout=60,
+               what="six runs to wait for the tenant's cap")
+
+    raised_at = pg.execute("SELECT clock_timestamp()").fetchone()[0]
+    set_cap_with_the_cli(fast_env, tenant.name, "--max-running", "5")
+    wait_until(lambda: side_effects(kind="start") >= 5, timeout=20, what="5 runs running")
+    fifth = pg.execute("SELECT at FROM side_effects WHERE kind = 'start' ORDER BY at "
+                       "OFFSET 4 LIMIT 1").fetchone()[0]
+    # From the cap change's transaction, and from the command (as in the lift's test).
+    took = (fifth - woken_at(pg, runs)).total_seconds()
+    assert took < 2, f"the fifth run started {took:.1f}s after the cap was raised"
+    took = (fifth - raised_at).total_seconds()
+    assert took < 5, f"the fifth run started {took:.1f}s after `tenants set`"
+    # FIFO: the four oldest waiters went first; the two newest still wait.
+    assert {r for r in runs if side_effects(r, "start")} == set(runs[:5])
+    assert waiting_for_the_cap(pg, runs[5:]) == 2
+
+    for run_id in runs:
+        wait_status(pg, run_id, {"succeeded"}, timeout=60)
+    assert most_at_once(intervals(pg, runs).values()) == 5
+    assert started_events(pg, runs) == 7
