@@ -23,6 +23,17 @@ active relay checks in ``pg_locks`` that it still holds the lock before every
 batch, while waiting for acknowledgements, and before marking a batch, so a
 relay that lost it publishes at most the batch in flight.
 
+An event too large to publish is published reduced: its envelope (id, type,
+tenant, run, goal, parent, time) with ``data`` cut to its ``run_id`` and
+``type``, marked ``"data_dropped": true`` with its size in ``event_bytes``. An
+event over the producer's ``message.max.bytes`` is reduced before it is
+produced; one the producer or the broker refuses for its size (a smaller topic
+``max.message.bytes``) is reduced then, in its place in its run's order, with
+no backoff. An event whose reduced form is refused too is marked published
+without being published, logged and counted (``poimen_outbox_undeliverable_total``):
+it is never retried forever and never holds the others up. See
+docs/operations/outbox.md.
+
 Run it as ``python -m bridge.outbox`` (the Procfile's ``outbox``). It imports
 nothing from ``app`` or ``workers``: its SQL is its own.
 """
@@ -30,6 +41,7 @@ nothing from ``app`` or ``workers``: its SQL is its own.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -53,7 +65,7 @@ from lease import bound_lock_session, lock_connect_kwargs, probe_lock
 from lease import problems as lease_problems
 from poimenconfig import LeaseSettings, OutboxSettings, outbox_settings
 
-from .kafka import describe
+from .kafka import SIZE_ERRORS, describe, max_message_bytes, message_size
 from .process import backoff_delay, configure_logging, serve
 from .topics import ensure_topics, events_topic
 
@@ -65,6 +77,9 @@ OUTBOX_LOCK_NAMESPACE = 0x504F4F42
 OUTBOX_LOCK_KEY = 1
 LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
+# Room left under the producer's message.max.bytes for a record's framing when an
+# event is measured before it is produced (the record batch and record headers).
+RECORD_OVERHEAD = 512
 
 # The event, built by Postgres: row_to_json keeps the documented key order
 # (docs/guide/events.schema.json) and is compact; the relay passes the text through.
@@ -123,6 +138,49 @@ def read_batch(conn: psycopg.Connection, limit: int, prefix: str = "") -> list[t
     return cursor.fetchall()
 
 
+@dataclass(frozen=True)
+class Event:
+    """One outbox row as ``READ_SQL`` reads it: what the relay produces."""
+
+    id: int
+    tenant: str
+    key: str
+    type: str
+    run_id: str
+    occurred_at: str
+    value: str  # the event's JSON (events.schema.json), built by Postgres
+    traceparent: str | None
+    tracestate: str | None
+
+    def headers(self) -> list[tuple[str, str]]:
+        """The CloudEvents Kafka binary binding's headers of this event."""
+        headers = [
+            ("ce_id", str(self.id)), ("ce_type", self.type),
+            ("ce_source", f"/poimen/{self.tenant}/runs/{self.run_id}"),
+            ("ce_specversion", SPECVERSION), ("ce_time", self.occurred_at),
+            ("content-type", "application/json"),
+        ]
+        # The CloudEvents distributed-tracing extension: the run's W3C Trace
+        # Context (validated at admission), as attributes, not in the data.
+        if self.traceparent:
+            headers.append(("ce_traceparent", self.traceparent))
+            if self.tracestate:
+                headers.append(("ce_tracestate", self.tracestate))
+        return headers
+
+
+def reduced_value(value: str, size: int) -> bytes:
+    """``value``'s envelope without its data (but for ``run_id`` and ``type``), marked
+    ``"data_dropped": true`` with the event's size in bytes (``event_bytes``)."""
+    event = json.loads(value)
+    data = event.get("data") or {}
+    event["data"] = {"run_id": data.get("run_id", event.get("run_id")),
+                     "type": data.get("type", event.get("type"))}
+    event["data_dropped"] = True
+    event["event_bytes"] = size
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # The relay's two writes are the run-state store's (app/state/outbox.py), installed
 # in the database as functions, so this process imports nothing of app/.
 # Events Kafka acknowledged, by id.
@@ -172,8 +230,18 @@ class OutboxMetrics:
                                  "Events the broker acknowledged and this relay marked published.",
                                  registry=r)
         self.errors = Counter("poimen_outbox_publish_errors_total",
-                              "Events whose produce failed (they are sent again), by error.",
+                              "Events whose produce failed (they are sent again, or reduced "
+                              "when refused for size), by error.",
                               ["error"], registry=r)
+        self.reduced = Counter("poimen_outbox_reduced_total",
+                               "Events published reduced to their envelope for their size, by "
+                               "reason: limit (over the producer's message.max.bytes), refused "
+                               "(refused by the producer or the broker for its size).",
+                               ["reason"], registry=r)
+        self.undeliverable = Counter("poimen_outbox_undeliverable_total",
+                                     "Events refused for their size even reduced: marked "
+                                     "published without being published (logged).",
+                                     registry=r)
         self.active = Gauge("poimen_outbox_active",
                             "1 while this relay holds the outbox lock and publishes, else 0.",
                             registry=r)
@@ -293,6 +361,9 @@ class Deliveries:
     outstanding: int = 0
     acked: list[int] = field(default_factory=list)
     failed: dict[int, KafkaError] = field(default_factory=dict)
+    keys: dict[int, str] = field(default_factory=dict)  # row id -> message key (its run)
+    reduced: dict[int, str] = field(default_factory=dict)  # row id -> why it went reduced
+    undeliverable: list[int] = field(default_factory=list)  # refused even reduced
 
     def report(self, row_id: int, err: KafkaError | None, _msg: Message) -> None:
         self.outstanding -= 1
@@ -300,6 +371,20 @@ class Deliveries:
             self.acked.append(row_id)
         else:
             self.failed[row_id] = err
+
+    def to_mark(self) -> tuple[list[int], list[int]]:
+        """The acknowledged events to mark published, and the undeliverable ones.
+
+        Not an acknowledged event of a run after one of its events that failed: it
+        goes out again after that one, so the run's last copies stay in order.
+        """
+        first_failed: dict[str, int] = {}
+        for row_id in self.failed:
+            key = self.keys[row_id]
+            first_failed[key] = min(row_id, first_failed.get(key, row_id))
+        acked = [row_id for row_id in self.acked
+                 if row_id < first_failed.get(self.keys[row_id], row_id + 1)]
+        return acked, list(self.undeliverable)
 
 
 class OutboxRelay:
@@ -324,6 +409,12 @@ class OutboxRelay:
         self._failures = 0
         self._published = 0
         self._tenants_seen: set[str] = set()
+        # An event larger than this (value, key and headers) is reduced before it is produced.
+        self._max_message_bytes = max_message_bytes(config.kafka) - RECORD_OVERHEAD
+        # Events the broker refused for size in a request shared with others (it refuses
+        # the whole request): each goes in a request of its own next time, so the
+        # refusal names the event too large and spares its neighbours.
+        self._alone: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -427,6 +518,7 @@ class OutboxRelay:
         if self._active and not quiet:
             log.info("standby")
         self._active = False
+        self._alone.clear()
         self.metrics.active.set(0)
         self.metrics.in_flight.set(0)
         self.lock.release()
@@ -519,54 +611,108 @@ class OutboxRelay:
             return 0
         producer = self._make_producer()
         deliveries = Deliveries()
-        for (row_id, tenant, key, event_type, run_id, occurred_at, value, traceparent,
-             tracestate) in rows:
-            headers = [
-                ("ce_id", str(row_id)), ("ce_type", event_type),
-                ("ce_source", f"/poimen/{tenant}/runs/{run_id}"),
-                ("ce_specversion", SPECVERSION), ("ce_time", occurred_at),
-                ("content-type", "application/json"),
-            ]
-            # The CloudEvents distributed-tracing extension: the run's W3C Trace
-            # Context (validated at admission), as attributes, not in the data.
-            if traceparent:
-                headers.append(("ce_traceparent", traceparent))
-                if tracestate:
-                    headers.append(("ce_tracestate", tracestate))
-            while True:
-                try:
-                    producer.produce(self._topic(tenant), value.encode(), key.encode(),
-                                     headers=headers,
-                                     on_delivery=functools.partial(deliveries.report, row_id))
-                    deliveries.outstanding += 1
-                    break
-                except BufferError:
-                    producer.poll(0.05)
-                except KafkaException as err:
-                    deliveries.failed[row_id] = err.args[0]
-                    break
+        for row in rows:
+            if not self._publish(producer, deliveries, Event(*row)):
+                break  # a fatal producer error or the end of the shutdown's grace
         self.metrics.in_flight.set(deliveries.outstanding)
         self._await(producer, deliveries)
         self.metrics.in_flight.set(0)
         # Only a relay that still holds the lock marks; a relay that lost it has
         # published this batch once more, which consumers dedupe on ce_id.
         self._confirm_lock(always=True)
-        if deliveries.acked:
-            self._work_connection().execute(MARK_PUBLISHED, [deliveries.acked])
-            self._published += len(deliveries.acked)
-            self.metrics.published.inc(len(deliveries.acked))
+        acked, undeliverable = deliveries.to_mark()
+        if acked or undeliverable:
+            self._work_connection().execute(MARK_PUBLISHED, [acked + undeliverable])
+            self._published += len(acked)
+            self.metrics.published.inc(len(acked))
+            for row_id in acked:
+                if row_id in deliveries.reduced:
+                    self.metrics.reduced.labels(deliveries.reduced[row_id]).inc()
+            self.metrics.undeliverable.inc(len(undeliverable))
+            self._alone.difference_update(acked, undeliverable)
         self.metrics.batch_seconds.observe(time.monotonic() - started)
-        if deliveries.failed and not self._stop.is_set():
-            self._failed(deliveries)
-        elif not deliveries.failed:
+        # Refused for size beside others: each goes alone next time, at once (a
+        # backoff would not make it fit, and would hold every other event up).
+        too_large = {row_id for row_id, err in deliveries.failed.items()
+                     if err.code() in SIZE_ERRORS}
+        self._alone |= too_large
+        failed = {row_id: err for row_id, err in deliveries.failed.items()
+                  if row_id not in too_large}
+        if too_large:
+            self._count_errors(deliveries.failed[row_id] for row_id in too_large)
+        if failed and not self._stop.is_set():
+            self._failed(failed)
+        elif not failed:
             self._failures = 0
         return len(rows)
 
-    def _await(self, producer: Producer, deliveries: Deliveries) -> None:
-        """Wait until every message of the batch is acknowledged or failed.
+    def _publish(self, producer: Producer, deliveries: Deliveries, event: Event) -> bool:
+        """Produce ``event``, reduced if it is too large; False: stop the batch here.
 
-        Returns early (purging what is left) on a fatal producer error or when a
-        shutdown's grace runs out; raises ``LockLost`` if the lock goes meanwhile.
+        An event refused for its size in ``_alone`` is sent in a request of its own,
+        after what went before it is acknowledged, so the refusal is its own. A
+        refusal certain to be the event's own (the producer's, at ``produce``, or
+        the broker's of a request of its own) has it sent reduced in its place; the
+        reduced form refused too makes it undeliverable.
+        """
+        alone = event.id in self._alone
+        deliveries.keys[event.id] = event.key
+        headers = event.headers()
+        key = event.key.encode()
+        value = event.value.encode()
+        size, reason = len(value), None
+        if message_size(value, key, headers) > self._max_message_bytes:
+            value, reason = reduced_value(event.value, size), "limit"
+        while True:
+            if alone and not self._await(producer, deliveries):
+                return False
+            error = self._produce(producer, deliveries, event, key, value, headers)
+            if error is None and alone:
+                if not self._await(producer, deliveries):
+                    return False
+                error = deliveries.failed.pop(event.id, None)
+            if error is None:
+                if reason is not None:
+                    deliveries.reduced[event.id] = reason
+                    log.warning("event %d (%s of run %s, tenant %s): %d bytes, %s; sent "
+                                "reduced to its envelope", event.id, event.type, event.run_id,
+                                event.tenant, size,
+                                f"over the producer's limit ({self._max_message_bytes} bytes "
+                                "with room for the record)" if reason == "limit"
+                                else "refused for its size")
+                return True
+            if error.code() not in SIZE_ERRORS:
+                deliveries.failed[event.id] = error
+                return True
+            self._count_errors([error])
+            if reason is not None:
+                deliveries.undeliverable.append(event.id)
+                log.error("event %d (%s of run %s, tenant %s): %d bytes, refused for its size "
+                          "even reduced to its envelope (%d bytes): %s; marked published "
+                          "without being published", event.id, event.type, event.run_id,
+                          event.tenant, size, len(value), error)
+                return True
+            value, reason = reduced_value(event.value, size), "refused"
+
+    def _produce(self, producer: Producer, deliveries: Deliveries, event: Event, key: bytes,
+                 value: bytes, headers: list[tuple[str, str]]) -> KafkaError | None:
+        """Hand one message to the producer; the error if it refused it at once."""
+        while True:
+            try:
+                producer.produce(self._topic(event.tenant), value, key, headers=headers,
+                                 on_delivery=functools.partial(deliveries.report, event.id))
+                deliveries.outstanding += 1
+                return None
+            except BufferError:
+                producer.poll(0.05)
+            except KafkaException as err:
+                return err.args[0]
+
+    def _await(self, producer: Producer, deliveries: Deliveries) -> bool:
+        """Wait until every message produced so far is acknowledged or failed.
+
+        Returns False early (purging what is left) on a fatal producer error or when
+        a shutdown's grace runs out; raises ``LockLost`` if the lock goes meanwhile.
         """
         while deliveries.outstanding > 0:
             try:
@@ -585,24 +731,32 @@ class OutboxRelay:
                             "unpublished and go out again", deliveries.outstanding)
                 break
             self._confirm_lock()
-        if deliveries.outstanding > 0:
+        finished = deliveries.outstanding == 0
+        if not finished:
             producer.purge(in_queue=True, in_flight=True)
             producer.poll(0)  # serves the purged messages' reports
         if self._fatal is not None:
             self._producer = None  # an idempotent producer cannot continue after a fatal error
+            return False
+        return finished
 
-    def _failed(self, deliveries: Deliveries) -> None:
-        for err in deliveries.failed.values():
+    def _count_errors(self, errors) -> None:
+        for err in errors:
             name = err.name() if isinstance(err, KafkaError) else type(err).__name__
             self.metrics.errors.labels(name).inc()
+
+    def _failed(self, failed: dict[int, KafkaError]) -> None:
+        """Count the batch's failures and back off before the next batch."""
+        self._count_errors(failed.values())
+        for err in failed.values():
             if isinstance(err, KafkaError) and err.code() in (
                     KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
                 self._topics.clear()  # try creating the topics again
         self._failures += 1
-        first_id, first = min(deliveries.failed.items())
+        first_id, first = min(failed.items())
         delay = backoff_delay(self._failures, 0.5, self.config.backoff_max)
         log.warning("%d events not published (first: id %d, %s); retrying in %.1fs",
-                    len(deliveries.failed), first_id, first, delay)
+                    len(failed), first_id, first, delay)
         self._stop.wait(delay)
 
     # -- retention ---------------------------------------------------------------------------
