@@ -26,10 +26,10 @@ relay that lost it publishes at most the batch in flight.
 An event too large to publish is published reduced: its envelope (id, type,
 tenant, run, goal, parent, time) with ``data`` cut to its ``run_id`` and
 ``type``, marked ``"data_dropped": true`` with its size in ``event_bytes``. An
-event over the producer's ``message.max.bytes`` is reduced before it is
-produced; one the producer or the broker refuses for its size (a smaller topic
-``max.message.bytes``) is reduced then, in its place in its run's order, with
-no backoff. An event whose reduced form is refused too is marked published
+event over the producer's ``message.max.bytes`` or its topic's
+``max.message.bytes`` (read once per topic) is reduced before it is produced;
+one the producer or the broker refuses for its size anyway (a limit lowered
+since) is reduced then, with no backoff. An event whose reduced form is refused too is marked published
 without being published, logged and counted (``poimen_outbox_undeliverable_total``):
 it is never retried forever and never holds the others up. See
 docs/operations/outbox.md.
@@ -67,7 +67,7 @@ from poimenconfig import LeaseSettings, OutboxSettings, outbox_settings
 
 from .kafka import SIZE_ERRORS, describe, max_message_bytes, message_size
 from .process import backoff_delay, configure_logging, serve
-from .topics import ensure_topics, events_topic
+from .topics import ensure_topics, events_topic, topic_max_message_bytes
 
 log = logging.getLogger("poimen.outbox")
 
@@ -79,7 +79,7 @@ LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
 # Room left under the producer's message.max.bytes for a record's framing when an
 # event is measured before it is produced (the record batch and record headers).
-RECORD_OVERHEAD = 512
+RECORD_OVERHEAD = 128
 
 # The event, built by Postgres: row_to_json keeps the documented key order
 # (docs/guide/events.schema.json) and is compact; the relay passes the text through.
@@ -361,7 +361,7 @@ class Deliveries:
     outstanding: int = 0
     acked: list[int] = field(default_factory=list)
     failed: dict[int, KafkaError] = field(default_factory=dict)
-    keys: dict[int, str] = field(default_factory=dict)  # row id -> message key (its run)
+    events: dict[int, Event] = field(default_factory=dict)  # what was produced, by row id
     reduced: dict[int, str] = field(default_factory=dict)  # row id -> why it went reduced
     undeliverable: list[int] = field(default_factory=list)  # refused even reduced
 
@@ -380,10 +380,10 @@ class Deliveries:
         """
         first_failed: dict[str, int] = {}
         for row_id in self.failed:
-            key = self.keys[row_id]
+            key = self.events[row_id].key
             first_failed[key] = min(row_id, first_failed.get(key, row_id))
         acked = [row_id for row_id in self.acked
-                 if row_id < first_failed.get(self.keys[row_id], row_id + 1)]
+                 if row_id < first_failed.get(self.events[row_id].key, row_id + 1)]
         return acked, list(self.undeliverable)
 
 
@@ -402,6 +402,9 @@ class OutboxRelay:
         self._fatal: KafkaError | None = None
         self._admin: AdminClient | None = None
         self._topics: dict[str, str] = {}  # tenant -> events topic known to exist
+        # topic -> the largest event (value, key and headers) produced to it whole: the
+        # producer's message.max.bytes or the topic's max.message.bytes, less the framing.
+        self._limits: dict[str, int] = {}
         self._active = False
         self._standing_by = False
         self._last_probe = 0.0
@@ -409,12 +412,13 @@ class OutboxRelay:
         self._failures = 0
         self._published = 0
         self._tenants_seen: set[str] = set()
-        # An event larger than this (value, key and headers) is reduced before it is produced.
+        # The producer's own limit (value, key and headers), less the record's framing.
         self._max_message_bytes = max_message_bytes(config.kafka) - RECORD_OVERHEAD
         # Events the broker refused for size in a request shared with others (it refuses
         # the whole request): each goes in a request of its own next time, so the
         # refusal names the event too large and spares its neighbours.
         self._alone: set[int] = set()
+        self._unread: set[str] = set()  # tenants whose topic the broker did not answer for
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -598,6 +602,23 @@ class OutboxRelay:
             except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
                 log.warning("could not make sure %s exists (%s); producing to it anyway",
                             topic, str(err) or type(err).__name__)
+                # Its limit is read once the broker acknowledges a batch again.
+                self._unread.add(tenant)
+            # The topic's own limit, when it is below the producer's: an event over it is
+            # reduced before it is produced, in its place, rather than refused by the
+            # broker after the run's later events were acknowledged. Unknown (no
+            # DescribeConfigs), the broker's refusal still reduces it (_publish).
+            limit = self._max_message_bytes
+            if tenant not in self._unread:
+                try:
+                    limit = min(limit,
+                                topic_max_message_bytes(self._admin, topic) - RECORD_OVERHEAD)
+                except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
+                    log.warning("could not read %s's max.message.bytes (%s); events over the "
+                                "producer's limit are reduced, others if the broker refuses "
+                                "them", topic, str(err) or type(err).__name__)
+            self._limits[topic] = limit
+            log.info("%s: events over %d bytes are published reduced", topic, limit)
         return topic
 
     def _ship_batch(self) -> int:
@@ -630,12 +651,19 @@ class OutboxRelay:
                     self.metrics.reduced.labels(deliveries.reduced[row_id]).inc()
             self.metrics.undeliverable.inc(len(undeliverable))
             self._alone.difference_update(acked, undeliverable)
+            if acked and self._unread:  # the broker answers again: make sure of those topics
+                for tenant in self._unread:
+                    self._topics.pop(tenant, None)
+                self._unread.clear()
         self.metrics.batch_seconds.observe(time.monotonic() - started)
         # Refused for size beside others: each goes alone next time, at once (a
         # backoff would not make it fit, and would hold every other event up).
         too_large = {row_id for row_id, err in deliveries.failed.items()
                      if err.code() in SIZE_ERRORS}
         self._alone |= too_large
+        for row_id in too_large:
+            # The topic's limit may have been lowered since it was read: read it again.
+            self._topics.pop(deliveries.events[row_id].tenant, None)
         failed = {row_id: err for row_id, err in deliveries.failed.items()
                   if row_id not in too_large}
         if too_large:
@@ -656,17 +684,20 @@ class OutboxRelay:
         reduced form refused too makes it undeliverable.
         """
         alone = event.id in self._alone
-        deliveries.keys[event.id] = event.key
+        deliveries.events[event.id] = event
+        topic = self._topic(event.tenant)
+        limit = self._limits.get(topic, self._max_message_bytes)
         headers = event.headers()
         key = event.key.encode()
         value = event.value.encode()
         size, reason = len(value), None
-        if message_size(value, key, headers) > self._max_message_bytes:
-            value, reason = reduced_value(event.value, size), "limit"
+        if message_size(value, key, headers) > limit:
+            # Alone: the broker refused it already (its limit has been read again since).
+            value, reason = reduced_value(event.value, size), "refused" if alone else "limit"
         while True:
             if alone and not self._await(producer, deliveries):
                 return False
-            error = self._produce(producer, deliveries, event, key, value, headers)
+            error = self._produce(producer, deliveries, topic, event.id, key, value, headers)
             if error is None and alone:
                 if not self._await(producer, deliveries):
                     return False
@@ -677,14 +708,16 @@ class OutboxRelay:
                     log.warning("event %d (%s of run %s, tenant %s): %d bytes, %s; sent "
                                 "reduced to its envelope", event.id, event.type, event.run_id,
                                 event.tenant, size,
-                                f"over the producer's limit ({self._max_message_bytes} bytes "
-                                "with room for the record)" if reason == "limit"
+                                f"over the limit ({limit} bytes with room for the record: the "
+                                "producer's message.max.bytes or the topic's "
+                                "max.message.bytes)" if reason == "limit"
                                 else "refused for its size")
                 return True
             if error.code() not in SIZE_ERRORS:
                 deliveries.failed[event.id] = error
                 return True
             self._count_errors([error])
+            self._topics.pop(event.tenant, None)  # its limit is read again for the next one
             if reason is not None:
                 deliveries.undeliverable.append(event.id)
                 log.error("event %d (%s of run %s, tenant %s): %d bytes, refused for its size "
@@ -694,13 +727,13 @@ class OutboxRelay:
                 return True
             value, reason = reduced_value(event.value, size), "refused"
 
-    def _produce(self, producer: Producer, deliveries: Deliveries, event: Event, key: bytes,
-                 value: bytes, headers: list[tuple[str, str]]) -> KafkaError | None:
+    def _produce(self, producer: Producer, deliveries: Deliveries, topic: str, row_id: int,
+                 key: bytes, value: bytes, headers: list[tuple[str, str]]) -> KafkaError | None:
         """Hand one message to the producer; the error if it refused it at once."""
         while True:
             try:
-                producer.produce(self._topic(event.tenant), value, key, headers=headers,
-                                 on_delivery=functools.partial(deliveries.report, event.id))
+                producer.produce(topic, value, key, headers=headers,
+                                 on_delivery=functools.partial(deliveries.report, row_id))
                 deliveries.outstanding += 1
                 return None
             except BufferError:

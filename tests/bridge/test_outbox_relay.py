@@ -915,22 +915,40 @@ def test_an_event_over_the_producers_limit_goes_out_reduced_and_holds_no_one_up(
     assert relay.metric("poimen_outbox_undeliverable_total") == 0
 
 
-def create_small_topic(world: World, max_message_bytes: int) -> None:
-    """The tenant's events topic, one partition, with a topic ``max.message.bytes`` limit."""
+def create_topic(world: World, max_message_bytes: int | None = None) -> None:
+    """The tenant's events topic, one partition, with a ``max.message.bytes`` of its own."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
+    config = {} if max_message_bytes is None else {"max.message.bytes": str(max_message_bytes)}
     admin = AdminClient({"bootstrap.servers": world.bootstrap})
-    futures = admin.create_topics([NewTopic(world.topic, 1, 1, config={
-        "max.message.bytes": str(max_message_bytes)})])
-    for future in futures.values():
+    for future in admin.create_topics([NewTopic(world.topic, 1, 1, config=config)]).values():
         future.result(15)
 
 
-def test_an_event_the_broker_refuses_for_size_goes_out_reduced(world):
-    """The broker's own limit (the topic's max.message.bytes) under the producer's: it refuses
-    the request that holds the event, and with it every event batched beside it."""
+def lower_topic_limit(world: World, max_message_bytes: int) -> None:
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": world.bootstrap})
+    entry = ConfigEntry("max.message.bytes", str(max_message_bytes),
+                        incremental_operation=AlterConfigOpType.SET)
+    for future in admin.incremental_alter_configs([ConfigResource(
+            ConfigResource.Type.TOPIC, world.topic, incremental_configs=[entry])]).values():
+        future.result(15)
+
+
+def last_copies(messages: list, key: str) -> list[int]:
+    """The ce_ids of ``key``'s messages in partition order, each at its last copy: what a
+    consumer that keeps the latest copy of each event sees."""
+    ordered = sorted((m for m in messages if m.key() == key.encode()), key=lambda m: m.offset())
+    ids = [int(headers(m)["ce_id"]) for m in ordered]
+    return [i for n, i in enumerate(ids) if i not in ids[n + 1:]]
+
+
+def test_an_event_over_its_topics_limit_goes_out_reduced_in_its_place(world):
+    """The topic's max.message.bytes under the producer's: the relay reads it and reduces the
+    event before producing it, so the run's events go out once each, in order."""
     world.add_tenant()
-    create_small_topic(world, 20_000)
+    create_topic(world, 20_000)
     run_a, run_b = uuid.uuid4(), uuid.uuid4()
     with world.connect() as conn:
         a_before = insert_events(conn, world.tenant_id, 2, run_id=run_a, event_type="run.started")
@@ -942,14 +960,58 @@ def test_an_event_the_broker_refuses_for_size_goes_out_reduced(world):
     relay = world.start_relay()
     reader = world.reader()
     everything = {*a_before, *b_before, big, *a_after, *b_after}
-    messages = reader.wait_for_ids(everything, timeout=20)
+    reader.wait_for_ids(everything, timeout=20)
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+    messages = reader.read_to_end()
+    assert sorted(reader.ce_ids()) == sorted(everything), "each event once"
     assert_reduced(by_id(messages)[big][0], world, run_a, "order.rejected", 50_000)
     assert_per_run_order(messages)
     mine = sorted((m for m in messages if m.key() == f"{world.tenant}:{run_a}".encode()),
                   key=lambda m: m.offset())
     assert [int(headers(m)["ce_id"]) for m in mine] == [*a_before, big, *a_after]
+    assert relay.metric("poimen_outbox_reduced_total", reason="limit") == 1
+    assert relay.metric("poimen_outbox_undeliverable_total") == 0
+
+
+def test_an_event_the_broker_refuses_for_size_goes_out_reduced(world):
+    """The topic's limit lowered after the relay read it: the broker refuses the event (and
+    every event in the same request). It goes out reduced at once, and its run's events that
+    the broker took after it go out again after it: the run's last copies stay in order."""
+    world.add_tenant()
+    create_topic(world)
+    run_a, run_b = uuid.uuid4(), uuid.uuid4()
+    # Small producer batches: the run's events after the refused one travel in requests of
+    # their own, which the broker accepts.
+    relay = world.start_relay(KAFKA_BATCH_SIZE="1000")
+    reader = world.reader()
+    with world.connect() as conn:
+        [warm] = insert_events(conn, world.tenant_id, run_id=run_b)
+    reader.wait_for_ids({warm}, timeout=20)  # the relay has read the topic's limit
+    lower_topic_limit(world, 20_000)
+    # One batch: the relay reads none of these rows until the older transaction ends.
+    with world.connect(autocommit=False) as older:
+        older.execute("SELECT pg_current_xact_id()")
+        with world.connect() as conn:
+            a_before = insert_events(conn, world.tenant_id, 2, run_id=run_a,
+                                     event_type="run.started")
+            b_before = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+        big = record_big_event(world, run_a, 50_000)
+        with world.connect() as conn:
+            a_after = insert_events(conn, world.tenant_id, 2, run_id=run_a,
+                                    event_type="run.failed")
+            b_after = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+        older.commit()
+    everything = {*a_before, *b_before, big, *a_after, *b_after}
+    reader.wait_for_ids(everything, timeout=20)
     wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
                what="every row marked published")
+    messages = reader.read_to_end()
+    copies = by_id(messages)
+    assert_reduced(copies[big][-1], world, run_a, "order.rejected", 50_000)
+    assert len(copies[big]) == 1
+    assert last_copies(messages, f"{world.tenant}:{run_a}") == [*a_before, big, *a_after]
+    assert last_copies(messages, f"{world.tenant}:{run_b}") == [warm, *b_before, *b_after]
     assert relay.metric("poimen_outbox_reduced_total", reason="refused") == 1
     assert relay.metric("poimen_outbox_undeliverable_total") == 0
 
@@ -962,16 +1024,17 @@ def test_an_event_the_broker_refuses_for_size_goes_out_reduced(world):
 
 
 # Bytes the embedded broker allows a record batch on a topic: one small event of
-# ``insert_events`` fits (about 500 bytes: value, key, headers, framing), the reduced form
-# of an event with a 64-character type does not (about 700).
-SMALL_TOPIC_LIMIT = 675
+# ``insert_events`` fits (about 500 bytes of value, key and headers, and the relay's 128 for
+# the framing), the reduced form of an event with a 64-character type does not (about 700,
+# and the framing).
+SMALL_TOPIC_LIMIT = 700
 
 
 def test_an_event_refused_even_reduced_is_marked_counted_and_never_retried(world):
     world.add_tenant()
     # Room for a small event of run B alone, not for the reduced form of an event whose
     # type (in the value twice, and in ce_type) is as long as a type may be (64).
-    create_small_topic(world, SMALL_TOPIC_LIMIT)
+    create_topic(world, SMALL_TOPIC_LIMIT)
     run_a, run_b = uuid.uuid4(), uuid.uuid4()
     long_type = "order." + "r" * 58
     with world.connect() as conn:
