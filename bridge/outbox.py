@@ -677,11 +677,12 @@ class OutboxRelay:
     def _publish(self, producer: Producer, deliveries: Deliveries, event: Event) -> bool:
         """Produce ``event``, reduced if it is too large; False: stop the batch here.
 
-        An event refused for its size in ``_alone`` is sent in a request of its own,
-        after what went before it is acknowledged, so the refusal is its own. A
-        refusal certain to be the event's own (the producer's, at ``produce``, or
-        the broker's of a request of its own) has it sent reduced in its place; the
-        reduced form refused too makes it undeliverable.
+        An event over its topic's limit is reduced before it is produced. One the
+        broker refused in a request shared with others (``_alone``) is sent whole in a
+        request of its own, after what went before it is acknowledged, so that the
+        broker judges it alone. A refusal certain to be the event's own (the
+        producer's, at ``produce``, or the broker's of a request of its own) has it
+        sent reduced in its place; the reduced form refused too makes it undeliverable.
         """
         alone = event.id in self._alone
         deliveries.events[event.id] = event
@@ -691,9 +692,8 @@ class OutboxRelay:
         key = event.key.encode()
         value = event.value.encode()
         size, reason = len(value), None
-        if message_size(value, key, headers) > limit:
-            # Alone: the broker refused it already (its limit has been read again since).
-            value, reason = reduced_value(event.value, size), "refused" if alone else "limit"
+        if not alone and message_size(value, key, headers) > limit:
+            value, reason = reduced_value(event.value, size), "limit"
         while True:
             if alone and not self._await(producer, deliveries):
                 return False
