@@ -29,10 +29,10 @@ tenant, run, goal, parent, time) with ``data`` cut to its ``run_id`` and
 event over the producer's ``message.max.bytes`` or its topic's
 ``max.message.bytes`` (read once per topic) is reduced before it is produced;
 one the producer or the broker refuses for its size anyway (a limit lowered
-since) is reduced then, with no backoff. An event whose reduced form is refused too is marked published
-without being published, logged and counted (``poimen_outbox_undeliverable_total``):
-it is never retried forever and never holds the others up. See
-docs/operations/outbox.md.
+since) is reduced then, with no backoff. An event whose reduced form is refused
+too is marked published without being published, logged and counted
+(``poimen_outbox_undeliverable_total``): it is never retried forever and never
+holds the others up. See docs/operations/outbox.md.
 
 Run it as ``python -m bridge.outbox`` (the Procfile's ``outbox``). It imports
 nothing from ``app`` or ``workers``: its SQL is its own.
@@ -235,8 +235,9 @@ class OutboxMetrics:
                               ["error"], registry=r)
         self.reduced = Counter("poimen_outbox_reduced_total",
                                "Events published reduced to their envelope for their size, by "
-                               "reason: limit (over the producer's message.max.bytes), refused "
-                               "(refused by the producer or the broker for its size).",
+                               "reason: limit (over the producer's message.max.bytes or the "
+                               "topic's max.message.bytes), refused (refused by the producer "
+                               "or the broker for its size).",
                                ["reason"], registry=r)
         self.undeliverable = Counter("poimen_outbox_undeliverable_total",
                                      "Events refused for their size even reduced: marked "
