@@ -37,6 +37,10 @@ DEFAULT_CLIENT_SECONDS = 10.0
 DEFAULT_SERVER_SECONDS = 20.0
 DEFAULT_TAKEOVER_DELAY = 6.0
 DEFAULT_RECORD_RETRY_SECONDS = 60.0
+# Bytes of an error's message (its head) and traceback (its tail) kept in runs.error, the
+# ledger and events (workers/actions.py bound_error): a message quoting a large input
+# must not make an event too large to publish.
+DEFAULT_ERROR_TEXT_MAX_BYTES = 8192
 DEFAULT_TOPIC_PREFIX = "poimen"
 DEFAULT_QUEUE = "poimen"  # the Celery queue (celeryconfig.py)
 DEFAULT_TOPIC_PARTITIONS = 4
@@ -200,6 +204,8 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         # How long a worker retries recording a run's outcome while the database is away.
         "POIMEN_RECORD_RETRY_SECONDS": float(env.get("POIMEN_RECORD_RETRY_SECONDS",
                                                      DEFAULT_RECORD_RETRY_SECONDS)),
+        # Bytes of a failure's message and traceback stored with the run and its events.
+        "POIMEN_ERROR_TEXT_MAX_BYTES": error_text_max_bytes(env),
         # The boot's lock connection: direct, never pooled (None: the app's database,
         # SQLALCHEMY_DATABASE_URI, so an override of that one moves both).
         "POIMEN_LOCK_DATABASE_URL": env.get("POIMEN_LOCK_DATABASE_URL") or None,
@@ -210,6 +216,15 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
         "POIMEN_CONSOLE_SECRET": env.get("POIMEN_CONSOLE_SECRET", ""),
         "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
     }
+
+
+def error_text_max_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``POIMEN_ERROR_TEXT_MAX_BYTES``: bytes of an error's message and of its traceback kept."""
+    env = _environ(env)
+    limit = int(env.get("POIMEN_ERROR_TEXT_MAX_BYTES", DEFAULT_ERROR_TEXT_MAX_BYTES))
+    if limit < 256:
+        raise SystemExit("POIMEN_ERROR_TEXT_MAX_BYTES must be at least 256")
+    return limit
 
 
 def shutdown_grace(env: Mapping[str, str] | None = None) -> float:

@@ -200,6 +200,11 @@ SETTINGS: tuple[Setting, ...] = (
             "hanging."),
     _celery("POIMEN_RECORD_RETRY_SECONDS", "60", WORKER,
             "How long a worker retries recording a run's outcome while the database is away."),
+    _celery("POIMEN_ERROR_TEXT_MAX_BYTES", "8192", WORKER,
+            "Bytes of a failure's text a worker stores with the run, its ledger and its events: "
+            "the message's first bytes (a cut message is marked `\"error_truncated\": true` "
+            "with its size in `error_bytes`) and the traceback's last (each of its lines cut to "
+            "1 KiB). At least 256. See docs/guide/events.md."),
     # -- kafka
     _kafka("POIMEN_TOPIC_PREFIX", "poimen", (WEB, INBOX, OUTBOX, CLI, DEV),
            "Topic prefix: `<prefix>.<tenant>.dispatch|dispatch.dlq|events` (after `KAFKA_PREFIX`)."),

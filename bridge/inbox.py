@@ -76,7 +76,7 @@ from .inbox_faults import (
     response_fault,
     run_request_body,
 )
-from .kafka import describe
+from .kafka import DEFAULT_MAX_MESSAGE_BYTES, SIZE_ERRORS, describe
 from .process import backoff_delay, configure_logging, serve
 from .topics import dead_letter_topic, ensure_topics
 
@@ -86,16 +86,14 @@ log = logging.getLogger("poimen.inbox")
 # fault: a bug then costs one dead-lettered message, not a stalled partition.
 INTERNAL_ERROR_TRIES = 3
 TRACEBACK_CHARS = 2000
-# librdkafka's default message.max.bytes: the largest record the DLQ producer sends.
-DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
-# Room left for the record's framing when a dead letter is fitted under that limit.
+# Room left for the record's framing when a dead letter is fitted under the producer's
+# message.max.bytes (DEFAULT_MAX_MESSAGE_BYTES unless KAFKA_MESSAGE_MAX_BYTES is set).
 DLQ_RECORD_OVERHEAD = 512
 # Dead-letter writes refused for size are retried this many times, at half the size each.
 DLQ_SIZE_TRIES = 4
 # A batch's body stays under the API's limit (its 1 MiB MAX_CONTENT_LENGTH), less the
 # wrapper; a message too large to share a body goes alone.
 BATCH_MAX_BYTES = MAX_BODY_BYTES - 1024
-SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 # Incremental rebalances: a relay joining or leaving moves only the partitions that
 # change hands, so the others keep posting (eager revokes every partition of every
 # relay, and each one waits for its in-flight calls). KAFKA_PARTITION_ASSIGNMENT_STRATEGY

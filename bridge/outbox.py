@@ -23,6 +23,17 @@ active relay checks in ``pg_locks`` that it still holds the lock before every
 batch, while waiting for acknowledgements, and before marking a batch, so a
 relay that lost it publishes at most the batch in flight.
 
+An event too large to publish is published reduced: its envelope (id, type,
+tenant, run, goal, parent, time) with ``data`` cut to its ``run_id`` and
+``type``, marked ``"data_dropped": true`` with its size in ``event_bytes``. An
+event over the producer's ``message.max.bytes`` or its topic's
+``max.message.bytes`` (read once per topic) is reduced before it is produced;
+one the producer or the broker refuses for its size anyway (a limit lowered
+since) is reduced then, with no backoff. An event whose reduced form is refused
+too is marked published without being published, logged and counted
+(``poimen_outbox_undeliverable_total``): it is never retried forever and never
+holds the others up. See docs/operations/outbox.md.
+
 Run it as ``python -m bridge.outbox`` (the Procfile's ``outbox``). It imports
 nothing from ``app`` or ``workers``: its SQL is its own.
 """
@@ -30,6 +41,7 @@ nothing from ``app`` or ``workers``: its SQL is its own.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -53,9 +65,9 @@ from lease import bound_lock_session, lock_connect_kwargs, probe_lock
 from lease import problems as lease_problems
 from poimenconfig import LeaseSettings, OutboxSettings, outbox_settings
 
-from .kafka import describe
+from .kafka import SIZE_ERRORS, describe, max_message_bytes, message_size
 from .process import backoff_delay, configure_logging, serve
-from .topics import ensure_topics, events_topic
+from .topics import ensure_topics, events_topic, topic_max_message_bytes
 
 log = logging.getLogger("poimen.outbox")
 
@@ -65,6 +77,9 @@ OUTBOX_LOCK_NAMESPACE = 0x504F4F42
 OUTBOX_LOCK_KEY = 1
 LOCK_APPLICATION = "poimen-outbox-lock"
 SPECVERSION = "1.0"
+# Room left under the producer's message.max.bytes for a record's framing when an
+# event is measured before it is produced (the record batch and record headers).
+RECORD_OVERHEAD = 128
 
 # The event, built by Postgres: row_to_json keeps the documented key order
 # (docs/guide/events.schema.json) and is compact; the relay passes the text through.
@@ -123,6 +138,49 @@ def read_batch(conn: psycopg.Connection, limit: int, prefix: str = "") -> list[t
     return cursor.fetchall()
 
 
+@dataclass(frozen=True)
+class Event:
+    """One outbox row as ``READ_SQL`` reads it: what the relay produces."""
+
+    id: int
+    tenant: str
+    key: str
+    type: str
+    run_id: str
+    occurred_at: str
+    value: str  # the event's JSON (events.schema.json), built by Postgres
+    traceparent: str | None
+    tracestate: str | None
+
+    def headers(self) -> list[tuple[str, str]]:
+        """The CloudEvents Kafka binary binding's headers of this event."""
+        headers = [
+            ("ce_id", str(self.id)), ("ce_type", self.type),
+            ("ce_source", f"/poimen/{self.tenant}/runs/{self.run_id}"),
+            ("ce_specversion", SPECVERSION), ("ce_time", self.occurred_at),
+            ("content-type", "application/json"),
+        ]
+        # The CloudEvents distributed-tracing extension: the run's W3C Trace
+        # Context (validated at admission), as attributes, not in the data.
+        if self.traceparent:
+            headers.append(("ce_traceparent", self.traceparent))
+            if self.tracestate:
+                headers.append(("ce_tracestate", self.tracestate))
+        return headers
+
+
+def reduced_value(value: str, size: int) -> bytes:
+    """``value``'s envelope without its data (but for ``run_id`` and ``type``), marked
+    ``"data_dropped": true`` with the event's size in bytes (``event_bytes``)."""
+    event = json.loads(value)
+    data = event.get("data") or {}
+    event["data"] = {"run_id": data.get("run_id", event.get("run_id")),
+                     "type": data.get("type", event.get("type"))}
+    event["data_dropped"] = True
+    event["event_bytes"] = size
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # The relay's two writes are the run-state store's (app/state/outbox.py), installed
 # in the database as functions, so this process imports nothing of app/.
 # Events Kafka acknowledged, by id.
@@ -172,8 +230,19 @@ class OutboxMetrics:
                                  "Events the broker acknowledged and this relay marked published.",
                                  registry=r)
         self.errors = Counter("poimen_outbox_publish_errors_total",
-                              "Events whose produce failed (they are sent again), by error.",
+                              "Events whose produce failed (they are sent again, or reduced "
+                              "when refused for size), by error.",
                               ["error"], registry=r)
+        self.reduced = Counter("poimen_outbox_reduced_total",
+                               "Events published reduced to their envelope for their size, by "
+                               "reason: limit (over the producer's message.max.bytes or the "
+                               "topic's max.message.bytes), refused (refused by the producer "
+                               "or the broker for its size).",
+                               ["reason"], registry=r)
+        self.undeliverable = Counter("poimen_outbox_undeliverable_total",
+                                     "Events refused for their size even reduced: marked "
+                                     "published without being published (logged).",
+                                     registry=r)
         self.active = Gauge("poimen_outbox_active",
                             "1 while this relay holds the outbox lock and publishes, else 0.",
                             registry=r)
@@ -293,6 +362,9 @@ class Deliveries:
     outstanding: int = 0
     acked: list[int] = field(default_factory=list)
     failed: dict[int, KafkaError] = field(default_factory=dict)
+    events: dict[int, Event] = field(default_factory=dict)  # what was produced, by row id
+    reduced: dict[int, str] = field(default_factory=dict)  # row id -> why it went reduced
+    undeliverable: list[int] = field(default_factory=list)  # refused even reduced
 
     def report(self, row_id: int, err: KafkaError | None, _msg: Message) -> None:
         self.outstanding -= 1
@@ -300,6 +372,20 @@ class Deliveries:
             self.acked.append(row_id)
         else:
             self.failed[row_id] = err
+
+    def to_mark(self) -> tuple[list[int], list[int]]:
+        """The acknowledged events to mark published, and the undeliverable ones.
+
+        Not an acknowledged event of a run after one of its events that failed: it
+        goes out again after that one, so the run's last copies stay in order.
+        """
+        first_failed: dict[str, int] = {}
+        for row_id in self.failed:
+            key = self.events[row_id].key
+            first_failed[key] = min(row_id, first_failed.get(key, row_id))
+        acked = [row_id for row_id in self.acked
+                 if row_id < first_failed.get(self.events[row_id].key, row_id + 1)]
+        return acked, list(self.undeliverable)
 
 
 class OutboxRelay:
@@ -317,6 +403,9 @@ class OutboxRelay:
         self._fatal: KafkaError | None = None
         self._admin: AdminClient | None = None
         self._topics: dict[str, str] = {}  # tenant -> events topic known to exist
+        # topic -> the largest event (value, key and headers) produced to it whole: the
+        # producer's message.max.bytes or the topic's max.message.bytes, less the framing.
+        self._limits: dict[str, int] = {}
         self._active = False
         self._standing_by = False
         self._last_probe = 0.0
@@ -324,6 +413,13 @@ class OutboxRelay:
         self._failures = 0
         self._published = 0
         self._tenants_seen: set[str] = set()
+        # The producer's own limit (value, key and headers), less the record's framing.
+        self._max_message_bytes = max_message_bytes(config.kafka) - RECORD_OVERHEAD
+        # Events the broker refused for size in a request shared with others (it refuses
+        # the whole request): each goes in a request of its own next time, so the
+        # refusal names the event too large and spares its neighbours.
+        self._alone: set[int] = set()
+        self._unread: set[str] = set()  # tenants whose topic the broker did not answer for
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -427,6 +523,7 @@ class OutboxRelay:
         if self._active and not quiet:
             log.info("standby")
         self._active = False
+        self._alone.clear()
         self.metrics.active.set(0)
         self.metrics.in_flight.set(0)
         self.lock.release()
@@ -506,6 +603,23 @@ class OutboxRelay:
             except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
                 log.warning("could not make sure %s exists (%s); producing to it anyway",
                             topic, str(err) or type(err).__name__)
+                # Its limit is read once the broker acknowledges a batch again.
+                self._unread.add(tenant)
+            # The topic's own limit, when it is below the producer's: an event over it is
+            # reduced before it is produced, in its place, rather than refused by the
+            # broker after the run's later events were acknowledged. Unknown (no
+            # DescribeConfigs), the broker's refusal still reduces it (_publish).
+            limit = self._max_message_bytes
+            if tenant not in self._unread:
+                try:
+                    limit = min(limit,
+                                topic_max_message_bytes(self._admin, topic) - RECORD_OVERHEAD)
+                except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
+                    log.warning("could not read %s's max.message.bytes (%s); events over the "
+                                "producer's limit are reduced, others if the broker refuses "
+                                "them", topic, str(err) or type(err).__name__)
+            self._limits[topic] = limit
+            log.info("%s: events over %d bytes are published reduced", topic, limit)
         return topic
 
     def _ship_batch(self) -> int:
@@ -519,54 +633,120 @@ class OutboxRelay:
             return 0
         producer = self._make_producer()
         deliveries = Deliveries()
-        for (row_id, tenant, key, event_type, run_id, occurred_at, value, traceparent,
-             tracestate) in rows:
-            headers = [
-                ("ce_id", str(row_id)), ("ce_type", event_type),
-                ("ce_source", f"/poimen/{tenant}/runs/{run_id}"),
-                ("ce_specversion", SPECVERSION), ("ce_time", occurred_at),
-                ("content-type", "application/json"),
-            ]
-            # The CloudEvents distributed-tracing extension: the run's W3C Trace
-            # Context (validated at admission), as attributes, not in the data.
-            if traceparent:
-                headers.append(("ce_traceparent", traceparent))
-                if tracestate:
-                    headers.append(("ce_tracestate", tracestate))
-            while True:
-                try:
-                    producer.produce(self._topic(tenant), value.encode(), key.encode(),
-                                     headers=headers,
-                                     on_delivery=functools.partial(deliveries.report, row_id))
-                    deliveries.outstanding += 1
-                    break
-                except BufferError:
-                    producer.poll(0.05)
-                except KafkaException as err:
-                    deliveries.failed[row_id] = err.args[0]
-                    break
+        for row in rows:
+            if not self._publish(producer, deliveries, Event(*row)):
+                break  # a fatal producer error or the end of the shutdown's grace
         self.metrics.in_flight.set(deliveries.outstanding)
         self._await(producer, deliveries)
         self.metrics.in_flight.set(0)
         # Only a relay that still holds the lock marks; a relay that lost it has
         # published this batch once more, which consumers dedupe on ce_id.
         self._confirm_lock(always=True)
-        if deliveries.acked:
-            self._work_connection().execute(MARK_PUBLISHED, [deliveries.acked])
-            self._published += len(deliveries.acked)
-            self.metrics.published.inc(len(deliveries.acked))
+        acked, undeliverable = deliveries.to_mark()
+        if acked or undeliverable:
+            self._work_connection().execute(MARK_PUBLISHED, [acked + undeliverable])
+            self._published += len(acked)
+            self.metrics.published.inc(len(acked))
+            for row_id in acked:
+                if row_id in deliveries.reduced:
+                    self.metrics.reduced.labels(deliveries.reduced[row_id]).inc()
+            self.metrics.undeliverable.inc(len(undeliverable))
+            self._alone.difference_update(acked, undeliverable)
+            if acked and self._unread:  # the broker answers again: make sure of those topics
+                for tenant in self._unread:
+                    self._topics.pop(tenant, None)
+                self._unread.clear()
         self.metrics.batch_seconds.observe(time.monotonic() - started)
-        if deliveries.failed and not self._stop.is_set():
-            self._failed(deliveries)
-        elif not deliveries.failed:
+        # Refused for size beside others: each goes alone next time, at once (a
+        # backoff would not make it fit, and would hold every other event up).
+        too_large = {row_id for row_id, err in deliveries.failed.items()
+                     if err.code() in SIZE_ERRORS}
+        self._alone |= too_large
+        for row_id in too_large:
+            # The topic's limit may have been lowered since it was read: read it again.
+            self._topics.pop(deliveries.events[row_id].tenant, None)
+        failed = {row_id: err for row_id, err in deliveries.failed.items()
+                  if row_id not in too_large}
+        if too_large:
+            self._count_errors(deliveries.failed[row_id] for row_id in too_large)
+        if failed and not self._stop.is_set():
+            self._failed(failed)
+        elif not failed:
             self._failures = 0
         return len(rows)
 
-    def _await(self, producer: Producer, deliveries: Deliveries) -> None:
-        """Wait until every message of the batch is acknowledged or failed.
+    def _publish(self, producer: Producer, deliveries: Deliveries, event: Event) -> bool:
+        """Produce ``event``, reduced if it is too large; False: stop the batch here.
 
-        Returns early (purging what is left) on a fatal producer error or when a
-        shutdown's grace runs out; raises ``LockLost`` if the lock goes meanwhile.
+        An event over its topic's limit is reduced before it is produced. One the
+        broker refused in a request shared with others (``_alone``) is sent whole in a
+        request of its own, after what went before it is acknowledged, so that the
+        broker judges it alone. A refusal certain to be the event's own (the
+        producer's, at ``produce``, or the broker's of a request of its own) has it
+        sent reduced in its place; the reduced form refused too makes it undeliverable.
+        """
+        alone = event.id in self._alone
+        deliveries.events[event.id] = event
+        topic = self._topic(event.tenant)
+        limit = self._limits.get(topic, self._max_message_bytes)
+        headers = event.headers()
+        key = event.key.encode()
+        value = event.value.encode()
+        size, reason = len(value), None
+        if not alone and message_size(value, key, headers) > limit:
+            value, reason = reduced_value(event.value, size), "limit"
+        while True:
+            if alone and not self._await(producer, deliveries):
+                return False
+            error = self._produce(producer, deliveries, topic, event.id, key, value, headers)
+            if error is None and alone:
+                if not self._await(producer, deliveries):
+                    return False
+                error = deliveries.failed.pop(event.id, None)
+            if error is None:
+                if reason is not None:
+                    deliveries.reduced[event.id] = reason
+                    log.warning("event %d (%s of run %s, tenant %s): %d bytes, %s; sent "
+                                "reduced to its envelope", event.id, event.type, event.run_id,
+                                event.tenant, size,
+                                f"over the limit ({limit} bytes with room for the record: the "
+                                "producer's message.max.bytes or the topic's "
+                                "max.message.bytes)" if reason == "limit"
+                                else "refused for its size")
+                return True
+            if error.code() not in SIZE_ERRORS:
+                deliveries.failed[event.id] = error
+                return True
+            self._count_errors([error])
+            self._topics.pop(event.tenant, None)  # its limit is read again for the next one
+            if reason is not None:
+                deliveries.undeliverable.append(event.id)
+                log.error("event %d (%s of run %s, tenant %s): %d bytes, refused for its size "
+                          "even reduced to its envelope (%d bytes): %s; marked published "
+                          "without being published", event.id, event.type, event.run_id,
+                          event.tenant, size, len(value), error)
+                return True
+            value, reason = reduced_value(event.value, size), "refused"
+
+    def _produce(self, producer: Producer, deliveries: Deliveries, topic: str, row_id: int,
+                 key: bytes, value: bytes, headers: list[tuple[str, str]]) -> KafkaError | None:
+        """Hand one message to the producer; the error if it refused it at once."""
+        while True:
+            try:
+                producer.produce(topic, value, key, headers=headers,
+                                 on_delivery=functools.partial(deliveries.report, row_id))
+                deliveries.outstanding += 1
+                return None
+            except BufferError:
+                producer.poll(0.05)
+            except KafkaException as err:
+                return err.args[0]
+
+    def _await(self, producer: Producer, deliveries: Deliveries) -> bool:
+        """Wait until every message produced so far is acknowledged or failed.
+
+        Returns False early (purging what is left) on a fatal producer error or when
+        a shutdown's grace runs out; raises ``LockLost`` if the lock goes meanwhile.
         """
         while deliveries.outstanding > 0:
             try:
@@ -585,24 +765,32 @@ class OutboxRelay:
                             "unpublished and go out again", deliveries.outstanding)
                 break
             self._confirm_lock()
-        if deliveries.outstanding > 0:
+        finished = deliveries.outstanding == 0
+        if not finished:
             producer.purge(in_queue=True, in_flight=True)
             producer.poll(0)  # serves the purged messages' reports
         if self._fatal is not None:
             self._producer = None  # an idempotent producer cannot continue after a fatal error
+            return False
+        return finished
 
-    def _failed(self, deliveries: Deliveries) -> None:
-        for err in deliveries.failed.values():
+    def _count_errors(self, errors) -> None:
+        for err in errors:
             name = err.name() if isinstance(err, KafkaError) else type(err).__name__
             self.metrics.errors.labels(name).inc()
+
+    def _failed(self, failed: dict[int, KafkaError]) -> None:
+        """Count the batch's failures and back off before the next batch."""
+        self._count_errors(failed.values())
+        for err in failed.values():
             if isinstance(err, KafkaError) and err.code() in (
                     KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
                 self._topics.clear()  # try creating the topics again
         self._failures += 1
-        first_id, first = min(deliveries.failed.items())
+        first_id, first = min(failed.items())
         delay = backoff_delay(self._failures, 0.5, self.config.backoff_max)
         log.warning("%d events not published (first: id %d, %s); retrying in %.1fs",
-                    len(deliveries.failed), first_id, first, delay)
+                    len(failed), first_id, first, delay)
         self._stop.wait(delay)
 
     # -- retention ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Mapping
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 # The prefix (POIMEN_TOPIC_PREFIX after Heroku's KAFKA_PREFIX) and the client
 # settings are read by poimenconfig; the names below are built from what it read.
@@ -71,6 +71,15 @@ def ensure_topics(admin: AdminClient, names: Iterable[str], partitions: int,
             if err.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
     return created
+
+
+def topic_max_message_bytes(admin: AdminClient, topic: str, timeout: float = 5.0) -> int:
+    """The broker's limit for a record batch on ``topic``: its ``max.message.bytes``
+    (the broker's ``message.max.bytes`` unless the topic sets its own). Raises
+    ``KafkaException`` when the broker does not answer or refuses (no DescribeConfigs ACL)."""
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    [future] = admin.describe_configs([resource], request_timeout=timeout).values()
+    return int(future.result(timeout)["max.message.bytes"].value)
 
 
 def declare_topics(bootstrap: str, prefix: str, tenants: Iterable[str], partitions: int,

@@ -19,13 +19,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flask import current_app
+from flask import current_app, has_app_context
+
+from poimenconfig import DEFAULT_ERROR_TEXT_MAX_BYTES
 
 from . import registry
 from .context import StepContext
 from .registry import Action
 
-TRACEBACK_LIMIT = 4000
+# A traceback line (a frame, the exception's own line) longer than this is cut, so the
+# kept tail of a traceback shows frames, not only the end of a long message.
+TRACEBACK_LINE_LIMIT = 1024
 MAX_DISPATCH_KEY = 255
 
 
@@ -150,7 +154,49 @@ def fanout_key(idem_key: str, item: str) -> str:
 
 
 def error_info(err: BaseException, **extra: Any) -> dict[str, Any]:
-    """An exception as stored in ``runs.error`` and the ledger (type, message, traceback)."""
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    return {**extra, "type": f"{type(err).__module__}.{type(err).__qualname__}",
-            "message": str(err), "traceback": tb[-TRACEBACK_LIMIT:]}
+    """An exception as stored in ``runs.error`` and the ledger (type, message, traceback),
+    bounded by ``bound_error``."""
+    lines = traceback.format_exception(type(err), err, err.__traceback__)
+    tb = "".join(_cut_head(line, TRACEBACK_LINE_LIMIT, "\n") for line in lines)
+    return bound_error({**extra, "type": f"{type(err).__module__}.{type(err).__qualname__}",
+                        "message": str(err), "traceback": tb})
+
+
+def error_text_limit() -> int:
+    """``POIMEN_ERROR_TEXT_MAX_BYTES`` of the app in context (its default outside one)."""
+    if has_app_context():
+        return int(current_app.config.get("POIMEN_ERROR_TEXT_MAX_BYTES",
+                                          DEFAULT_ERROR_TEXT_MAX_BYTES))
+    return DEFAULT_ERROR_TEXT_MAX_BYTES
+
+
+def bound_error(error: dict[str, Any], limit: int | None = None) -> dict[str, Any]:
+    """``error`` as a run, its ledger and its events keep it: at most ``limit`` bytes of
+    ``message`` (its head) and of ``traceback`` (its tail), in UTF-8.
+
+    A message quoting a large input (a validation error, an HTTP body) would otherwise
+    make the run's ``run.failed`` event larger than a Kafka message may be. A cut
+    message is marked ``"error_truncated": true`` with its size in ``error_bytes``.
+    """
+    limit = error_text_limit() if limit is None else limit
+    bounded = dict(error)
+    message = bounded.get("message")
+    if isinstance(message, str):
+        size = len(message.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            bounded["message"] = _cut_head(message, limit)
+            bounded["error_truncated"] = True
+            bounded["error_bytes"] = size
+    tb = bounded.get("traceback")
+    if isinstance(tb, str) and len(tb.encode("utf-8", "surrogatepass")) > limit:
+        bounded["traceback"] = tb.encode("utf-8", "surrogatepass")[-limit:].decode(
+            "utf-8", "ignore")
+    return bounded
+
+
+def _cut_head(text: str, limit: int, end: str = "") -> str:
+    """``text``'s first ``limit`` bytes (whole characters), ``end`` kept after a cut."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode("utf-8", "ignore") + (end if text.endswith(end) else "")

@@ -38,7 +38,7 @@ from app.tracecontext import of_run
 from logconfig import quiet_traceback
 
 from . import boots, ledger, registry
-from .actions import error_info
+from .actions import bound_error, error_info
 from .boots import current_boot, end_current_boot
 from .context import RunContext
 from .dberrors import rollback
@@ -260,11 +260,12 @@ def _run_claimed(claim: Claim) -> Ended:
         # The result itself cannot be stored (jsonb refuses it): a workflow bug,
         # recorded as a failure instead of retried forever.
         rollback()
-        error = {
+        # Postgres' message may quote the value: bounded like any error text.
+        error = bound_error({
             "type": "poimen.ResultNotStorable",
             "message": f"the workflow's result could not be stored: {err.orig}",
             "traceback": "",
-        }
+        })
         bare = close.without_outputs(error) if close is not None else None
         finished = fence.finish(bare, status=RunStatus.FAILED, error=error)
         status = RunStatus.FAILED

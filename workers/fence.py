@@ -41,7 +41,7 @@ from app.tracecontext import TraceContext
 from poimenconfig import libpq_url
 
 from . import boots
-from .actions import Emit, Output, Spawn
+from .actions import Emit, Output, Spawn, bound_error
 from .boots import current_boot
 from .dberrors import retryable, rollback
 
@@ -262,6 +262,8 @@ class Fence:
     def fail_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
                     name: str, key: str, error: dict) -> None:
         """Record a marker-bearing action's failure (the stop rule follows)."""
+        error = bound_error(error)
+
         def write(session, ours, retrying):
             if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
                                           error=error, step_id=step_id, entry_no=entry_no,
@@ -330,12 +332,16 @@ class Fence:
     def finish(self, close: EntryClose | None, *, status: str, result: Any = None,
                error: dict | None = None) -> bool:
         """Close the last entry and end the run in one statement; False if not ours."""
+        # Every error text reaches the run and its event bounded (error_info bounds its
+        # own; this also catches one built by hand).
+        error = bound_error(error) if error is not None else None
         return self._end(lambda session, ours: finish_run(
             session, self.run_id, ours, status=status, result=result, error=error, close=close,
             slots=self.slots), self._finished_by_us, single=True)
 
     def retry(self, close: EntryClose | None, *, delay: float, error: dict) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""
+        error = bound_error(error)
         return self._end(lambda session, ours: self._closed(session, ours, close)
                          and schedule_retry(session, self.run_id, ours, delay=delay,
                                             error=error),

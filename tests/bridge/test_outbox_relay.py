@@ -786,3 +786,274 @@ def test_the_linger_is_read_in_milliseconds_and_never_negative():
     assert outbox_settings({**env, "POIMEN_OUTBOX_BATCH_LINGER_MS": "0"}).batch_linger_ms == 0
     with pytest.raises(SystemExit, match="must not be negative"):
         outbox_settings({**env, "POIMEN_OUTBOX_BATCH_LINGER_MS": "-5"})
+
+
+# -- oversized events (issue 43, item 5) ---------------------------------------------------------
+#
+# A 1.2 MB error once made a run.failed event the producer refused (MSG_SIZE_TOO_LARGE) on every
+# try: never published, never dead-lettered, and every try put the relay into its backoff.
+
+
+def utf8_size(text: str) -> int:
+    return len(text.encode())
+
+
+def test_a_run_failing_with_a_huge_error_publishes_its_run_failed_event_truncated(
+        world, api, make_tenant):
+    creds = make_tenant(f"ob{uuid.uuid4().hex[:10]}")
+    world.tenant, world.tenant_id = creds.name, creds.id
+    world.declare(partitions=2)
+    start_ready_worker(world)
+    world.start_relay()
+    reader = world.reader()
+
+    message = "invalid input: " + "x" * 1_200_000  # what tests.workflows.invalid_input raises
+    run_id = admit(api, creds.token, "invalid-input", input={"bytes": 1_200_000})
+
+    def failed():
+        return [i for i, t in run_events(world, run_id) if t == "run.failed"]
+
+    [failed_id] = wait_until(failed, timeout=60, what="the run to fail")
+    [msg] = [m for m in reader.wait_for_ids({failed_id}, timeout=20)
+             if int(headers(m)["ce_id"]) == failed_id]
+    value = json.loads(msg.value())
+    jsonschema.validate(value, SCHEMA, format_checker=jsonschema.FormatChecker())
+    error = value["data"]["error"]
+    # The error itself, cut to POIMEN_ERROR_TEXT_MAX_BYTES (8 KiB), its size noted: not an
+    # event whose data was dropped.
+    assert "data_dropped" not in value
+    assert error["type"] == "builtins.ValueError"
+    assert error["error_truncated"] is True and error["error_bytes"] == utf8_size(message)
+    assert utf8_size(error["message"]) <= 8192 and message.startswith(error["message"])
+    assert utf8_size(error["traceback"]) <= 8192
+    assert len(msg.value()) < 32 * 1024
+    # The run shows the same bounded error.
+    run = requests.get(f"{api}/v1/runs/{run_id}", timeout=10,
+                       headers={"Authorization": f"Bearer {creds.token}"}).json()
+    assert run["status"] == "failed"
+    assert run["error"]["error_bytes"] == utf8_size(message)
+    assert run["error"]["message"] == error["message"]
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+
+
+def record_big_event(world: World, run_id: uuid.UUID, size: int,
+                     event_type: str = "order.rejected") -> int:
+    """Write an event of ``size`` bytes with the store's own statement (an ``emit``)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from app.state.outbox import record_event
+
+    engine = create_engine(world.database_url)
+    try:
+        with Session(engine) as session:
+            record_event(session, tenant_id=world.tenant_id, run_id=run_id,
+                         event_type=event_type, detail="y" * size)
+            session.commit()
+    finally:
+        engine.dispose()
+    with world.connect() as conn:
+        return conn.execute("SELECT max(id) FROM outbox WHERE run_id = %s", [run_id]).fetchone()[0]
+
+
+def by_id(messages: list) -> dict[int, list]:
+    found: dict[int, list] = {}
+    for m in messages:
+        found.setdefault(int(headers(m)["ce_id"]), []).append(m)
+    return found
+
+
+def assert_reduced(msg, world: World, run_id: uuid.UUID, event_type: str, at_least: int) -> None:
+    """``msg`` is the reduced form: the envelope, no data but its run and type, the size noted."""
+    value = json.loads(msg.value())
+    jsonschema.validate(value, SCHEMA, format_checker=jsonschema.FormatChecker())
+    assert value["data_dropped"] is True and value["event_bytes"] >= at_least
+    assert value["data"] == {"run_id": str(run_id), "type": event_type}
+    assert (value["type"], value["tenant"], value["run_id"]) == (event_type, world.tenant,
+                                                                str(run_id))
+    assert value["event_id"] == headers(msg)["ce_id"]
+    assert headers(msg)["ce_type"] == event_type
+    assert msg.key() == f"{world.tenant}:{run_id}".encode()
+
+
+def test_an_event_over_the_producers_limit_goes_out_reduced_and_holds_no_one_up(world):
+    world.add_tenant()
+    world.declare(partitions=2)
+    run_a, run_b = uuid.uuid4(), uuid.uuid4()
+    with world.connect() as conn:
+        [first] = insert_events(conn, world.tenant_id, run_id=run_a, event_type="run.started")
+    big = record_big_event(world, run_a, 1_200_000)
+    with world.connect() as conn:
+        [after] = insert_events(conn, world.tenant_id, run_id=run_a, event_type="run.failed")
+    relay = world.start_relay()
+    reader = world.reader()
+
+    # Another run's events meanwhile, one every 0.3 s: none waits for a backoff.
+    latencies = []
+    with world.connect() as conn:
+        for _ in range(12):
+            [other] = insert_events(conn, world.tenant_id, run_id=run_b)
+            written = time.monotonic()
+            reader.wait_for_ids({other}, timeout=30)
+            latencies.append(time.monotonic() - written)
+            time.sleep(0.3)
+    print(f"another run's events arrived after {[round(x, 2) for x in latencies]} s")
+    assert max(latencies) < 2.0, latencies
+
+    messages = reader.wait_for_ids({first, big, after}, timeout=10)
+    found = by_id(messages)
+    assert_reduced(found[big][0], world, run_a, "order.rejected", 1_200_000)
+    # Run A's events in order on their partition.
+    mine = sorted((m for m in messages if m.key() == f"{world.tenant}:{run_a}".encode()),
+                  key=lambda m: m.offset())
+    assert [int(headers(m)["ce_id"]) for m in mine] == [first, big, after]
+    assert_per_run_order(messages)
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+    assert relay.metric("poimen_outbox_reduced_total", reason="limit") == 1
+    assert relay.metric("poimen_outbox_undeliverable_total") == 0
+
+
+def create_topic(world: World, max_message_bytes: int | None = None) -> None:
+    """The tenant's events topic, one partition, with a ``max.message.bytes`` of its own."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    config = {} if max_message_bytes is None else {"max.message.bytes": str(max_message_bytes)}
+    admin = AdminClient({"bootstrap.servers": world.bootstrap})
+    for future in admin.create_topics([NewTopic(world.topic, 1, 1, config=config)]).values():
+        future.result(15)
+
+
+def lower_topic_limit(world: World, max_message_bytes: int) -> None:
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": world.bootstrap})
+    entry = ConfigEntry("max.message.bytes", str(max_message_bytes),
+                        incremental_operation=AlterConfigOpType.SET)
+    for future in admin.incremental_alter_configs([ConfigResource(
+            ConfigResource.Type.TOPIC, world.topic, incremental_configs=[entry])]).values():
+        future.result(15)
+
+
+def last_copies(messages: list, key: str) -> list[int]:
+    """The ce_ids of ``key``'s messages in partition order, each at its last copy: what a
+    consumer that keeps the latest copy of each event sees."""
+    ordered = sorted((m for m in messages if m.key() == key.encode()), key=lambda m: m.offset())
+    ids = [int(headers(m)["ce_id"]) for m in ordered]
+    return [i for n, i in enumerate(ids) if i not in ids[n + 1:]]
+
+
+def test_an_event_over_its_topics_limit_goes_out_reduced_in_its_place(world):
+    """The topic's max.message.bytes under the producer's: the relay reads it and reduces the
+    event before producing it, so the run's events go out once each, in order."""
+    world.add_tenant()
+    create_topic(world, 20_000)
+    run_a, run_b = uuid.uuid4(), uuid.uuid4()
+    with world.connect() as conn:
+        a_before = insert_events(conn, world.tenant_id, 2, run_id=run_a, event_type="run.started")
+        b_before = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+    big = record_big_event(world, run_a, 50_000)
+    with world.connect() as conn:
+        a_after = insert_events(conn, world.tenant_id, 2, run_id=run_a, event_type="run.failed")
+        b_after = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+    relay = world.start_relay()
+    reader = world.reader()
+    everything = {*a_before, *b_before, big, *a_after, *b_after}
+    reader.wait_for_ids(everything, timeout=20)
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+    messages = reader.read_to_end()
+    assert sorted(reader.ce_ids()) == sorted(everything), "each event once"
+    assert_reduced(by_id(messages)[big][0], world, run_a, "order.rejected", 50_000)
+    assert_per_run_order(messages)
+    mine = sorted((m for m in messages if m.key() == f"{world.tenant}:{run_a}".encode()),
+                  key=lambda m: m.offset())
+    assert [int(headers(m)["ce_id"]) for m in mine] == [*a_before, big, *a_after]
+    assert relay.metric("poimen_outbox_reduced_total", reason="limit") == 1
+    assert relay.metric("poimen_outbox_undeliverable_total") == 0
+
+
+def test_an_event_the_broker_refuses_for_size_goes_out_reduced(world):
+    """The topic's limit lowered after the relay read it: the broker refuses the event (and
+    every event in the same request). It goes out reduced at once, and its run's events that
+    the broker took after it go out again after it: the run's last copies stay in order."""
+    world.add_tenant()
+    create_topic(world)
+    run_a, run_b = uuid.uuid4(), uuid.uuid4()
+    # Small producer batches: the run's events after the refused one travel in requests of
+    # their own, which the broker accepts.
+    relay = world.start_relay(KAFKA_BATCH_SIZE="1000")
+    reader = world.reader()
+    with world.connect() as conn:
+        [warm] = insert_events(conn, world.tenant_id, run_id=run_b)
+    reader.wait_for_ids({warm}, timeout=20)  # the relay has read the topic's limit
+    lower_topic_limit(world, 20_000)
+    # One batch: the relay reads none of these rows until the older transaction ends.
+    with world.connect(autocommit=False) as older:
+        older.execute("SELECT pg_current_xact_id()")
+        with world.connect() as conn:
+            a_before = insert_events(conn, world.tenant_id, 2, run_id=run_a,
+                                     event_type="run.started")
+            b_before = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+        big = record_big_event(world, run_a, 50_000)
+        with world.connect() as conn:
+            a_after = insert_events(conn, world.tenant_id, 2, run_id=run_a,
+                                    event_type="run.failed")
+            b_after = insert_events(conn, world.tenant_id, 3, run_id=run_b)
+        older.commit()
+    everything = {*a_before, *b_before, big, *a_after, *b_after}
+    reader.wait_for_ids(everything, timeout=20)
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked published")
+    messages = reader.read_to_end()
+    copies = by_id(messages)
+    assert_reduced(copies[big][-1], world, run_a, "order.rejected", 50_000)
+    assert len(copies[big]) == 1
+    assert last_copies(messages, f"{world.tenant}:{run_a}") == [*a_before, big, *a_after]
+    assert last_copies(messages, f"{world.tenant}:{run_b}") == [warm, *b_before, *b_after]
+    assert relay.metric("poimen_outbox_reduced_total", reason="refused") == 1
+    assert relay.metric("poimen_outbox_undeliverable_total") == 0
+
+    # Later events go out at once: no backoff was left behind.
+    with world.connect() as conn:
+        [later] = insert_events(conn, world.tenant_id, run_id=run_b)
+    written = time.monotonic()
+    reader.wait_for_ids({later}, timeout=10)
+    assert time.monotonic() - written < 2.0
+
+
+# Bytes the embedded broker allows a record batch on a topic: one small event of
+# ``insert_events`` fits (about 500 bytes of value, key and headers, and the relay's 128 for
+# the framing), the reduced form of an event with a 64-character type does not (about 700,
+# and the framing).
+SMALL_TOPIC_LIMIT = 700
+
+
+def test_an_event_refused_even_reduced_is_marked_counted_and_never_retried(world):
+    world.add_tenant()
+    # Room for a small event of run B alone, not for the reduced form of an event whose
+    # type (in the value twice, and in ce_type) is as long as a type may be (64).
+    create_topic(world, SMALL_TOPIC_LIMIT)
+    run_a, run_b = uuid.uuid4(), uuid.uuid4()
+    long_type = "order." + "r" * 58
+    with world.connect() as conn:
+        b_before = insert_events(conn, world.tenant_id, 2, run_id=run_b)
+    big = record_big_event(world, run_a, 50_000, event_type=long_type)
+    with world.connect() as conn:
+        b_after = insert_events(conn, world.tenant_id, 2, run_id=run_b)
+    relay = world.start_relay()
+    reader = world.reader()
+    messages = reader.wait_for_ids({*b_before, *b_after}, timeout=20)
+    wait_until(lambda: world.table_ids(published=False) == set(), timeout=10,
+               what="every row marked, the undeliverable one too")
+    assert relay.metric("poimen_outbox_undeliverable_total") == 1
+    assert big not in by_id(reader.drain(0.5))
+    assert f"event {big} " in relay.proc.log()
+    # And the relay is not stuck on it: the next event goes out at once.
+    with world.connect() as conn:
+        [later] = insert_events(conn, world.tenant_id, run_id=run_b)
+    written = time.monotonic()
+    reader.wait_for_ids({later}, timeout=10)
+    assert time.monotonic() - written < 2.0
+    assert_per_run_order(messages)

@@ -683,6 +683,45 @@ MUTANTS: list[Mutant] = [
         ("tests/bridge/test_outbox_relay.py::"
          "test_rows_of_younger_transactions_wait_for_an_older_open_one",),
     ),
+    Mutant(
+        "outbox_retries_an_event_refused_for_size",
+        "an event the broker refuses for its size is published reduced, never retried forever",
+        "bridge/outbox.py",
+        '            value, reason = reduced_value(event.value, size), "refused"\n',
+        "            deliveries.failed[event.id] = error\n            return True\n",
+        ("tests/bridge/test_outbox_relay.py::"
+         "test_an_event_the_broker_refuses_for_size_goes_out_reduced",),
+    ),
+    Mutant(
+        "outbox_marks_a_runs_events_past_a_failed_one",
+        "a run's events the broker took after one of its events that failed go out again "
+        "after it: the run's order holds",
+        "bridge/outbox.py",
+        "        acked = [row_id for row_id in self.acked\n"
+        "                 if row_id < first_failed.get(self.events[row_id].key, row_id + 1)]\n",
+        "        acked = list(self.acked)\n",
+        ("tests/bridge/test_outbox_relay.py::"
+         "test_an_event_the_broker_refuses_for_size_goes_out_reduced",),
+    ),
+    Mutant(
+        "outbox_retries_an_undeliverable_event_forever",
+        "an event refused for its size even reduced is marked and counted, never retried forever",
+        "bridge/outbox.py",
+        "        return acked, list(self.undeliverable)\n",
+        "        return acked, []\n",
+        ("tests/bridge/test_outbox_relay.py::"
+         "test_an_event_refused_even_reduced_is_marked_counted_and_never_retried",),
+    ),
+    Mutant(
+        "error_text_unbounded",
+        "a failure's error text is stored bounded (POIMEN_ERROR_TEXT_MAX_BYTES), its size noted",
+        "workers/actions.py",
+        "        if size > limit:\n",
+        "        if False:\n",
+        ("tests/workers/test_error_text.py",
+         "tests/bridge/test_outbox_relay.py::"
+         "test_a_run_failing_with_a_huge_error_publishes_its_run_failed_event_truncated"),
+    ),
     # -- the console ---------------------------------------------------------------------------
     Mutant(
         "console_redrive_without_derived_key",

@@ -75,6 +75,14 @@ def flaky(ctx, input):
     return {"failures_before_success": failures}
 
 
+@workflow("invalid-input", version="1", max_attempts=1)
+def invalid_input(ctx, input):
+    """Fail with a validation error that quotes its input at length: ``input['bytes']``
+    bytes of message (an API's 413 body, a schema error dumping the document)."""
+    quote = str(input.get("quote", "x"))
+    raise ValueError("invalid input: " + quote * (int(input["bytes"]) // len(quote)))
+
+
 @workflow("unstorable", version="1")
 def unstorable(ctx, input):
     """Return a result Postgres jsonb refuses (a NUL character)."""
