@@ -117,6 +117,29 @@ def forker(ctx, input):
     return {"attempt": ctx.attempt, "grandchild": grandchild}
 
 
+# A child that writes "<unix time> <its pid>" to $1 every 0.2 s until it is killed. It
+# ignores SIGTERM, as a child finishing its own work on SIGTERM (ffmpeg) outlives it.
+SHELL_LOOP = 'trap "" TERM; while :; do echo "$(date +%s.%N) $$" >> "$1"; sleep 0.2; done'
+
+
+@workflow("spawner", version="1")
+def spawner(ctx, input):
+    """Start :data:`SHELL_LOOP` writing to ``path`` as a child, then block ``seconds``;
+    stop the loop and return. Two executions at once show as two pids writing."""
+    import subprocess
+    import time
+
+    loop = subprocess.Popen(["sh", "-c", SHELL_LOOP, "loop", input["path"]])
+    record_effect(ctx.run_id, "start")
+    try:
+        time.sleep(float(input.get("seconds", 300)))
+    finally:
+        loop.kill()
+        loop.wait()
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt}
+
+
 @workflow("tick", version="1")
 def tick(ctx, input):
     """Append ``<unix time> <pid> <attempt>`` to the file ``path`` every ``every`` seconds for
