@@ -3,6 +3,9 @@ a cancelled run whose worker is killed. Real Celery workers, real Postgres and R
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from lease import KILL_SECONDS
 from tests.processes import start_beat, start_worker, wait_until
 
 FAST_PROBE = {"POIMEN_BOOT_PROBE_INTERVAL": "0.3"}
@@ -152,9 +155,12 @@ def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side
                                                                      processes):
     """The workflow forks a grandchild that sleeps on; kill -9 the worker process: its lock
     must go with it (the grandchild holds no copy of the lock socket), so the run is
-    taken over."""
+    taken over; and the grandchild goes with it (the pool process's group, ended by its
+    guardian: workers/proctree.py), so it never runs beside the rescuer."""
     import os
     import signal
+
+    from tests.chaos.test_process_tree import alive
 
     # The lease's server bound would end the orphaned lock session after T_s anyway:
     # set it far beyond the wait, so only the lock going with the process can pass.
@@ -166,7 +172,14 @@ def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side
     wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
     child = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start'",
                        [run_id]).fetchone()[0]
-    os.kill(child, signal.SIGKILL)  # the pool process; its grandchild lives on
+    grandchildren = [pid for pid in children_of(child)
+                     if b"poimen-guardian" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(grandchildren) == 1
+    os.kill(child, signal.SIGKILL)  # the pool process
+    # The grandchild (no exec, so it runs our Python: it must not keep the guardian's
+    # pipe open either) is gone within the lease's kill bound.
+    wait_until(lambda: not alive(grandchildren[0]), timeout=KILL_SECONDS, interval=0.02,
+               what="the grandchild to die with the pool process")
     processes.append(start_worker(env, tmp_path, "rescuer"))
     processes.append(start_beat(env, tmp_path))
     try:
@@ -176,5 +189,15 @@ def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side
                    what="the run to be taken over despite the grandchild")
         assert run_row(pg, run_id)[1] == 2
     finally:
-        # The grandchild is in the victim's process group: stopping the victim ends it.
         victim.signal_group(signal.SIGKILL)
+        for pid in grandchildren:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of ``pid`` (Linux: /proc/<pid>/task/<tid>/children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
