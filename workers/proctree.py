@@ -30,9 +30,11 @@ Ctrl-C, a Procfile runner's or a test's ``killpg``). The main process passes
 on what they need (:func:`tell_pool`, from ``worker_shutting_down``): a warm
 shutdown by SIGTERM becomes :data:`NOTICE` to each pool process, which starts
 the SIGTERM grace there (``workers.shutdown``; Heroku's own SIGTERM to every
-process of the dyno still arrives too, and the two count once); a cold
-shutdown SIGKILLs each pool process's group, as a second SIGTERM would have
-ended the pool process before. Not covered: a process that leaves the group
+process of the dyno still arrives too, and the two count once), a Ctrl-C's
+SIGINT goes on to each pool group as the terminal would have sent it, and a
+cold shutdown (SIGQUIT, a second Ctrl-C) SIGKILLs each running task's pool
+process (``celery_native.RunRequest.cancel``), whose guardian ends the rest
+of its group, as the group-wide SIGQUIT did before. Not covered: a process that leaves the group
 itself (``setsid``, a daemon's double fork); a cgroup would hold it, and this
 platform (Heroku, a plain container) gives a worker no cgroup of its own.
 docs/internals/execution.md, "The body's process tree".
@@ -124,18 +126,25 @@ def pool_groups() -> list[int]:
 
 
 def tell_pool(sig: str | None, how: str | None) -> None:
-    """In the main process, at ``worker_shutting_down``: pass the shutdown on to the pool.
+    """In the main process, at ``worker_shutting_down``: pass a warm shutdown on to the pool.
 
-    A warm shutdown by SIGTERM sends :data:`NOTICE` to each pool process (its
-    SIGTERM grace starts); a cold one SIGKILLs each pool process's group.
+    SIGTERM sends :data:`NOTICE` to each pool process (its SIGTERM grace starts;
+    the body's children are not told: Heroku's SIGTERM reaches them itself, and
+    the grace's end ends them). SIGINT (a terminal's Ctrl-C) goes to each pool
+    process's whole group, as the terminal would have sent it: pool processes
+    and guardians ignore it, a body's children get it as before. A cold
+    shutdown needs nothing here: Celery cancels each running task through its
+    request, which kills the pool process (``celery_native.RunRequest.cancel``)
+    and so its group.
     """
-    if how == "Cold":
-        for pid in pool_groups():
-            log.warning("cold shutdown: killing pool process %s and its process group", pid)
-            _signal(-pid, signal.SIGKILL)
-    elif sig == "SIGTERM":
+    if how != "Warm":
+        return
+    if sig == "SIGTERM":
         for pid in pool_groups():
             _signal(pid, NOTICE)
+    elif sig == "SIGINT":
+        for pid in pool_groups():
+            _signal(-pid, signal.SIGINT)
 
 
 def _signal(target: int, signum: int) -> None:

@@ -31,7 +31,8 @@ reaches only the main process. The main process records it
 and passes it on as ``proctree.NOTICE``, which a pool process reads as the
 shutdown's SIGTERM: the first of the two (Heroku's SIGTERM reaches every
 process of the dyno, the notice follows it, either may come first) starts the
-grace, and only a second *SIGTERM* ends the process at once. At the grace's
+grace, and a second SIGTERM, or a second notice (the worker's group got SIGTERM
+again), ends the process at once. At the grace's
 end, the pool process's exit ends its process group too (its guardian). What was measured, and why not
 Celery's own soft shutdown or ``REMAP_SIGTERM``: ``docs/internals/reliability.md``.
 """
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 EXIT_ABANDONED = 75
 
 _received_at: float | None = None  # time.monotonic() of this process's first SIGTERM
-_sigterms = 0  # SIGTERMs (not notices) received while executing
+_sigterms = 0  # SIGTERMs received (directly: Heroku's, an operator's, billiard's)
+_notices = 0  # the main process's notices of a SIGTERM it received (proctree.NOTICE)
 _grace = DEFAULT_SHUTDOWN_GRACE
 _in_pool_process = False
 _executing = False
@@ -115,10 +117,13 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _on_notice(signum, frame) -> None:
-    # The main process's word of a SIGTERM (proctree.tell_pool): the same shutdown
-    # as Heroku's SIGTERM to this process, so it never counts as a second one.
-    if not _executing:
-        _die(signal.SIGTERM)  # nothing in flight: end as that SIGTERM would have
+    # The main process's word of a SIGTERM it got (proctree.tell_pool): the same
+    # shutdown as Heroku's SIGTERM to this process, so the two count once; the main
+    # process's second SIGTERM is a second one.
+    global _notices
+    _notices += 1
+    if _notices > 1 or not _executing:
+        _die(signal.SIGTERM)  # as that SIGTERM to the pool process would have
     _start_grace()
 
 
