@@ -35,7 +35,7 @@ SIGINT goes on to each pool group as the terminal would have sent it, and a
 cold shutdown (SIGQUIT, a second Ctrl-C) SIGKILLs each running task's pool
 process (``celery_native.RunRequest.cancel``), whose guardian ends the rest
 of its group, as the group-wide SIGQUIT did before. Not covered: a process that leaves the group
-itself (``setsid``, a daemon's double fork); a cgroup would hold it, and this
+itself (``setsid``, ``setpgid``, a daemon); a cgroup would hold it, and this
 platform (Heroku, a plain container) gives a worker no cgroup of its own.
 docs/internals/execution.md, "The body's process tree".
 """
