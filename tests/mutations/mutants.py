@@ -350,8 +350,7 @@ MUTANTS: list[Mutant] = [
         "workers/proctree.py",
         "os.register_at_fork(after_in_child=_forget_guardian_in_child)\n",
         "",
-        ("tests/chaos/test_boot_loss.py::"
-         "test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive",),
+        ("tests/chaos/test_boot_loss.py::test_a_forked_grandchild_dies_with_its_pool_process",),
     ),
     # -- the lease (issue 22): both bounds and their order -------------------------------------
     Mutant(

@@ -103,14 +103,19 @@ def crash(ctx, input):
 
 @workflow("forker", version="1")
 def forker(ctx, input):
-    """Fork (without exec) a grandchild that outlives this process, then work."""
+    """Fork (without exec) a grandchild, then work. ``detach``: the grandchild leaves the
+    pool process's process group (``setsid``), so it outlives this process."""
     import os
     import time
 
     grandchild = os.fork()
     if grandchild == 0:  # the grandchild: sleeps on, holding whatever it inherited
+        if input.get("detach"):
+            os.setsid()
         time.sleep(float(input.get("grandchild_seconds", 60)))
         os._exit(0)
+    while input.get("detach") and os.getpgid(grandchild) == os.getpgid(0):
+        time.sleep(0.01)  # until it has left this process's group
     record_effect(ctx.run_id, "start")
     time.sleep(float(input.get("seconds", 0)))
     record_effect(ctx.run_id, "finish")
