@@ -34,9 +34,10 @@ process of the dyno still arrives too, and the two count once), a Ctrl-C's
 SIGINT goes on to each pool group as the terminal would have sent it, and a
 cold shutdown (SIGQUIT, a second Ctrl-C) SIGKILLs each running task's pool
 process (``celery_native.RunRequest.cancel``), whose guardian ends the rest
-of its group, as the group-wide SIGQUIT did before. Not covered: a process that leaves the group
-itself (``setsid``, ``setpgid``, a daemon); a cgroup would hold it, and this
-platform (Heroku, a plain container) gives a worker no cgroup of its own.
+of its group, as the group-wide SIGQUIT did before. Not covered: a process
+that leaves the group itself (``setsid``, ``setpgid``, a daemon); a cgroup
+would hold it, and this platform (Heroku, a plain container) gives a worker no
+cgroup of its own.
 docs/internals/execution.md, "The body's process tree".
 """
 
@@ -86,11 +87,6 @@ def lead_own_group() -> None:
     _pipe = write_end
     log.debug("pool process %s leads process group %s (guardian %s)", os.getpid(),
               os.getpgid(0), _guardian.pid)
-
-
-def leads_own_group() -> bool:
-    """Whether this process leads a group set up by :func:`lead_own_group`."""
-    return _pipe is not None and os.getpgid(0) == os.getpid()
 
 
 def _forget_guardian_in_child() -> None:
