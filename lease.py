@@ -59,8 +59,10 @@ from poimenconfig import LeaseSettings
 
 log = logging.getLogger(__name__)
 
-# SIGKILL's delivery and the process's exit: a bound with room to spare (measured
-# in tests/test_lease.py: a few milliseconds).
+# SIGKILL's delivery and the process's exit, and (a worker's pool process) its
+# guardian's SIGKILL of the body's process group (workers/proctree.py): a bound with
+# room to spare (measured in tests/test_lease.py and tests/chaos/test_process_tree.py:
+# milliseconds).
 KILL_SECONDS = 1.0
 # Slack for the timers on both hosts and a probe's flight time.
 MARGIN_SECONDS = 2.0

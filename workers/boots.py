@@ -22,8 +22,10 @@ The lock is a lease bounded on both sides (``lease.py``): the server ends a
 lock session that sent nothing for T_s (``idle_session_timeout``, renewed by
 every probe), and this process is SIGKILLed by a kernel timer (the *fence*)
 when a run it executes is covered by no boot whose lock was confirmed within
-T_c. T_c + kill < T_s + takeover delay, so a cut-off process has stopped
-before anyone may start its run again.
+T_c; its guardian then ends the process group the run's body started its
+children in (``workers/proctree.py``). T_c + kill < T_s + takeover delay, so
+a cut-off process and its children have stopped before anyone may start its
+run again.
 """
 
 from __future__ import annotations

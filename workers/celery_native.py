@@ -142,6 +142,19 @@ class RunRequest(Request):
                 signum = signals_module.SIGKILL
         return super().terminate(pool, signum)
 
+    def cancel(self, pool, signal=None, **kwargs):
+        # A cold shutdown (SIGQUIT, a second Ctrl-C) cancels every running task with
+        # SIGTERM, which a pool process reads as a deploy's and outlives for the grace.
+        # Cold means now: SIGKILL, and the pool process's guardian ends the body's
+        # process group with it (workers/proctree.py). The run is not cancelled: its
+        # boot dies with the process, and another worker takes it over.
+        signum = platform_signals.signum(signal or "TERM")
+        if signum == signals_module.SIGTERM and self.time_start:
+            log.warning("run %s: cold shutdown; killing pool process %s and its process "
+                        "group", self.id, self.worker_pid)
+            signum = signals_module.SIGKILL
+        return super().cancel(pool, signum, **kwargs)
+
     def on_timeout(self, soft, timeout):
         if not soft and self.worker_pid and not worker_state.should_terminate:
             # Before Celery kills the pool process: a dead boot's run would be taken

@@ -24,8 +24,16 @@ own handler by then, and replaces any installed earlier):
 * a SIGTERM while idle (no task, nothing to protect) ends the process at once,
   as before, so an idle pool never delays a shutdown.
 
-The main process only records the signal (``worker_shutting_down``), so
-:func:`shutting_down` means the same in both. What was measured, and why not
+A pool process leads a process group of its own (``workers/proctree.py``:
+the fence ends a body's children with it), so a SIGTERM to the worker's group
+reaches only the main process. The main process records it
+(``worker_shutting_down``), so :func:`shutting_down` means the same in both,
+and passes it on as ``proctree.NOTICE``, which a pool process reads as the
+shutdown's SIGTERM: the first of the two (Heroku's SIGTERM reaches every
+process of the dyno, the notice follows it, either may come first) starts the
+grace, and a second SIGTERM, or a second notice (the worker's group got SIGTERM
+again), ends the process at once. At the grace's
+end, the pool process's exit ends its process group too (its guardian). What was measured, and why not
 Celery's own soft shutdown or ``REMAP_SIGTERM``: ``docs/internals/reliability.md``.
 """
 
@@ -39,12 +47,16 @@ import time
 
 from poimenconfig import DEFAULT_SHUTDOWN_GRACE
 
+from .proctree import NOTICE
+
 log = logging.getLogger(__name__)
 
 # Exit status of a pool process that gave up its run at the deadline (EX_TEMPFAIL).
 EXIT_ABANDONED = 75
 
 _received_at: float | None = None  # time.monotonic() of this process's first SIGTERM
+_sigterms = 0  # SIGTERMs received (directly: Heroku's, an operator's, billiard's)
+_notices = 0  # the main process's notices of a SIGTERM it received (proctree.NOTICE)
 _grace = DEFAULT_SHUTDOWN_GRACE
 _in_pool_process = False
 _executing = False
@@ -86,6 +98,8 @@ def task_starting() -> None:
     _executing = True
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(NOTICE) is not _on_notice:
+        signal.signal(NOTICE, _on_notice)
 
 
 def task_finished() -> None:
@@ -95,9 +109,28 @@ def task_finished() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
-    global _received_at
-    if _received_at is not None or not _executing:
+    global _sigterms
+    _sigterms += 1
+    if _sigterms > 1 or not _executing:
         _die(signum)  # the second SIGTERM, or nothing in flight to protect
+    _start_grace()
+
+
+def _on_notice(signum, frame) -> None:
+    # The main process's word of a SIGTERM it got (proctree.tell_pool): the same
+    # shutdown as Heroku's SIGTERM to this process, so the two count once; the main
+    # process's second SIGTERM is a second one.
+    global _notices
+    _notices += 1
+    if _notices > 1 or not _executing:
+        _die(signal.SIGTERM)  # as that SIGTERM to the pool process would have
+    _start_grace()
+
+
+def _start_grace() -> None:
+    global _received_at
+    if _received_at is not None:
+        return  # the shutdown's SIGTERM and its notice: one grace
     _received_at = time.monotonic()
     log.warning("SIGTERM: finishing the run in flight; giving it up in %.0fs", _grace)
     timer = threading.Timer(_grace, _abandon, args=(f"the {_grace:.0f}s shutdown grace",))

@@ -24,7 +24,7 @@ from app.state.boots import prune_dead_boots
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 from lease import LeaseOrderingError
 
-from . import celery_native, shutdown
+from . import celery_native, proctree, shutdown
 from .boots import (
     LockKeyTaken,
     PooledLockConnection,
@@ -117,6 +117,13 @@ def _serve_metrics(sender=None, **_):
 
 
 @worker_process_init.connect
+def _lead_own_group(**_):
+    # First, before any task: the body's children join this pool process's group,
+    # and its guardian ends that group when the process dies (workers/proctree.py).
+    proctree.lead_own_group()
+
+
+@worker_process_init.connect
 def _register_boot(**_):
     # Each pool process is its own boot: if the process dies, so does its lock.
     flask_app = current_celery_app.flask_app
@@ -149,5 +156,8 @@ def _task_done(**_):
 
 
 @worker_shutting_down.connect
-def _note_sigterm(**_):
+def _note_sigterm(sig=None, how=None, **_):
     shutdown.mark_received()
+    # Pool processes lead groups of their own: a SIGTERM to the worker's group
+    # reaches them only through the main process (workers/proctree.py).
+    proctree.tell_pool(sig, how)

@@ -3,6 +3,9 @@ a cancelled run whose worker is killed. Real Celery workers, real Postgres and R
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from lease import KILL_SECONDS
 from tests.processes import start_beat, start_worker, wait_until
 
 FAST_PROBE = {"POIMEN_BOOT_PROBE_INTERVAL": "0.3"}
@@ -150,31 +153,88 @@ def test_killing_only_the_pool_child_hands_its_run_to_another_child(admit, side_
 def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side_effects,
                                                                      test_env, pg, tmp_path,
                                                                      processes):
-    """The workflow forks a grandchild that sleeps on; kill -9 the worker process: its lock
+    """The workflow forks a grandchild that detaches (``setsid``: it leaves the pool
+    process's group, so it outlives it) and sleeps on; kill -9 the worker process: its lock
     must go with it (the grandchild holds no copy of the lock socket), so the run is
     taken over."""
     import os
     import signal
 
+    from tests.chaos.test_process_tree import alive
+
     # The lease's server bound would end the orphaned lock session after T_s anyway:
     # set it far beyond the wait, so only the lock going with the process can pass.
     env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30",
            "POIMEN_LEASE_SERVER_SECONDS": "600"}
-    run_id = admit("forker", {"seconds": 2, "grandchild_seconds": 300})
+    run_id = admit("forker", {"seconds": 2, "grandchild_seconds": 300, "detach": True})
     victim = start_worker(env, tmp_path, "victim")
     processes.append(victim)
-    wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
-    child = pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start'",
-                       [run_id]).fetchone()[0]
-    os.kill(child, signal.SIGKILL)  # the pool process; its grandchild lives on
-    processes.append(start_worker(env, tmp_path, "rescuer"))
-    processes.append(start_beat(env, tmp_path))
+    grandchildren: list[int] = []
     try:
+        wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60,
+                   what="the run to start")
+        child = pool_process_of(pg, run_id)
+        grandchildren += forked_children(child)
+        os.kill(child, signal.SIGKILL)  # the pool process; its detached grandchild lives on
+        processes.append(start_worker(env, tmp_path, "rescuer"))
+        processes.append(start_beat(env, tmp_path))
         # Well before the grandchild ends (300 s): only the lock going with the worker
         # process lets the run be taken over this soon.
         wait_until(lambda: run_row(pg, run_id)[0] == "succeeded", timeout=45,
                    what="the run to be taken over despite the grandchild")
         assert run_row(pg, run_id)[1] == 2
+        assert [pid for pid in grandchildren if alive(pid)] == grandchildren  # it did live on
     finally:
-        # The grandchild is in the victim's process group: stopping the victim ends it.
         victim.signal_group(signal.SIGKILL)
+        for pid in grandchildren:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_forked_grandchild_dies_with_its_pool_process(admit, side_effects, test_env, pg,
+                                                        tmp_path, processes):
+    """The same grandchild, not detached: it is in the pool process's process group, which
+    the guardian ends when the pool process dies (workers/proctree.py), within the lease's
+    kill bound, so it never runs beside a takeover. It runs our Python (no exec): it must
+    not keep the guardian's pipe open, or the guardian would wait for it."""
+    import os
+    import signal
+
+    from tests.chaos.test_process_tree import alive
+
+    env = {**test_env, **FAST_PROBE}
+    run_id = admit("forker", {"seconds": 2, "grandchild_seconds": 300})
+    processes.append(start_worker(env, tmp_path, "victim"))
+    grandchildren: list[int] = []
+    try:
+        wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60,
+                   what="the run to start")
+        child = pool_process_of(pg, run_id)
+        grandchildren += forked_children(child)
+        assert len(grandchildren) == 1
+        os.kill(child, signal.SIGKILL)  # the pool process
+        wait_until(lambda: not alive(grandchildren[0]), timeout=KILL_SECONDS, interval=0.02,
+                   what="the grandchild to die with the pool process")
+    finally:
+        for pid in grandchildren:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def pool_process_of(pg, run_id) -> int:
+    return pg.execute("SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start'",
+                      [run_id]).fetchone()[0]
+
+
+def forked_children(pid: int) -> list[int]:
+    """The children of pool process ``pid`` but its guardian."""
+    return [child for child in children_of(pid)
+            if b"poimen-guardian" not in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of ``pid`` (Linux: /proc/<pid>/task/<tid>/children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found

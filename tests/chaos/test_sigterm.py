@@ -168,6 +168,38 @@ def test_an_idle_pool_process_or_a_second_sigterm_ends_it_at_once():
     assert took < 10
 
 
+def test_herokus_sigterm_and_the_main_processs_notice_count_once():
+    """A pool process leads its own group (workers/proctree.py): the main process passes a
+    SIGTERM on as a notice, and on Heroku the dyno-wide SIGTERM arrives too, in either
+    order. The two are one shutdown (the grace runs to its end); a second notice (the
+    worker's group got SIGTERM again) is a second SIGTERM."""
+    once = []
+    for first, then in (("SIGTERM", "NOTICE"), ("NOTICE", "SIGTERM")):
+        proc, took = _pool_process(f"""
+            from workers.proctree import NOTICE
+            SIGTERM = signal.SIGTERM
+            shutdown.task_starting()
+            os.kill(os.getpid(), {first})
+            time.sleep(0.2)
+            os.kill(os.getpid(), {then})
+            time.sleep(0.2)
+            print("running", shutdown.shutting_down(), flush=True)
+            time.sleep(30)
+        """)
+        once.append((proc.stdout.splitlines(), proc.returncode, proc.stderr))
+    assert [(out, code) for out, code, _ in once] == [(["running True"], 75)] * 2, once
+    twice, took = _pool_process("""
+        from workers.proctree import NOTICE
+        shutdown.task_starting()
+        os.kill(os.getpid(), NOTICE)
+        time.sleep(0.2)
+        os.kill(os.getpid(), NOTICE)
+        time.sleep(30)
+    """)
+    assert twice.returncode == -signal.SIGTERM, twice.stderr
+    assert took < 10
+
+
 def test_gunicorn_grace_is_below_herokus_kill():
     web = procfile_commands()["web"]
     assert "--graceful-timeout ${POIMEN_SHUTDOWN_GRACE:-25}" in web

@@ -405,6 +405,27 @@ MUTANTS: list[Mutant] = [
         ("tests/chaos/test_boot_loss.py::"
          "test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive",),
     ),
+    # -- the body's process tree (issue 43): the fence ends the group, not the pid --------------
+    Mutant(
+        "fence_kills_the_pid_not_the_group",
+        "when a pool process dies (the fence, kill -9, the grace's end) the body's whole "
+        "process group dies with it, before a takeover may start the run",
+        "workers/proctree.py",
+        "'kill -s KILL -- \"-$1\"'",
+        "'kill -s KILL -- \"$1\"'",
+        ("tests/chaos/test_process_tree.py::"
+         "test_kill_9_of_the_pool_process_ends_the_bodys_children_one_writer_at_a_time",
+         "tests/chaos/test_process_tree.py::test_the_kernel_fence_ends_the_bodys_children"),
+    ),
+    Mutant(
+        "forked_child_keeps_the_guardians_pipe",
+        "a forked child does not hold the guardian's pipe open: the group ends with the pool "
+        "process, not with the last fork",
+        "workers/proctree.py",
+        "os.register_at_fork(after_in_child=_forget_guardian_in_child)\n",
+        "",
+        ("tests/chaos/test_boot_loss.py::test_a_forked_grandchild_dies_with_its_pool_process",),
+    ),
     # -- the lease (issue 22): both bounds and their order -------------------------------------
     Mutant(
         "lease_fence_disabled",

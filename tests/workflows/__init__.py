@@ -111,18 +111,46 @@ def crash(ctx, input):
 
 @workflow("forker", version="1")
 def forker(ctx, input):
-    """Fork (without exec) a grandchild that outlives this process, then work."""
+    """Fork (without exec) a grandchild, then work. ``detach``: the grandchild leaves the
+    pool process's process group (``setsid``), so it outlives this process."""
     import os
     import time
 
     grandchild = os.fork()
     if grandchild == 0:  # the grandchild: sleeps on, holding whatever it inherited
+        if input.get("detach"):
+            os.setsid()
         time.sleep(float(input.get("grandchild_seconds", 60)))
         os._exit(0)
+    while input.get("detach") and os.getpgid(grandchild) == os.getpgid(0):
+        time.sleep(0.01)  # until it has left this process's group
     record_effect(ctx.run_id, "start")
     time.sleep(float(input.get("seconds", 0)))
     record_effect(ctx.run_id, "finish")
     return {"attempt": ctx.attempt, "grandchild": grandchild}
+
+
+# A child that writes "<unix time> <its pid>" to $1 every 0.2 s until it is killed. It
+# ignores SIGTERM, as a child finishing its own work on SIGTERM (ffmpeg) outlives it.
+SHELL_LOOP = 'trap "" TERM; while :; do echo "$(date +%s.%N) $$" >> "$1"; sleep 0.2; done'
+
+
+@workflow("spawner", version="1")
+def spawner(ctx, input):
+    """Start :data:`SHELL_LOOP` writing to ``path`` as a child, then block ``seconds``;
+    stop the loop and return. Two executions at once show as two pids writing."""
+    import subprocess
+    import time
+
+    loop = subprocess.Popen(["sh", "-c", SHELL_LOOP, "loop", input["path"]])
+    record_effect(ctx.run_id, "start")
+    try:
+        time.sleep(float(input.get("seconds", 300)))
+    finally:
+        loop.kill()
+        loop.wait()
+    record_effect(ctx.run_id, "finish")
+    return {"attempt": ctx.attempt}
 
 
 @workflow("tick", version="1")
