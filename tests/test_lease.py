@@ -81,6 +81,25 @@ def test_settings_that_break_the_ordering_are_refused_naming_them(env, named):
     assert named in str(err.value)
 
 
+def test_the_takeover_delay_does_not_count_toward_the_ordering():
+    """T_s = 8, T_c = 10, delay 6: T_c + kill + margin (13) <= T_s + delay (14), but a lock
+    Postgres drops early, or a re-drive sent with no delay, comes without the delay: the
+    server's bound must cover the client's on its own (issue 43)."""
+    settings = lease_settings({"POIMEN_LEASE_SERVER_SECONDS": "8",
+                               "POIMEN_LEASE_CLIENT_SECONDS": "10",
+                               "POIMEN_TAKEOVER_DELAY": "6"})
+    with pytest.raises(LeaseOrderingError) as err:
+        check_ordering(settings)
+    message = str(err.value)
+    assert "POIMEN_LEASE_CLIENT_SECONDS (10) + kill (1) + margin (2) = 13 exceeds " \
+           "POIMEN_LEASE_SERVER_SECONDS (8)" in message
+    assert "POIMEN_TAKEOVER_DELAY does not count" in message
+    # The same with T_s = 13 is safe, whatever the delay.
+    assert lease_problems(lease_settings({"POIMEN_LEASE_SERVER_SECONDS": "13",
+                                          "POIMEN_LEASE_CLIENT_SECONDS": "10",
+                                          "POIMEN_TAKEOVER_DELAY": "0"})) == []
+
+
 BREAKS_THE_ORDERING = {"POIMEN_LEASE_CLIENT_SECONDS": "25", "POIMEN_LEASE_SERVER_SECONDS": "20",
                        "POIMEN_TAKEOVER_DELAY": "2"}
 
