@@ -99,6 +99,12 @@ def gone_sql(boot_expr: str) -> str:
             f"AND {_dead_long_enough('g')})")
 
 
+def gone_in_sql(b: str) -> str:
+    """SQL: seconds until boot row ``b`` (first seen dead) is gone, 0 if it is."""
+    return (f"GREATEST(0, CAST(extract(epoch FROM {b}.first_seen_dead_at + "
+            f"make_interval(secs => {b}.dead_after_seconds) - now()) AS float8))")
+
+
 def held_by_sql(boot_expr: str) -> str:
     """SQL condition: the boot ``boot_expr`` still holds what it claimed (not ``gone_sql``):
     its lock is held, or it was lost less than its bound ago, or nobody has seen it free

@@ -25,6 +25,11 @@ from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
 
+# A gone boot's run is delivered this much after the server's count says it is gone: the
+# sender's clock and the worker's (a countdown's) are not the server's. Too early costs
+# only a repair tick: the delivery takes nothing over, and the run is re-sent.
+GONE_SLACK = 1.0
+
 def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
     """Return the tenant id of any tenant's run ``run_id`` (None if there is no such run)."""
     return session.execute(_TENANT_OF, {"run": run_id}).scalar_one_or_none()
@@ -200,10 +205,14 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
       behind it. Under a backlog of a page or more on a queue, none of its
       queued runs is re-sent until workers drain it; other queues go on.
 
-    A dead boot's run is delivered ``takeover_delay`` seconds after it is sent:
+    A dead boot's run is re-sent once the boot is first seen dead (its lock free),
+    delivered when the boot is gone (``app/liveness.py``: that sight T_c + kill +
+    margin old; before it, its process may still run the body, and a delivery
+    takes nothing over) and at least ``takeover_delay`` seconds after it is sent:
     a worker cut off by a Postgres restart may still be executing it and adopts
     it as soon as it has a new boot; the delay lets it, rather than a rescuer
-    that would start the run over.
+    that would start the run over. Neither is needed for safety: the takeover
+    statement itself waits for the boot to be gone.
 
     One repair at a time: a second one (two beats in a deploy overlap) finds
     the repair lock held and does nothing this tick; ``flask runs redrive``
@@ -246,8 +255,11 @@ def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
                          trace=of_run(row))
     for row in dead:
+        # Not before the boot is gone (a delivery then would take nothing over), and not
+        # before the takeover delay (the cut-off process may adopt its run first).
+        countdown = max(takeover_delay, row.gone_in + GONE_SLACK if row.gone_in else 0.0)
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=takeover_delay or None, trace=of_run(row))
+                         countdown=countdown or None, trace=of_run(row))
     for row in queued:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
                          trace=of_run(row))

@@ -346,16 +346,17 @@ UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
 
 -- app/state/runs.py: DEAD_BOOT_RUNS
 UPDATE runs SET last_sent_at = now()
- WHERE id IN (
-       SELECT r.id FROM runs r
-        WHERE r.status = 'running'
-          AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
-          AND (r.last_sent_at <= r.updated_at
-               OR r.last_sent_at <= now() - make_interval(secs => :min_age))
-        ORDER BY r.updated_at
-        LIMIT :limit
-          FOR UPDATE OF r SKIP LOCKED)
-RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
+  FROM (SELECT r.id, GREATEST(0, CAST(extract(epoch FROM g.first_seen_dead_at + make_interval(secs => g.dead_after_seconds) - now()) AS float8)) AS gone_in
+          FROM runs r JOIN worker_boots g ON g.boot_id = r.claimed_by
+         WHERE r.status = 'running'
+           AND g.first_seen_dead_at IS NOT NULL
+           AND (r.last_sent_at <= r.updated_at
+                OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+         ORDER BY r.updated_at
+         LIMIT :limit
+           FOR UPDATE OF r SKIP LOCKED) AS dead
+ WHERE runs.id = dead.id
+RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in;
 
 -- app/state/runs.py: QUEUED_RUNS
 UPDATE runs SET last_sent_at = now()

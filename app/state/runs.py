@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
-from app.liveness import LOCK_NAMESPACE, gone_sql
+from app.liveness import LOCK_NAMESPACE, gone_in_sql, gone_sql
 from app.models import RunStatus, WaitReason
 
 from .boots import mark_dead_boots
@@ -439,25 +439,28 @@ def fail_time_limit(session: Session, run_id: uuid.UUID, *, node: uuid.UUID, pid
 # repairs (two beats by mistake, beat and an operator) split the work instead
 # of sending the same runs twice.
 #
-# Runs held by a gone boot (``app/liveness.py``: its lock first seen free at least
-# its T_c + kill + margin ago; the repair stamps every boot whose lock is free just
-# before, ``MARK_DEAD_BOOTS``): re-sent on the first tick after the boot is gone,
-# i.e. if not re-sent since the claim (a claim or takeover sets updated_at), and
-# after that only once the repair age has passed again. A boot whose lock went
-# early may still run its bodies until then: nothing is re-sent before.
+# Runs held by a dead boot, first seen so (``app/liveness.py``: its lock free; the
+# repair stamps every such boot just before, ``MARK_DEAD_BOOTS``): re-sent on the
+# first tick after the boot was seen dead, i.e. if not re-sent since the claim (a
+# claim or takeover sets updated_at), and after that only once the repair age has
+# passed again. Each comes with ``gone_in``: the seconds until its boot is gone (its
+# stamp T_c + kill + margin old), which the message waits out (``app/runs.py``): a
+# boot whose lock went early may run its bodies until then, and a delivery before it
+# takes nothing over (the claim decides; this only saves a repair tick).
 DEAD_BOOT_RUNS = text(
     f"""
     UPDATE runs SET last_sent_at = now()
-     WHERE id IN (
-           SELECT r.id FROM runs r
-            WHERE r.status = '{RunStatus.RUNNING}'
-              AND {gone_sql("r.claimed_by")}
-              AND (r.last_sent_at <= r.updated_at
-                   OR r.last_sent_at <= now() - make_interval(secs => :min_age))
-            ORDER BY r.updated_at
-            LIMIT :limit
-              FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
+      FROM (SELECT r.id, {gone_in_sql("g")} AS gone_in
+              FROM runs r JOIN worker_boots g ON g.boot_id = r.claimed_by
+             WHERE r.status = '{RunStatus.RUNNING}'
+               AND g.first_seen_dead_at IS NOT NULL
+               AND (r.last_sent_at <= r.updated_at
+                    OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+             ORDER BY r.updated_at
+             LIMIT :limit
+               FOR UPDATE OF r SKIP LOCKED) AS dead
+     WHERE runs.id = dead.id
+    RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in
     """
 )
 
@@ -582,7 +585,8 @@ def waiting_by_reason(session_or_conn) -> dict[str, int]:
 
 def mark_dead_boot_runs_sent(session: Session, *, min_age: float, limit: int | None) -> list[Row]:
     """Stamp the boots whose lock is free, then pick (and mark sent) up to ``limit`` runs
-    held by gone boots, due for a re-send."""
+    held by boots seen dead, due for a re-send; each with ``gone_in``, the seconds until
+    its boot is gone (a delivery before then takes nothing over)."""
     mark_dead_boots(session)
     return session.execute(DEAD_BOOT_RUNS, {"min_age": min_age, "limit": limit}).all()
 

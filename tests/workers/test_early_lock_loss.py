@@ -76,16 +76,22 @@ def test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run(
     assert deliver(nxt).outcome == ClaimOutcome.SLOT_WAIT
     assert _row(session, nxt)[:2] == ("waiting", "concurrency")
 
+    # Repair re-sends it to be delivered once the boot is gone, not before.
+    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    assert resend.id == held and resend.gone_in >= bound - 1
+
     seen_dead = _seen_dead(session, holder)
     seen_dead(bound - 1)  # lost a moment short of its bound
     assert deliver(held).outcome == ClaimOutcome.DUPLICATE
-    assert mark_dead_boot_runs_sent(session, min_age=0, limit=None) == []
+    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    assert 0.9 <= resend.gone_in <= 1.1
     assert wake_waiting_runs(session, limit=None) == []
     assert _row(session, held) == ("running", None, holder)
     assert _row(session, nxt)[:2] == ("waiting", "concurrency")
 
     seen_dead(bound + 1)  # past it: the process has been killed by its fence
-    assert [r.id for r in mark_dead_boot_runs_sent(session, min_age=0, limit=None)] == [held]
+    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    assert resend.id == held and resend.gone_in == 0
     assert [r.id for r in wake_waiting_runs(session, limit=None)] == [nxt]
     assert deliver(held).outcome == ClaimOutcome.TAKEN_OVER
     assert _row(session, held) == ("running", None, rescuer.boot_id)
@@ -133,7 +139,7 @@ def overlaps(spans: dict) -> list[tuple]:
     """Every pair of executions whose intervals meet, with how long (seconds)."""
     items = sorted(spans.items(), key=lambda item: item[1])
     found = []
-    for i, (a, (a0, a1)) in enumerate(items):
+    for i, (a, (_a0, a1)) in enumerate(items):
         for b, (b0, b1) in items[i + 1:]:
             if b0 < a1:
                 found.append((a, b, round(min(a1, b1) - b0, 3)))
