@@ -99,6 +99,12 @@ def gone_sql(boot_expr: str) -> str:
             f"AND {_dead_long_enough('g')})")
 
 
+# A message for a run whose holder is not gone yet is delivered this much after the
+# server's count says it will be: the sender's clock and the worker's (a countdown's) are
+# not the server's. Too early costs only a delay: the delivery takes nothing over.
+GONE_SLACK = 1.0
+
+
 def gone_in_sql(b: str) -> str:
     """SQL: seconds until boot row ``b`` (first seen dead) is gone, 0 if it is."""
     return (f"GREATEST(0, CAST(extract(epoch FROM {b}.first_seen_dead_at + "

@@ -19,16 +19,12 @@ from sqlalchemy.orm import Session
 
 from . import metrics
 from .enqueue import queue_of, send_run
+from .liveness import GONE_SLACK
 from .models import Run, Tenant
 from .state import runs as state_runs
 from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
-
-# A gone boot's run is delivered this much after the server's count says it is gone: the
-# sender's clock and the worker's (a countdown's) are not the server's. Too early costs
-# only a repair tick: the delivery takes nothing over, and the run is re-sent.
-GONE_SLACK = 1.0
 
 def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
     """Return the tenant id of any tenant's run ``run_id`` (None if there is no such run)."""

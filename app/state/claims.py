@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.liveness import boot_alive, claimer_live_sql, gone_sql
+from app.liveness import boot_alive, claimer_live_sql, gone_in_sql, gone_sql
 from app.models import TERMINAL_STATUSES, RunStatus
 
 from .boots import mark_boot_dead
@@ -100,6 +100,10 @@ class Claim:
     # The run is in a limited group: every end of this hold takes the slot locks first.
     slots: bool = False
     wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
+    # A DUPLICATE whose holder lost its lock but is not gone yet: deliver the run (its
+    # workflow ``ref``) again in ``gone_in`` seconds, when it may be taken over.
+    gone_in: float | None = None
+    ref: str | None = None
 
 
 # What a claim returns: everything the worker needs to run the workflow, so
@@ -448,6 +452,9 @@ CLAIM_STATE = text(
     "t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots "
     "FROM runs WHERE id = :run")
 HOLDER = text("SELECT claimed_by, status FROM runs WHERE id = :run")
+# A holder seen dead and not gone yet: how long until it is (NULL: not seen dead).
+GONE_IN = text(f"SELECT {gone_in_sql('b')} FROM worker_boots b WHERE b.boot_id = :boot "
+               "AND b.first_seen_dead_at IS NOT NULL")
 
 
 def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
@@ -544,6 +551,13 @@ def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Ro
         "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
     if row is None:
+        # Another rescuer won, or the holder is not gone yet: then its run is to be
+        # delivered again when it is (nobody else may be sending it).
+        gone_in = session.execute(GONE_IN, {"boot": holder}).scalar()
+        if gone_in:
+            return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder,
+                         gone_in=gone_in,
+                         ref=f"{current.workflow_name}@{current.workflow_version}")
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
     send_woken(session, row)
     if row.status == RunStatus.WAITING:

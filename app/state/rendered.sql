@@ -1218,6 +1218,9 @@ SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EX
 -- app/state/claims.py: HOLDER
 SELECT claimed_by, status FROM runs WHERE id = :run;
 
+-- app/state/claims.py: GONE_IN
+SELECT GREATEST(0, CAST(extract(epoch FROM b.first_seen_dead_at + make_interval(secs => b.dead_after_seconds) - now()) AS float8)) FROM worker_boots b WHERE b.boot_id = :boot AND b.first_seen_dead_at IS NOT NULL;
+
 -- app/state/ledger.py: ENTER
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
