@@ -97,6 +97,24 @@ def test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run(
     assert _row(session, held) == ("running", None, rescuer.boot_id)
 
 
+def test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_holds(
+        db_session, tx_tenant, boot_factory, dead_boot):
+    """The process whose lock was cut adopts its run under a new boot within its bound:
+    the slot its lost boot still holds is that very run's, not counted against it."""
+    from app.state.claims import Adoption, adopt_run
+    from app.state.runs import mark_dead_boot_runs_sent
+
+    session = db_session
+    lost, new = dead_boot(gone=False), boot_factory()
+    mine = _admit_stamped(tx_tenant.id)
+    session.execute(text("UPDATE runs SET status = 'running', claimed_by = :b, attempt = 1 "
+                         "WHERE id = :r"), {"b": lost, "r": mine})
+    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)  # repair's tick
+    assert resend.id == mine and resend.gone_in > 0  # it stamped the lost boot: not gone
+    assert adopt_run(session, mine, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    assert _row(session, mine) == ("running", None, new.boot_id)
+
+
 def test_repair_stamps_every_boot_whose_lock_is_free_and_never_moves_a_stamp(
         db_session, boot_factory, dead_boot):
     """Beat's repair sees every lost boot within one tick, so a boot nobody delivers to is
