@@ -188,6 +188,14 @@ MUTANTS: list[Mutant] = [
          "test_kill_9_of_a_slots_holder_lets_the_next_run_of_its_key_start_within_the_bound"),
     ),
     Mutant(
+        "revoke_ends_before_gone",
+        "a revoke ends a dead holder's run (and hands its slot on) only once the holder is gone",
+        "app/state/runs.py",
+        "       AND {gone_sql(\"runs.claimed_by\")}\n",
+        "",
+        (f"{EARLY_LOSS_TESTS}::test_a_revoke_ends_a_lost_boots_run_only_once_the_boot_is_gone",),
+    ),
+    Mutant(
         "adoption_counts_its_own_slot",
         "a process adopting its run after an early lock loss keeps that run's slot: the slot "
         "its lost boot still holds is not counted against it",

@@ -115,6 +115,26 @@ def test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_hold
     assert _row(session, mine) == ("running", None, new.boot_id)
 
 
+def test_a_revoke_ends_a_lost_boots_run_only_once_the_boot_is_gone(
+        db_session, tx_tenant, dead_boot):
+    """Celery's revoke of a run whose holder's lock is free ends it cancelled (and hands
+    its slot on) only once the holder is gone: its body may run until then."""
+    from app.state.runs import end_abandoned
+
+    session = db_session
+    lost = dead_boot(gone=False)
+    run_id = _admit_stamped(tx_tenant.id)
+    session.execute(text("UPDATE runs SET status = 'running', claimed_by = :b, attempt = 1, "
+                         "cancel_requested = true WHERE id = :r"), {"b": lost, "r": run_id})
+    assert end_abandoned(session, run_id) is False  # it stamps the holder, ends nothing
+    assert _row(session, run_id) == ("running", None, lost)
+    bound = session.execute(text("SELECT dead_after_seconds FROM worker_boots "
+                                 "WHERE boot_id = :b"), {"b": lost}).scalar_one()
+    _seen_dead(session, lost)(bound + 1)
+    assert end_abandoned(session, run_id) is True
+    assert _row(session, run_id)[0] == "cancelled"
+
+
 def test_repair_stamps_every_boot_whose_lock_is_free_and_never_moves_a_stamp(
         db_session, boot_factory, dead_boot):
     """Beat's repair sees every lost boot within one tick, so a boot nobody delivers to is
