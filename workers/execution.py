@@ -118,7 +118,8 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
         if claim.gone_in:
             # Its holder lost its lock a moment ago and may still run the body (until
             # its fence): deliver it again once the holder is gone (app/liveness.py),
-            # rather than leave it to beat's repair. Its trace context comes with repair's.
+            # rather than leave it to beat's repair (this copy carries no trace context:
+            # the claim does not read it; repair's re-send carries the run's).
             delay = claim.gone_in + GONE_SLACK
             log.warning("run %s: its holder %s lost its lock; it may be taken over in %.1fs, "
                         "sent again for then", run_id, claim.holder, delay)

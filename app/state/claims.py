@@ -9,8 +9,8 @@ by time:
 * ``running`` under a dead boot: wreckage, taken over with a compare-and-set
   on the old boot id: TAKEN_OVER (the attempt is counted), once the boot is
   *gone* (``app/liveness.py``: its lock first seen free T_c + kill + margin
-  ago, so its body has stopped); before that, DUPLICATE: repair re-sends it
-  once the boot is gone;
+  ago, so its body has stopped); before that, DUPLICATE with ``gone_in``: the
+  worker sends the run again for then (so does repair);
 * terminal: FINISHED, never executed again;
 * ``waiting`` (a join step waits for its children, or a run for a slot):
   WAITING, nothing to do; the last child's finish (the slot holder's end)
