@@ -27,13 +27,21 @@ its own sessions, never left to the DBA or the OS:
 
 The ordering, checked when a process starts (:func:`check_ordering`)::
 
-    T_c + KILL_SECONDS + MARGIN_SECONDS  <=  T_s + POIMEN_TAKEOVER_DELAY
+    T_c + KILL_SECONDS + MARGIN_SECONDS  <=  T_s
 
 The server's idle timer starts after the probe that renews it, which is after
 that probe started on the client, so the server lets go no sooner than T_s
-after the client's last confirmation; a rescuer's delivery comes
-``POIMEN_TAKEOVER_DELAY`` after that at the earliest; the cut-off process was
-killed at T_c after its last confirmation. Nobody can start the run while the
+after the client's last confirmation; the cut-off process was killed at T_c
+after it. ``POIMEN_TAKEOVER_DELAY`` is not part of it: it only gives a process
+whose lock was cut the time to adopt its runs before a rescuer is sent.
+
+A lock can also go *early* (a Postgres restart, a failover,
+``pg_terminate_backend``), at any moment, with the process still running its
+bodies. The server's side therefore does not treat a boot as dead when its lock
+goes but :func:`dead_after` seconds (T_c + kill + margin, the same sum) after a
+statement first saw the lock free (``app/liveness.py``): the lock went no
+sooner than the process's last confirmation, so by then the process has been
+killed, whatever the moment of the loss. Nobody can start the run while the
 old body runs. docs/internals/execution.md has the numbers.
 
 This module is shared by ``workers`` and ``bridge`` (which imports nothing from
@@ -68,6 +76,13 @@ KILL_SECONDS = 1.0
 MARGIN_SECONDS = 2.0
 
 
+def dead_after(settings: LeaseSettings) -> float:
+    """Seconds after its lock was first seen free that a boot of ``settings`` is gone:
+    T_c + kill + margin, the longest its process may run a body without its lock.
+    Written on the boot's row when it registers (``worker_boots.dead_after_seconds``)."""
+    return settings.client_seconds + KILL_SECONDS + MARGIN_SECONDS
+
+
 class LeaseOrderingError(ValueError):
     """The lease settings would let two processes run one run's body at once."""
 
@@ -75,15 +90,16 @@ class LeaseOrderingError(ValueError):
 def problems(settings: LeaseSettings) -> list[str]:
     """Say what, if anything, breaks the ordering of ``settings`` (empty: they are safe)."""
     found = []
-    lhs = settings.client_seconds + KILL_SECONDS + MARGIN_SECONDS
-    rhs = settings.server_seconds + settings.takeover_delay
-    if lhs > rhs:
+    lhs = dead_after(settings)
+    # T_s alone: the takeover delay is a courtesy to a process adopting its runs, never
+    # part of the order (a re-drive or a restored message comes without it).
+    if lhs > settings.server_seconds:
         found.append(
             f"POIMEN_LEASE_CLIENT_SECONDS ({settings.client_seconds:g}) + kill "
             f"({KILL_SECONDS:g}) + margin ({MARGIN_SECONDS:g}) = {lhs:g} exceeds "
-            f"POIMEN_LEASE_SERVER_SECONDS ({settings.server_seconds:g}) + POIMEN_TAKEOVER_DELAY "
-            f"({settings.takeover_delay:g}) = {rhs:g}: a cut-off worker could still run a body "
-            "another worker has started")
+            f"POIMEN_LEASE_SERVER_SECONDS ({settings.server_seconds:g}): a cut-off worker "
+            "could still run a body after the server let go of its lock "
+            "(POIMEN_TAKEOVER_DELAY does not count toward this order)")
     if settings.probe_interval * 2 + settings.probe_timeout > settings.client_seconds:
         found.append(
             f"POIMEN_BOOT_PROBE_INTERVAL ({settings.probe_interval:g}) leaves fewer than two "

@@ -156,10 +156,13 @@ def register_cli(app: Flask) -> None:
     def runs_redrive(older_than: float):
         """Re-send queued runs, and runs held by dead workers (claims absorb duplicates).
 
-        The same repair as beat's, for every stranded run at once.
+        The same repair as beat's, for every stranded run at once: a dead worker's run
+        is delivered once the worker is gone (its lock first seen free T_c + kill +
+        margin ago), and POIMEN_TAKEOVER_DELAY after it is sent at the earliest.
         """
         sent, found = run_service.redrive_stranded_runs(
-            db.session, current_app.extensions["celery"], min_age=older_than, limit=None)
+            db.session, current_app.extensions["celery"], min_age=older_than, limit=None,
+            takeover_delay=current_app.config["POIMEN_TAKEOVER_DELAY"])
         click.echo(f"re-sent {sent} of {found} run(s) (queued, or held by dead workers)")
 
     @app.cli.group()

@@ -12,6 +12,20 @@ A claim asks it of one boot, its own, once per run: ``claimer_live_sql``
 asks the lock manager for that one key instead of reading ``pg_locks``, which
 copies every lock of every backend on each read (measured: 107 us of server
 CPU against 23 us, with 22 sessions holding a lock).
+
+A lock can vanish *early*: a Postgres restart, a failover or
+``pg_terminate_backend`` drops it at once, while the boot's process still runs
+the body it claimed until its watchdog's next probe or, at the latest, its
+kernel fence (T_c after its last confirmed probe, plus the kill). So what a
+boot *holds* (its runs' claims, its concurrency slots) is let go on the
+server's clock, not at the lock's loss: the first statement that finds the
+lock free stamps ``worker_boots.first_seen_dead_at`` (``clock_timestamp()``,
+never earlier than the loss), and the boot is *gone* only once that stamp is
+``dead_after_seconds`` old (the boot's own T_c + kill + margin, written when it
+registered; ``lease.dead_after``). Until then its runs count as held: their
+slots stay taken and nobody takes them over (``held_by_sql``, ``gone_sql``).
+A claimer's own liveness is still its lock alone (``claimer_live_sql``): a
+boot without its lock claims nothing at once.
 """
 
 from __future__ import annotations
@@ -58,6 +72,50 @@ def claimer_live_sql(boot_param: str) -> str:
     """
     return (f"EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = {boot_param} "
             f"AND NOT pg_try_advisory_xact_lock_shared({LOCK_NAMESPACE}, b.lock_key))")
+
+
+
+def _dead_long_enough(b: str) -> str:
+    """SQL: boot row ``b`` was first seen without its lock at least its bound ago.
+
+    ``now()`` (the transaction's start, never later than the statement) against a
+    stamp taken with ``clock_timestamp()`` once the lock was seen free: both the
+    server's clock, and any error on the side of holding longer.
+    """
+    return (f"{b}.first_seen_dead_at <= now() - "
+            f"make_interval(secs => {b}.dead_after_seconds)")
+
+
+def gone_sql(boot_expr: str) -> str:
+    """SQL condition: the boot ``boot_expr`` (a column or a bind parameter) is *gone*.
+
+    Its lock was seen free at least its bound (T_c + kill + margin) ago: its
+    process has stopped every body it ran, so its runs may be taken over, its
+    slots are free, and repair re-sends its runs. A stamp is written only for a
+    boot whose lock is free, and a dead boot never comes back, so a gone boot is
+    dead. One primary-key lookup of ``worker_boots``: no read of ``pg_locks``.
+    """
+    return (f"EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = {boot_expr} "
+            f"AND {_dead_long_enough('g')})")
+
+
+# A message for a run whose holder is not gone yet is delivered this much after the
+# server's count says it will be: the sender's clock and the worker's (a countdown's) are
+# not the server's. Too early costs only a delay: the delivery takes nothing over.
+GONE_SLACK = 1.0
+
+
+def gone_in_sql(b: str) -> str:
+    """SQL: seconds until boot row ``b`` (first seen dead) is gone, 0 if it is."""
+    return (f"GREATEST(0, CAST(extract(epoch FROM {b}.first_seen_dead_at + "
+            f"make_interval(secs => {b}.dead_after_seconds) - now()) AS float8))")
+
+
+def held_by_sql(boot_expr: str) -> str:
+    """SQL condition: the boot ``boot_expr`` still holds what it claimed (not ``gone_sql``):
+    its lock is held, or it was lost less than its bound ago, or nobody has seen it free
+    yet (beat's repair stamps every such boot within one tick)."""
+    return f"NOT {gone_sql(boot_expr)}"
 
 
 _BOOT_ALIVE = text(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = :boot_id)")

@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -169,6 +170,12 @@ class WorkerBoot(db.Model):
     started_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
+    # When a statement first found its lock free (server clock; migration 0020), and how
+    # long after that its runs and slots stay held: its T_c + kill + margin
+    # (app/liveness.py, lease.dead_after).
+    first_seen_dead_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    dead_after_seconds: Mapped[float] = mapped_column(Float, nullable=False,
+                                                      server_default=text("13"))
 
 
 class OutboxEvent(db.Model):

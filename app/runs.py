@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from . import metrics
 from .enqueue import queue_of, send_run
+from .liveness import GONE_SLACK
 from .models import Run, Tenant
 from .state import runs as state_runs
 from .tracecontext import of_run
@@ -200,10 +201,14 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
       behind it. Under a backlog of a page or more on a queue, none of its
       queued runs is re-sent until workers drain it; other queues go on.
 
-    A dead boot's run is delivered ``takeover_delay`` seconds after it is sent:
+    A dead boot's run is re-sent once the boot is first seen dead (its lock free),
+    delivered when the boot is gone (``app/liveness.py``: that sight T_c + kill +
+    margin old; before it, its process may still run the body, and a delivery
+    takes nothing over) and at least ``takeover_delay`` seconds after it is sent:
     a worker cut off by a Postgres restart may still be executing it and adopts
     it as soon as it has a new boot; the delay lets it, rather than a rescuer
-    that would start the run over.
+    that would start the run over. Neither is needed for safety: the takeover
+    statement itself waits for the boot to be gone.
 
     One repair at a time: a second one (two beats in a deploy overlap) finds
     the repair lock held and does nothing this tick; ``flask runs redrive``
@@ -246,8 +251,11 @@ def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
                          trace=of_run(row))
     for row in dead:
+        # Not before the boot is gone (a delivery then would take nothing over), and not
+        # before the takeover delay (the cut-off process may adopt its run first).
+        countdown = max(takeover_delay, row.gone_in + GONE_SLACK if row.gone_in else 0.0)
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=takeover_delay or None, trace=of_run(row))
+                         countdown=countdown or None, trace=of_run(row))
     for row in queued:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
                          trace=of_run(row))

@@ -167,21 +167,25 @@ SETTINGS: tuple[Setting, ...] = (
             "turn of the event loop (about one publish per event under load)."),
     _celery("POIMEN_REPAIR_INTERVAL", "10", BEAT,
             "Seconds between beat's repair ticks (a dead worker's run is re-sent on the first "
-            "tick after its lock is gone)."),
+            "tick after its lock is seen gone, for delivery once the worker is gone: T_c + 1 + 2 "
+            "seconds later)."),
     _celery("POIMEN_REPAIR_MIN_AGE", "10", (BEAT, CLI),
             "Seconds after its last send before a queued run may be re-sent."),
     _celery("POIMEN_TAKEOVER_DELAY", "6", (BEAT, CLI),
-            "Seconds after which a re-sent run of a dead worker is delivered, so a worker cut off "
-            "by a Postgres restart can adopt its run first. One side of the lease ordering "
-            "(docs/internals/execution.md)."),
+            "Seconds after which a re-sent run of a dead worker is delivered at the earliest "
+            "(beat's repair and `flask runs redrive`), so a worker cut off by a Postgres restart "
+            "can adopt its run first. Not part of the lease ordering: a dead worker's runs are "
+            "taken over only T_c + 1 + 2 seconds after its lock was first seen free, whatever "
+            "delivers them (docs/internals/execution.md)."),
     _celery("POIMEN_BOOT_PROBE_INTERVAL", "2", (WORKER, BEAT, OUTBOX),
             "Seconds between a worker's (and the active outbox relay's) checks that Postgres "
             "still holds its liveness lock; each check renews the lease."),
     _celery("POIMEN_LEASE_CLIENT_SECONDS", "10", (WORKER, BEAT, OUTBOX),
             "T_c: a worker process whose runs' lock was not confirmed by a probe started within "
             "this many seconds is killed (SIGKILL from a kernel timer); the outbox relay stops "
-            "publishing. Must satisfy T_c + 1 + 2 <= T_s + `POIMEN_TAKEOVER_DELAY` (checked at "
-            "start)."),
+            "publishing. Must satisfy T_c + 1 + 2 <= T_s (checked at start); a worker whose lock "
+            "goes early (a restart, `pg_terminate_backend`) keeps its runs and concurrency slots "
+            "for T_c + 1 + 2 seconds after the server first saw its lock free."),
     _celery("POIMEN_LEASE_SERVER_SECONDS", "20", (WORKER, BEAT, OUTBOX),
             "T_s: Postgres ends a lock session that sent nothing for this many seconds "
             "(`idle_session_timeout` set on the session, PostgreSQL 14+), releasing its lock."),

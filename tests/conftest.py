@@ -171,8 +171,8 @@ def processes():
 FAST_TIMINGS = {
     "POIMEN_BOOT_PROBE_INTERVAL": "0.3",   # 2 s: how soon a worker sees its lock gone
     "POIMEN_LEASE_CLIENT_SECONDS": "4",    # 10 s (T_c)
-    "POIMEN_LEASE_SERVER_SECONDS": "6",    # 20 s (T_s): T_c + 3 <= T_s + takeover delay
-    "POIMEN_TAKEOVER_DELAY": "1",          # 6 s: a dead boot's run is delivered this late
+    "POIMEN_LEASE_SERVER_SECONDS": "7",    # 20 s (T_s): T_c + kill 1 + margin 2 <= T_s
+    "POIMEN_TAKEOVER_DELAY": "1",          # 6 s: a gone boot's run is delivered this late
     "POIMEN_REPAIR_INTERVAL": "0.5",       # 10 s: how often beat looks for lost messages
     "POIMEN_REPAIR_MIN_AGE": "1",          # 10 s: how old a queued run must be to re-send
     "POIMEN_SHUTDOWN_GRACE": "5",          # 25 s

@@ -23,9 +23,12 @@ lock session that sent nothing for T_s (``idle_session_timeout``, renewed by
 every probe), and this process is SIGKILLed by a kernel timer (the *fence*)
 when a run it executes is covered by no boot whose lock was confirmed within
 T_c; its guardian then ends the process group the run's body started its
-children in (``workers/proctree.py``). T_c + kill < T_s + takeover delay, so
-a cut-off process and its children have stopped before anyone may start its
-run again.
+children in (``workers/proctree.py``). T_c + kill + margin <= T_s, so a
+cut-off process and its children have stopped before the server lets go of
+its lock; and a lock that goes early (a restart, ``pg_terminate_backend``)
+frees nothing this boot holds until T_c + kill + margin after the server
+first saw it free (``app/liveness.py``), so it has stopped before anyone may
+start its run again or take its slot.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from lease import (
     LeaseSettings,
     bound_lock_session,
     check_ordering,
+    dead_after,
     lock_connect_kwargs,
     probe_lock,
 )
@@ -131,7 +135,8 @@ class Boot:
             # that is still being born.
             lock_key, params = _take_free_key(conn, boot_id)
             register_boot(conn, boot_id=boot_id, lock_key=lock_key,
-                          hostname=socket.gethostname(), pid=os.getpid(), node=NODE)
+                          hostname=socket.gethostname(), pid=os.getpid(), node=NODE,
+                          dead_after=dead_after(settings))
             backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             _check_session_kept(dsn, conn, backend_pid, params)
         except BaseException:

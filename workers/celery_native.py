@@ -227,7 +227,9 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
                     log.info("run %s: cancelled (its terminated process is gone)", run_id)
                     return
                 status = db.session.execute(_STATUS, {"run": run_uuid}).scalar_one_or_none()
-                db.session.rollback()
+                # Committed, not rolled back: the stamp of a holder first seen dead
+                # (end_abandoned) is when its bound starts.
+                db.session.commit()
                 if status != "running":
                     return  # it ended where it ran (a checkpoint saw the cancel)
             except Exception:  # noqa: BLE001 - keep trying until the deadline

@@ -18,6 +18,7 @@ from sqlalchemy.exc import DataError
 
 from app.enqueue import send_pending, send_run
 from app.extensions import db
+from app.liveness import GONE_SLACK
 from app.logs import note_tenant
 from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
 from app.models import RunStatus
@@ -113,6 +114,16 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
         if claim.outcome == ClaimOutcome.SLOT_WAIT:
             log.info("run %s: waiting for a slot (%s); no worker held", run_id,
                      claim.wait_reason)
+            return Execution(claim)
+        if claim.gone_in:
+            # Its holder lost its lock a moment ago and may still run the body (until
+            # its fence): deliver it again once the holder is gone (app/liveness.py),
+            # rather than leave it to beat's repair (this copy carries no trace context:
+            # the claim does not read it; repair's re-send carries the run's).
+            delay = claim.gone_in + GONE_SLACK
+            log.warning("run %s: its holder %s lost its lock; it may be taken over in %.1fs, "
+                        "sent again for then", run_id, claim.holder, delay)
+            send_run(current_app.extensions["celery"], run_uuid, claim.ref, countdown=delay)
             return Execution(claim)
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,

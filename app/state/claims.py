@@ -7,7 +7,10 @@ by time:
 * ``queued`` -> ``running`` under this boot, in one conditional UPDATE: CLAIMED;
 * ``running`` under a live boot (this one or another): DUPLICATE, do nothing;
 * ``running`` under a dead boot: wreckage, taken over with a compare-and-set
-  on the old boot id: TAKEN_OVER (the attempt is counted);
+  on the old boot id: TAKEN_OVER (the attempt is counted), once the boot is
+  *gone* (``app/liveness.py``: its lock first seen free T_c + kill + margin
+  ago, so its body has stopped); before that, DUPLICATE with ``gone_in``: the
+  worker sends the run again for then (so does repair);
 * terminal: FINISHED, never executed again;
 * ``waiting`` (a join step waits for its children, or a run for a slot):
   WAITING, nothing to do; the last child's finish (the slot holder's end)
@@ -39,9 +42,10 @@ from typing import Any
 from sqlalchemy import Row, text
 from sqlalchemy.orm import Session
 
-from app.liveness import boot_alive, claimer_live_sql
+from app.liveness import boot_alive, claimer_live_sql, gone_in_sql, gone_sql
 from app.models import TERMINAL_STATUSES, RunStatus
 
+from .boots import mark_boot_dead
 from .compose import (
     ENDED,
     JOIN_RELEASE,
@@ -96,6 +100,10 @@ class Claim:
     # The run is in a limited group: every end of this hold takes the slot locks first.
     slots: bool = False
     wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
+    # A DUPLICATE whose holder lost its lock but is not gone yet: deliver the run (its
+    # workflow ``ref``) again in ``gone_in`` seconds, when it may be taken over.
+    gone_in: float | None = None
+    ref: str | None = None
 
 
 # What a claim returns: everything the worker needs to run the workflow, so
@@ -119,6 +127,12 @@ _CLAIMED_COLUMNS = ", ".join(_CLAIMED_NAMES) + ", " \
 # the same statement*. A process whose lock vanished (Postgres restarted, its
 # connection was cut) may not know yet; Postgres does, and refuses.
 _CLAIMER_LIVE = claimer_live_sql(":boot")
+
+# The holder a takeover replaces is gone, not only without its lock: a lock that went
+# early (a restart, pg_terminate_backend) leaves its process running the body until
+# its fence, T_c + kill after its last confirmation; the server waits that long (and
+# the margin) from when it first saw the lock free.
+_HOLDER_GONE = gone_sql(":dead")
 
 # The run (found by primary key) is running: ``status_is``, so that no index on status
 # can take the lookup from the primary key.
@@ -161,7 +175,9 @@ def _verdict(me: str, *, fifo: bool) -> str:
             return f"(SELECT count(*) FROM runs r WHERE {scope} AND {condition})"
 
         older = f"(r.created_at, r.id) < ({me}.created_at, {me}.id)"
-        parts = [part(holds_slot("r"))]
+        # A takeover's or an adoption's run is not counted against itself: its holder
+        # may still hold its slot (an adoption's lost boot is not gone yet).
+        parts = [part(holds_slot("r") if fifo else f"{holds_slot('r')} AND r.id <> {me}.id")]
         if fifo:
             parts += [part(f"{due('r', slot=True)} AND {older}"),
                       part(f"{slot_status_is('r', RunStatus.WAITING)} "
@@ -273,6 +289,7 @@ def _take_over(slots: bool):
                               THEN now() ELSE finished_at END,{reason}
            updated_at = now(){verdict}
      WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}
+       AND {_HOLDER_GONE}
     """,
         _CLAIMED_COLUMNS + ", status, takeovers, error" + (", wait_reason" if slots else ""),
         "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
@@ -435,6 +452,9 @@ CLAIM_STATE = text(
     "t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots "
     "FROM runs WHERE id = :run")
 HOLDER = text("SELECT claimed_by, status FROM runs WHERE id = :run")
+# A holder seen dead and not gone yet: how long until it is (NULL: not seen dead).
+GONE_IN = text(f"SELECT {gone_in_sql('b')} FROM worker_boots b WHERE b.boot_id = :boot "
+               "AND b.first_seen_dead_at IS NOT NULL")
 
 
 def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
@@ -519,14 +539,25 @@ def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Ro
     if holder == boot_id or boot_alive(session, holder):
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder)
 
-    # The holder is dead (its lock is gone, and a dead boot never comes back):
-    # take the wreckage over, unless another delivery beat us to it. A run of a
+    # The holder's lock is free (and a dead boot never comes back): the first to see it
+    # stamps when. Its process may still run the body until its fence, so the takeover
+    # statement takes the run only once the holder is gone (that stamp its bound old);
+    # before that this delivery is a duplicate, and repair re-sends the run then.
+    mark_boot_dead(session, holder)
+    # Take the wreckage over, unless another delivery beat us to it. A run of a
     # limited group is taken over under its slot locks (``claim_slot`` took them).
     row = session.execute(TAKE_OVER_SLOT if slots else TAKE_OVER, {
         "run": run_id, "boot": boot_id, "dead": holder,
         "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
     if row is None:
+        # Another rescuer won, or the holder is not gone yet: then its run is to be
+        # delivered again when it is (nobody else may be sending it).
+        gone_in = session.execute(GONE_IN, {"boot": holder}).scalar()
+        if gone_in:
+            return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder,
+                         gone_in=gone_in,
+                         ref=f"{current.workflow_name}@{current.workflow_version}")
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
     send_woken(session, row)
     if row.status == RunStatus.WAITING:

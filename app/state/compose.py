@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
-from app.liveness import LIVE_BOOTS_SQL
+from app.liveness import held_by_sql
 from app.models import RunStatus, WaitReason
 
 # The statuses a run never leaves.
@@ -235,9 +235,11 @@ def slot_status_is(r: str, status: str) -> str:
 
 
 def holds_slot(r: str) -> str:
-    """SQL: run ``r`` holds a slot: running under a live boot (a dead boot's slot is free).
-    For a slot count (``slot_status``)."""
-    return f"{slot_status_is(r, RunStatus.RUNNING)} AND {r}.claimed_by IN ({LIVE_BOOTS_SQL})"
+    """SQL: run ``r`` holds a slot: running under a boot that still holds its runs
+    (``held_by_sql``: a boot whose lock went early keeps its slots until the server first
+    saw it free T_c + kill + margin ago, since its body may run until then; a gone boot's
+    slot is free). For a slot count (``slot_status``)."""
+    return f"{slot_status_is(r, RunStatus.RUNNING)} AND {held_by_sql(f'{r}.claimed_by')}"
 
 
 def due(r: str, *, slot: bool = False) -> str:

@@ -180,18 +180,7 @@ woken_event AS (
 WITH  changed AS (
     UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
      WHERE id = :run AND status = 'running' AND cancel_requested
-       AND claimed_by NOT IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)
+       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = runs.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
      RETURNING id, tenant_id, status, attempt, workflow_name, workflow_version, concurrency_key, concurrency_limit),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -349,29 +338,25 @@ SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
          FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
         ORDER BY ord) AS l;
 
+-- app/state/runs.py: MARK_HOLDER_DEAD
+UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
+  FROM runs r
+ WHERE r.id = :run AND b.boot_id = r.claimed_by AND b.first_seen_dead_at IS NULL
+   AND pg_try_advisory_xact_lock_shared(1347373389, b.lock_key);
+
 -- app/state/runs.py: DEAD_BOOT_RUNS
 UPDATE runs SET last_sent_at = now()
-     WHERE id IN (
-           SELECT r.id FROM runs r
-            WHERE r.status = 'running'
-              AND r.claimed_by NOT IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)
-              AND (r.last_sent_at <= r.updated_at
-                   OR r.last_sent_at <= now() - make_interval(secs => :min_age))
-            ORDER BY r.updated_at
-            LIMIT :limit
-              FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
+  FROM (SELECT r.id, GREATEST(0, CAST(extract(epoch FROM g.first_seen_dead_at + make_interval(secs => g.dead_after_seconds) - now()) AS float8)) AS gone_in
+          FROM runs r JOIN worker_boots g ON g.boot_id = r.claimed_by
+         WHERE r.status = 'running'
+           AND g.first_seen_dead_at IS NOT NULL
+           AND (r.last_sent_at <= r.updated_at
+                OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+         ORDER BY r.updated_at
+         LIMIT :limit
+           FOR UPDATE OF r SKIP LOCKED) AS dead
+ WHERE runs.id = dead.id
+RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in;
 
 -- app/state/runs.py: QUEUED_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -403,69 +388,47 @@ SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 
 -- app/state/runs.py: WAKE_WAITING
 WITH
-    waiters AS (
-        SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
-               w.wait_reason, w.created_at,
-               row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
-                                  ORDER BY w.created_at, w.id) AS group_place,
-               row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
-                                  ORDER BY w.created_at, w.id) AS tenant_place
-          FROM runs w
-         WHERE w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    ), changed AS (
-    UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE id IN (
-           SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
-            WHERE CASE WHEN w.wait_reason = 'concurrency'
-                       THEN w.group_place <= w.concurrency_limit
-                            AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                              + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                                <= w.concurrency_limit
-                       WHEN t.max_running IS NULL THEN true
-                       ELSE w.tenant_place <= t.max_running
-                            AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                              + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                                <= t.max_running
-                  END
-            ORDER BY w.created_at, w.id
-            LIMIT :limit)
-       AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
-     RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM changed
-         WHERE true
+waiters AS (
+    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+           w.wait_reason, w.created_at,
+           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                              ORDER BY w.created_at, w.id) AS group_place,
+           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                              ORDER BY w.created_at, w.id) AS tenant_place
+      FROM runs w
+     WHERE w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+), changed AS (
+UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+       last_sent_at = now()
+ WHERE id IN (
+       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+        WHERE CASE WHEN w.wait_reason = 'concurrency'
+                   THEN w.group_place <= w.concurrency_limit
+                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= w.concurrency_limit
+                   WHEN t.max_running IS NULL THEN true
+                   ELSE w.tenant_place <= t.max_running
+                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= t.max_running
+              END
+        ORDER BY w.created_at, w.id
+        LIMIT :limit)
+   AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM changed
+     WHERE true
 
-    )
+)
 
-        SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/runs.py: LOCK_TENANT
 SELECT pg_advisory_xact_lock(1347373396, CAST(:tenant AS integer));
@@ -475,69 +438,47 @@ UPDATE tenants SET max_running = :max_running WHERE id = :tenant;
 
 -- app/state/runs.py: WAKE_TENANT
 WITH
-    waiters AS (
-        SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
-               w.wait_reason, w.created_at,
-               row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
-                                  ORDER BY w.created_at, w.id) AS group_place,
-               row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
-                                  ORDER BY w.created_at, w.id) AS tenant_place
-          FROM runs w
-         WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
-    ), changed AS (
-    UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE id IN (
-           SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
-            WHERE CASE WHEN w.wait_reason = 'concurrency'
-                       THEN w.group_place <= w.concurrency_limit
-                            AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                              + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                                <= w.concurrency_limit
-                       WHEN t.max_running IS NULL THEN true
-                       ELSE w.tenant_place <= t.max_running
-                            AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                              + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                    AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                                <= t.max_running
-                  END
-            ORDER BY w.created_at, w.id
-            LIMIT :limit)
-       AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
-     RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM changed
-         WHERE true
+waiters AS (
+    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+           w.wait_reason, w.created_at,
+           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                              ORDER BY w.created_at, w.id) AS group_place,
+           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                              ORDER BY w.created_at, w.id) AS tenant_place
+      FROM runs w
+     WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
+), changed AS (
+UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+       last_sent_at = now()
+ WHERE id IN (
+       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+        WHERE CASE WHEN w.wait_reason = 'concurrency'
+                   THEN w.group_place <= w.concurrency_limit
+                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= w.concurrency_limit
+                   WHEN t.max_running IS NULL THEN true
+                   ELSE w.tenant_place <= t.max_running
+                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= t.max_running
+              END
+        ORDER BY w.created_at, w.id
+        LIMIT :limit)
+   AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM changed
+     WHERE true
 
-    )
+)
 
-        SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/runs.py: WAITING_BY_REASON
 SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs
@@ -568,70 +509,48 @@ UPDATE runs
 
 -- app/state/claims.py: CLAIM_SLOT
 WITH
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
-    ),
-    verdict AS (
-        SELECT CASE
-               WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
-               THEN 'tenant_cap'
-               WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))
-                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
-                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
-               THEN 'concurrency'
-               END AS reason
-          FROM me
-    ), changed AS (
-    UPDATE runs
-       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
-           wait_reason = v.reason,
-           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,
-           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
-           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
-                             ELSE started_at END,
-           updated_at = now()
-      FROM verdict v
-     WHERE runs.id = :run AND (runs.status || '') = 'queued' AND NOT runs.cancel_requested
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
-               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
-          FROM changed
-         WHERE true
+me AS (
+    SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+           r.created_at, t.max_running
+      FROM runs r JOIN tenants t ON t.id = r.tenant_id
+     WHERE r.id = :run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+),
+verdict AS (
+    SELECT CASE
+           WHEN me.max_running IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
+           THEN 'tenant_cap'
+           WHEN me.concurrency_limit IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
+           THEN 'concurrency'
+           END AS reason
+      FROM me
+), changed AS (
+UPDATE runs
+   SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
+       wait_reason = v.reason,
+       claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,
+       attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
+       started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
+                         ELSE started_at END,
+       updated_at = now()
+  FROM verdict v
+ WHERE runs.id = :run AND (runs.status || '') = 'queued' AND NOT runs.cancel_requested
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
+           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+      FROM changed
+     WHERE true
 
-    )
+)
 
-        SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/claims.py: TAKE_OVER
 WITH  changed AS (
@@ -655,6 +574,7 @@ UPDATE runs
                           THEN now() ELSE finished_at END,
        updated_at = now()
  WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -705,32 +625,10 @@ WITH
     verdict AS (
         SELECT CASE
                WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))) >= me.max_running
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
                THEN 'tenant_cap'
                WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))) >= me.concurrency_limit
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
                THEN 'concurrency'
                END AS reason
           FROM me
@@ -759,6 +657,7 @@ WITH
            updated_at = now()
       FROM verdict v
      WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
      RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -847,58 +746,36 @@ UPDATE runs SET claimed_by = :boot, updated_at = now()
 
 -- app/state/claims.py: ADOPT_SLOT
 WITH
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-    ),
-    verdict AS (
-        SELECT CASE
-               WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))) >= me.max_running
-               THEN 'tenant_cap'
-               WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND r.claimed_by IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-))) >= me.concurrency_limit
-               THEN 'concurrency'
-               END AS reason
-          FROM me
-    ), changed AS (
-    UPDATE runs SET claimed_by = :boot, updated_at = now()
-      FROM verdict v
-     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AND v.reason IS NULL
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.adopted',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
-          FROM changed
-         WHERE true
+me AS (
+    SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+           r.created_at, t.max_running
+      FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+),
+verdict AS (
+    SELECT CASE
+           WHEN me.max_running IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
+           THEN 'tenant_cap'
+           WHEN me.concurrency_limit IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
+           THEN 'concurrency'
+           END AS reason
+      FROM me
+), changed AS (
+UPDATE runs SET claimed_by = :boot, updated_at = now()
+  FROM verdict v
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AND v.reason IS NULL
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.adopted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+      FROM changed
+     WHERE true
 
-    )
+)
 
-        SELECT * FROM changed;
+    SELECT * FROM changed;
 
 -- app/state/claims.py: FINISH
 WITH changed AS (
@@ -1401,6 +1278,9 @@ SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EX
 -- app/state/claims.py: HOLDER
 SELECT claimed_by, status FROM runs WHERE id = :run;
 
+-- app/state/claims.py: GONE_IN
+SELECT GREATEST(0, CAST(extract(epoch FROM b.first_seen_dead_at + make_interval(secs => b.dead_after_seconds) - now()) AS float8)) FROM worker_boots b WHERE b.boot_id = :boot AND b.first_seen_dead_at IS NOT NULL;
+
 -- app/state/ledger.py: ENTER
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
@@ -1647,7 +1527,28 @@ SELECT id, entry_no, step_id, status, outputs, next_step
   FROM step_entries WHERE run_id = :run AND entry_no < :entry_no ORDER BY entry_no;
 
 -- app/state/boots.py: REGISTER_BOOT
-INSERT INTO worker_boots (boot_id, lock_key, hostname, pid, node) VALUES (%s, %s, %s, %s, %s);
+INSERT INTO worker_boots (boot_id, lock_key, hostname, pid, node, dead_after_seconds) VALUES (%s, %s, %s, %s, %s, %s);
+
+-- app/state/boots.py: MARK_BOOT_DEAD
+UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
+ WHERE b.boot_id = :boot AND b.first_seen_dead_at IS NULL
+   AND pg_try_advisory_xact_lock_shared(1347373389, b.lock_key);
+
+-- app/state/boots.py: MARK_DEAD_BOOTS
+UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
+     WHERE b.first_seen_dead_at IS NULL
+       AND b.boot_id NOT IN (
+    SELECT b.boot_id
+      FROM worker_boots b
+      JOIN pg_locks l
+        ON l.locktype = 'advisory'
+       AND l.classid = CAST(1347373389 AS oid)
+       AND l.objid = CAST(b.lock_key AS oid)
+       AND l.objsubid = 2
+       AND l.granted
+       AND l.mode = 'ExclusiveLock'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+);
 
 -- app/state/boots.py: PRUNE_DEAD_BOOTS
 DELETE FROM worker_boots b

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from sqlalchemy import Row, TextClause, text
 from sqlalchemy.orm import Session
 
-from app.liveness import LIVE_BOOTS_SQL
+from app.liveness import LOCK_NAMESPACE, gone_in_sql, gone_sql
 from app.models import RunStatus, WaitReason
 
+from .boots import mark_dead_boots
 from .compose import (
     JOIN_RELEASE,
     LIMITED_WAITS,
@@ -245,14 +246,16 @@ CANCEL_QUEUED = with_event(
     select=WITH_WOKEN,
 )
 
-# Celery's revoke of a run whose cancel was requested and whose holder is dead:
-# it ends cancelled, as a takeover would end it (claims.TAKE_OVER). Conditional
-# on both, so it races a takeover or the run's own finish safely: one wins.
+# Celery's revoke of a run whose cancel was requested and whose holder is gone
+# (``app/liveness.py``: its lock first seen free its bound ago, so no body of it
+# runs): it ends cancelled, as a takeover would end it (claims.TAKE_OVER), and its
+# slot goes to the next run. Conditional on both, so it races a takeover or the
+# run's own finish safely: one wins.
 END_ABANDONED = with_event(
     f"""
     UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
      WHERE id = :run AND status = 'running' AND cancel_requested
-       AND claimed_by NOT IN ({LIVE_BOOTS_SQL})
+       AND {gone_sql("runs.claimed_by")}
     """,
     f"id, tenant_id, status, attempt, {_SLOT_COLUMNS}",
     "'run.cancelled'",
@@ -397,9 +400,23 @@ def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
     return row is not None
 
 
+# The holder of one run seen without its lock: stamped as ``boots.MARK_BOOT_DEAD`` does.
+MARK_HOLDER_DEAD = text(
+    f"""
+    UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
+      FROM runs r
+     WHERE r.id = :run AND b.boot_id = r.claimed_by AND b.first_seen_dead_at IS NULL
+       AND pg_try_advisory_xact_lock_shared({LOCK_NAMESPACE}, b.lock_key)
+    """
+)
+
+
 def end_abandoned(session: Session, run_id: uuid.UUID) -> bool:
-    """End as cancelled a revoked run whose holder is dead; True if it was (in a
-    transaction: a run of a limited group wakes the next one under its slot locks)."""
+    """End as cancelled a revoked run whose holder is gone; True if it was (in a
+    transaction: a run of a limited group wakes the next one under its slot locks).
+    A holder whose lock is free is stamped first seen dead (the revoke's caller asks
+    again until it is gone)."""
+    session.execute(MARK_HOLDER_DEAD, {"run": run_id})
     lock_slots(session, run_id)
     row = session.execute(END_ABANDONED, {"run": run_id}).one_or_none()
     send_woken(session, row)
@@ -425,22 +442,28 @@ def fail_time_limit(session: Session, run_id: uuid.UUID, *, node: uuid.UUID, pid
 # repairs (two beats by mistake, beat and an operator) split the work instead
 # of sending the same runs twice.
 #
-# Runs held by a dead boot (its lock is gone): re-sent on the first tick after
-# the boot died, i.e. if not re-sent since the claim (a claim or takeover sets
-# updated_at), and after that only once the repair age has passed again.
+# Runs held by a dead boot, first seen so (``app/liveness.py``: its lock free; the
+# repair stamps every such boot just before, ``MARK_DEAD_BOOTS``): re-sent on the
+# first tick after the boot was seen dead, i.e. if not re-sent since the claim (a
+# claim or takeover sets updated_at), and after that only once the repair age has
+# passed again. Each comes with ``gone_in``: the seconds until its boot is gone (its
+# stamp T_c + kill + margin old), which the message waits out (``app/runs.py``): a
+# boot whose lock went early may run its bodies until then, and a delivery before it
+# takes nothing over (the claim decides; this only saves a repair tick).
 DEAD_BOOT_RUNS = text(
     f"""
     UPDATE runs SET last_sent_at = now()
-     WHERE id IN (
-           SELECT r.id FROM runs r
-            WHERE r.status = '{RunStatus.RUNNING}'
-              AND r.claimed_by NOT IN ({LIVE_BOOTS_SQL})
-              AND (r.last_sent_at <= r.updated_at
-                   OR r.last_sent_at <= now() - make_interval(secs => :min_age))
-            ORDER BY r.updated_at
-            LIMIT :limit
-              FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
+      FROM (SELECT r.id, {gone_in_sql("g")} AS gone_in
+              FROM runs r JOIN worker_boots g ON g.boot_id = r.claimed_by
+             WHERE r.status = '{RunStatus.RUNNING}'
+               AND g.first_seen_dead_at IS NOT NULL
+               AND (r.last_sent_at <= r.updated_at
+                    OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+             ORDER BY r.updated_at
+             LIMIT :limit
+               FOR UPDATE OF r SKIP LOCKED) AS dead
+     WHERE runs.id = dead.id
+    RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in
     """
 )
 
@@ -613,7 +636,10 @@ def waiting_by_reason(session_or_conn) -> dict[str, int]:
 
 
 def mark_dead_boot_runs_sent(session: Session, *, min_age: float, limit: int | None) -> list[Row]:
-    """Pick (and mark sent) up to ``limit`` runs held by dead boots, due for a re-send."""
+    """Stamp the boots whose lock is free, then pick (and mark sent) up to ``limit`` runs
+    held by boots seen dead, due for a re-send; each with ``gone_in``, the seconds until
+    its boot is gone (a delivery before then takes nothing over)."""
+    mark_dead_boots(session)
     return session.execute(DEAD_BOOT_RUNS, {"min_age": min_age, "limit": limit}).all()
 
 

@@ -27,6 +27,7 @@ class Mutant:
 
 CLAIMS = "app/state/claims.py"
 CLAIM_TESTS = "tests/workers/test_claims.py"
+EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 
 MUTANTS: list[Mutant] = [
     # -- admission ----------------------------------------------------------------------------
@@ -163,6 +164,66 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_a_cut_off_boot_cannot_take_over_wreckage",
          f"{CLAIM_TESTS}::test_the_takeover_statement_itself_requires_the_claimers_lock"),
         nth=1, occurrences=2,
+    ),
+    Mutant(
+        "takeover_at_early_lock_loss",
+        "a run is taken over only once its holder is gone: its lock first seen free T_c + "
+        "kill + margin ago (a lock lost early leaves the body running until the fence)",
+        CLAIMS,
+        "       AND {_HOLDER_GONE}\n",
+        "",
+        (f"{CLAIM_TESTS}::test_a_boot_whose_lock_connection_closed_is_gone_only_after_its_bound",
+         f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
+         f"{EARLY_LOSS_TESTS}::test_a_lock_cut_then_runs_redrive_never_runs_two_bodies_at_once"),
+    ),
+    Mutant(
+        "slot_freed_at_early_lock_loss",
+        "a run's slot stays held until its holder is gone, not only until its lock goes",
+        "app/state/compose.py",
+        "AND {held_by_sql(f'{r}.claimed_by')}\"",
+        "AND {r}.claimed_by IN (SELECT b.boot_id FROM worker_boots b WHERE NOT "
+        "pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))\"",
+        (f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
+         f"{EARLY_LOSS_TESTS}::"
+         "test_a_lock_cut_then_a_second_run_of_the_key_never_runs_two_bodies_at_once"),
+    ),
+    Mutant(
+        "repair_resend_before_gone",
+        "repair re-sends a lost boot's run to be delivered when the boot is gone, not before",
+        "app/state/runs.py",
+        "      FROM (SELECT r.id, {gone_in_sql(\"g\")} AS gone_in\n",
+        "      FROM (SELECT r.id, 0 AS gone_in\n",
+        (f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",),
+    ),
+    Mutant(
+        "repair_resend_only_after_gone_without_stamping",
+        "repair stamps every boot whose lock is free, so a boot nobody delivers to is gone "
+        "within a tick of its bound",
+        "app/state/runs.py",
+        "    mark_dead_boots(session)\n",
+        "",
+        (f"{EARLY_LOSS_TESTS}::"
+         "test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_holds",
+         "tests/workers/test_concurrency_processes.py::"
+         "test_kill_9_of_a_slots_holder_lets_the_next_run_of_its_key_start_within_the_bound"),
+    ),
+    Mutant(
+        "revoke_ends_before_gone",
+        "a revoke ends a dead holder's run (and hands its slot on) only once the holder is gone",
+        "app/state/runs.py",
+        "       AND {gone_sql(\"runs.claimed_by\")}\n",
+        "",
+        (f"{EARLY_LOSS_TESTS}::test_a_revoke_ends_a_lost_boots_run_only_once_the_boot_is_gone",),
+    ),
+    Mutant(
+        "adoption_counts_its_own_slot",
+        "a process adopting its run after an early lock loss keeps that run's slot: the slot "
+        "its lost boot still holds is not counted against it",
+        CLAIMS,
+        "parts = [part(holds_slot(\"r\") if fifo else f\"{holds_slot('r')} AND r.id <> {me}.id\")]",
+        "parts = [part(holds_slot(\"r\"))]",
+        (f"{EARLY_LOSS_TESTS}::"
+         "test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_holds",),
     ),
     Mutant(
         "claim_check_then_update",
@@ -449,11 +510,20 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "lease_ordering_unchecked",
-        "settings with T_c + kill + margin > T_s + takeover delay are refused at start",
+        "settings with T_c + kill + margin > T_s are refused at start",
         "lease.py",
-        "    if lhs > rhs:\n",
+        "    if lhs > settings.server_seconds:\n",
         "    if False:\n",
         ("tests/test_lease.py::test_a_process_refuses_to_start_with_settings_that_break_the_ordering",),
+    ),
+    Mutant(
+        "lease_ordering_counts_the_takeover_delay",
+        "the server's bound covers the client's on its own: the takeover delay is no part of "
+        "the ordering (a lock lost early, a re-drive, come without it)",
+        "lease.py",
+        "    if lhs > settings.server_seconds:\n",
+        "    if lhs > settings.server_seconds + settings.takeover_delay:\n",
+        ("tests/test_lease.py::test_the_takeover_delay_does_not_count_toward_the_ordering",),
     ),
     Mutant(
         "lease_server_bound_unset",

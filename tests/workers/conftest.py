@@ -7,6 +7,7 @@ import sys
 import textwrap
 import uuid
 
+import psycopg
 import pytest
 
 from tests.conftest import libpq_url
@@ -44,11 +45,28 @@ def fresh_boot():
     end_current_boot()
 
 
+def long_gone(conn, *boot_ids) -> None:
+    """Stamp ``boot_ids`` (their locks free) first seen dead an hour ago: past every bound,
+    so their runs and slots are free (``app/liveness.py``), as if beat's repair had seen
+    them go long before. ``conn``: a psycopg connection in autocommit."""
+    conn.execute("UPDATE worker_boots SET first_seen_dead_at = now() - interval '1 hour' "
+                 "WHERE boot_id = ANY(%s)", [list(boot_ids)])
+
+
+def dead_boots_long_gone(conn) -> None:
+    """``long_gone`` for every boot whose lock is free now."""
+    from app.liveness import LIVE_BOOTS_SQL
+
+    conn.execute("UPDATE worker_boots SET first_seen_dead_at = now() - interval '1 hour' "
+                 f"WHERE boot_id NOT IN ({LIVE_BOOTS_SQL})")
+
+
 @pytest.fixture
 def dead_boot(dsn):
-    """A boot registered by a separate process that was then killed with SIGKILL."""
+    """A boot registered by a separate process that was then killed with SIGKILL, long ago
+    (``long_gone``); ``gone=False``: a moment ago, its lock free but never seen so yet."""
 
-    def make() -> uuid.UUID:
+    def make(gone: bool = True) -> uuid.UUID:
         code = textwrap.dedent(f"""
             import os, signal, sys
             from workers.boots import Boot
@@ -59,6 +77,10 @@ def dead_boot(dsn):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == -9, proc.stderr
-        return uuid.UUID(proc.stdout.strip())
+        boot_id = uuid.UUID(proc.stdout.strip())
+        if gone:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                long_gone(conn, boot_id)
+        return boot_id
 
     return make

@@ -10,6 +10,8 @@ import pytest
 from app.state.claims import ClaimOutcome, claim_run, finish_run, release_claim
 from workers.registry import max_takeovers_of
 
+from .conftest import long_gone
+
 
 @pytest.fixture
 def session(app):
@@ -88,11 +90,23 @@ def test_a_dead_boots_claim_is_taken_over_and_the_attempt_counted(session, admit
     assert events_of(pg, run_id) == ["run.admitted", "run.resumed"]
 
 
-def test_a_boot_whose_lock_connection_closed_is_dead(session, admit, boot_factory, pg):
+def test_a_boot_whose_lock_connection_closed_is_gone_only_after_its_bound(session, admit,
+                                                                          boot_factory, pg):
+    """Its lock went a moment ago: its process may still run the body (until its fence),
+    so the run stays its own; the claim that found the lock free stamps when. Once that
+    stamp is the boot's bound old, the run is taken over."""
     run_id, holder = admit(), boot_factory()
     assert claim(session, run_id, holder.boot_id).outcome == ClaimOutcome.CLAIMED
     holder.close()  # the connection that held the lock is gone
-    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.TAKEN_OVER
+    rescuer = boot_factory()
+    assert claim(session, run_id, rescuer.boot_id).outcome == ClaimOutcome.DUPLICATE
+    assert status_of(pg, run_id) == ("running", holder.boot_id, 1)
+    seen, bound = pg.execute("SELECT clock_timestamp() - first_seen_dead_at, dead_after_seconds "
+                             "FROM worker_boots WHERE boot_id = %s",
+                             [holder.boot_id]).fetchone()
+    assert 0 <= seen.total_seconds() < 60 and bound == holder.settings.client_seconds + 3
+    long_gone(pg, holder.boot_id)
+    assert claim(session, run_id, rescuer.boot_id).outcome == ClaimOutcome.TAKEN_OVER
 
 
 @pytest.mark.parametrize("final", ["succeeded", "failed", "cancelled"])
@@ -113,6 +127,7 @@ def test_release_is_scoped_to_the_claiming_boot(session, admit, boot_factory, pg
     run_id, first = admit(), boot_factory()
     assert claim(session, run_id, first.boot_id).outcome == ClaimOutcome.CLAIMED
     first.close()  # first is cut off: dead to everyone else
+    long_gone(pg, first.boot_id)
     second = boot_factory()
     assert claim(session, run_id, second.boot_id).outcome == ClaimOutcome.TAKEN_OVER
 
@@ -130,6 +145,7 @@ def test_finish_is_fenced_by_the_claim(session, admit, boot_factory, pg):
     run_id, first = admit(), boot_factory()
     claim(session, run_id, first.boot_id)
     first.close()
+    long_gone(pg, first.boot_id)
     second = boot_factory()
     claim(session, run_id, second.boot_id)
     assert finish_run(session, run_id, first.boot_id, status="succeeded", result=1) is False

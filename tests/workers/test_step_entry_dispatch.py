@@ -19,6 +19,8 @@ from tests.processes import start_beat, start_worker, wait_until
 from workers.actions import fanout_key, idempotency_key
 from workers.registry import max_takeovers_of
 
+from .conftest import dead_boots_long_gone, long_gone
+
 PARTICIPANTS = ["ana", "bo", "cy"]
 
 
@@ -278,7 +280,8 @@ def test_a_definition_changed_under_an_inflight_run_is_refused_before_any_effect
     pinned = pg.execute("SELECT definition_hash FROM runs WHERE id = %s", [run_id]).fetchone()[0]
     assert pinned == registry.get("shifting", "1").definition_hash
     hold_marker(app, run_id, first.boot_id, 0, complete=True)  # in flight: marker 0 done
-    first.close()  # ... and its worker dies
+    first.close()  # ... and its worker dies, long ago
+    long_gone(pg, first.boot_id)
 
     registry.register(shifting_definition(moved=True))  # same version, marker moved to 1
     try:
@@ -555,6 +558,9 @@ def test_fanout_keys_are_identical_on_resume_and_distinct_across_entries(app, ad
     def run_to_the_end(run_id, crash_at: int) -> int:
         CRASH.at, CRASH.count, crashes = crash_at, 0, 0
         for _ in range(20):  # crash_at counts executions across resumptions: it fires once
+            # A crashed boot died long ago: its runs are free to take over (its lock may
+            # take a moment to go after the close: asked again on the next round).
+            dead_boots_long_gone(pg)
             try:
                 run_here(run_id)
             except Crash:

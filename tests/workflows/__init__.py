@@ -183,6 +183,24 @@ def keyed(ctx, input):
     return {"attempt": ctx.attempt}
 
 
+@workflow("stamped", version="1", concurrency_limit=1,
+          concurrency_key=lambda input: input.get("customer"))
+def stamped(ctx, input):
+    """Append ``<unix time> <pid> <attempt> <run id>`` to the file ``path`` every 50 ms for
+    ``seconds``: at most one run per customer at once, and a body that still runs after its
+    worker lost its lock shows in the file (tests/workers/test_early_lock_loss.py)."""
+    import os
+    import time
+
+    end = time.monotonic() + float(input.get("seconds", 5))
+    with open(input["path"], "a") as out:
+        while time.monotonic() < end:
+            out.write(f"{time.time():.3f} {os.getpid()} {ctx.attempt} {ctx.run_id}\n")
+            out.flush()
+            time.sleep(0.05)
+    return {"attempt": ctx.attempt}
+
+
 @workflow("pair", version="1", concurrency_limit=2)
 def pair(ctx, input):
     """At most two runs at once per concurrency_key given at admission."""
