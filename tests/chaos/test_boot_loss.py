@@ -186,6 +186,12 @@ def test_a_forked_grandchild_does_not_keep_a_dead_workers_boot_alive(admit, side
         assert [pid for pid in grandchildren if alive(pid)] == grandchildren  # it did live on
     finally:
         victim.signal_group(signal.SIGKILL)
+        # The takeover's own detached grandchild too: it holds a copy of the rescuer's
+        # broker socket, and a dead worker's blocking pop left open on it would take the
+        # next test's message from the session's queue.
+        result = pg.execute("SELECT result FROM runs WHERE id = %s", [run_id]).fetchone()
+        if result and result[0] and result[0].get("grandchild"):
+            grandchildren.append(int(result[0]["grandchild"]))
         for pid in grandchildren:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
