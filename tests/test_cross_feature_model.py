@@ -58,7 +58,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -326,7 +325,6 @@ class CrossFeatureModel(RuleBasedStateMachine):
         self.start_boot()
         self.start_boot()
 
-    @rule(data=st.data())
     def boots(self, data) -> None:
         """A boot starts; or one dies, late (its lock gone and its bound passed: its process
         was fenced) or early (its lock gone: restart, failover, pg_terminate_backend; its
@@ -346,7 +344,10 @@ class CrossFeatureModel(RuleBasedStateMachine):
         elif what == "bound passes":
             self._bound_passes(data.draw(st.sampled_from(early), label="boot"))
         else:
-            boot_id = data.draw(st.sampled_from(self.live_boots()), label="boot")
+            # Boots that hold runs first: a death matters most there.
+            holding = {r.holder for r in self.world.runs.values() if r.status == "running"}
+            boots = sorted(self.live_boots(), key=lambda b: b not in holding)
+            boot_id = data.draw(st.sampled_from(boots), label="boot")
             self._die(boot_id)
             if what == "dies late":
                 self._bound_passes(boot_id)
@@ -359,7 +360,14 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     def _die(self, boot_id: uuid.UUID) -> None:
         model = self.world.boots[boot_id]
-        model.boot.close()  # Postgres frees the lock at once
+        model.boot.close()  # Postgres frees the lock as its backend exits: wait for that
+        from app.liveness import LIVE_BOOTS_SQL
+
+        deadline = time.monotonic() + 10
+        while self.pg.execute(f"SELECT EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = %s)",
+                              [boot_id]).fetchone()[0]:
+            assert time.monotonic() < deadline, f"boot {boot_id}'s lock outlived its connection"
+            time.sleep(0.005)
         model.state, model.died_at = "early", time.monotonic()
 
     def _bound_passes(self, boot_id: uuid.UUID) -> None:
@@ -370,13 +378,16 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     # -- admission ----------------------------------------------------------------------------
 
-    @rule(data=st.data(), kind=st.sampled_from(["caller", "caller", "kafka", "fanout"]))
+    @rule(data=st.data(), kind=st.sampled_from(["caller", "beat", "kafka", "fanout"]))
     def admit(self, data, kind) -> None:
-        """An admission: a caller's (a key under its workflow's policy, or none), a keyless
-        Kafka message's, or a parent's fan-out."""
+        """An admission: a caller's (a key under its workflow's policy, or none), a beat's
+        (or a schedule period passing), a keyless Kafka message's, or a parent's fan-out."""
         if kind == "fanout" and not self.world.runs:
             kind = "caller"
-        if kind == "caller":
+        if kind == "beat":
+            self.beat(data.draw(st.integers(0, 1), label="beat"), data.draw(
+                st.sampled_from(["ticks", "restarts", "period"]), label="beat does"))
+        elif kind == "caller":
             self.admit_caller(
                 data.draw(st.sampled_from(TENANTS), label="tenant"),
                 data.draw(st.sampled_from(sorted(CALLER_WORKFLOWS)), label="workflow"),
@@ -475,21 +486,22 @@ class CrossFeatureModel(RuleBasedStateMachine):
             child_wf = self.world.runs[next(iter(known))].workflow if known else workflow
             child_input = {"item": item, "g": "a"}
             requests.append((key, child_wf, child_input))
-        outcomes = admit_many(
-            self.db.session,
-            [RunRequest(workflow_ref=wf, input=inp, dispatch_key=key)
-             for key, wf, inp in requests],
-            tenant_id=self.tenant_ids[parent.tenant], origin=AdmissionOrigin.FANOUT,
-            origin_detail=f"spawn_each {idem}", parent_run_id=parent.id)
-        self.db.session.commit()
-        for (key, _, child_input), outcome in zip(requests, outcomes, strict=True):
+        # One statement (and transaction) per child: runs admitted together share their
+        # created_at, and the FIFO breaks that tie by random ids, which a replayed example
+        # must not meet (Hypothesis needs each step to decide the same again).
+        for key, wf, child_input in requests:
+            [outcome] = admit_many(
+                self.db.session, [RunRequest(workflow_ref=wf, input=child_input,
+                                             dispatch_key=key)],
+                tenant_id=self.tenant_ids[parent.tenant], origin=AdmissionOrigin.FANOUT,
+                origin_detail=f"spawn_each {idem}", parent_run_id=parent.id)
+            self.db.session.commit()
             assert isinstance(outcome, Admission), outcome
             if outcome.created:
                 self.add_run(outcome.run, tenant=parent.tenant, derived="fanout",
                              input=child_input)
             self.note_derived(key, outcome.run.id)
 
-    @rule(beat=st.integers(0, 1), what=st.sampled_from(["ticks", "restarts", "period"]))
     def beat(self, beat, what) -> None:
         """One of two beats looks for each schedule's latest tick (once a second), or
         restarts (a deploy: it forgets what it admitted and admits the latest tick again);
@@ -516,15 +528,51 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     # -- claims and their ends ----------------------------------------------------------------
 
-    @precondition(lambda self: self.live_boots() and self.world.runs)
     @rule(data=st.data())
+    def work(self, data) -> None:
+        """What workers do: deliveries of runs' messages to live boots (at least once: any
+        run, any time), a body's end, a boot's start or death, a second rescuer racing a
+        takeover, a late write."""
+        # Deliveries and ends at both ends of the list (where generation leans) and twice:
+        # most of what workers do; a boot's start or death once in a while.
+        deliver = ["deliver"] if self.live_boots() and self.world.runs else []
+        end = ["body ends"] if self._acting() else []
+        choices = deliver + end + deliver + ["boots"] \
+            + (["racing rescuer"] if self._takeovers() else []) \
+            + (["late write"] if self._lost_claims() else []) + deliver + end + deliver
+        what = data.draw(st.sampled_from(choices), label="work")
+        if what == "deliver":
+            for _ in range(data.draw(st.integers(1, 3), label="messages")):
+                self.deliver(data)
+        elif what == "body ends":
+            self.body_ends(data, data.draw(st.sampled_from(
+                ["succeeded", "failed", "cancelled", "retry", "release"]), label="how"))
+        elif what == "boots":
+            self.boots(data)
+        elif what == "racing rescuer":
+            self.racing_rescuer(data)
+        else:
+            self.late_write(data, data.draw(st.sampled_from(["succeeded", "retry", "release"]),
+                                            label="how"))
+
     def deliver(self, data) -> None:
-        """A delivery of a run's message to a live boot (at least once: at any time)."""
         from app.state.claims import ClaimOutcome, claim_run
         from workers.registry import max_takeovers_of
 
         boot_id = data.draw(st.sampled_from(self.live_boots()), label="boot")
-        open_runs = [r.id for r in self.world.runs.values() if r.status not in TERMINAL]
+        # Runs held by dead boots first: repair re-sends them on its next tick.
+        live = set(self.live_boots())
+        # then unclaimed ones (a duplicate of a live holder's changes nothing).
+        def rank(run: ModelRun) -> int:
+            if run.status == "running":
+                return 0 if run.holder not in live else 2
+            return 1
+
+        open_runs = [r.id for r in sorted((r for r in self.world.runs.values()
+                                           if r.status not in TERMINAL), key=rank)]
+        # ... and the newest unclaimed one last too (generation leans to both ends).
+        unclaimed = [r for r in open_runs if self.world.runs[r].status == "unclaimed"]
+        open_runs += unclaimed[-1:]
         run = self.world.runs[data.draw(st.sampled_from(open_runs or list(self.world.runs)),
                                         label="run")]
         previous = run.holder
@@ -545,8 +593,6 @@ class CrossFeatureModel(RuleBasedStateMachine):
         else:
             self.read_back(run)
 
-    @precondition(lambda self: self._takeovers())
-    @rule(data=st.data())
     def racing_rescuer(self, data) -> None:
         """A second rescuer that read the dead holder before the takeover committed: its
         compare-and-set on the dead boot must find the run taken."""
@@ -583,9 +629,6 @@ class CrossFeatureModel(RuleBasedStateMachine):
         return [(run, boot) for run, boots in self.world.executing.items()
                 for boot in self.world.boots if boot in boots and boot in counting]
 
-    @precondition(lambda self: self._acting())
-    @rule(data=st.data(), how=st.sampled_from(["succeeded", "failed", "cancelled", "retry",
-                                               "release"]))
     def body_ends(self, data, how) -> None:
         """The body a boot executes ends: the run finishes, fails, is cancelled at a
         checkpoint, is retried, or is released before user code ran."""
@@ -615,8 +658,6 @@ class CrossFeatureModel(RuleBasedStateMachine):
             run.status = how if how in TERMINAL else "unclaimed"
             run.holder = None
 
-    @precondition(lambda self: self._lost_claims())
-    @rule(data=st.data(), how=st.sampled_from(["succeeded", "retry", "release"]))
     def late_write(self, data, how) -> None:
         """A write from a boot that held the run once and lost it (taken over, ended):
         refused by its fence, whatever the boot's liveness."""
@@ -639,8 +680,17 @@ class CrossFeatureModel(RuleBasedStateMachine):
                 if not (self.world.runs[run].status == "running"
                         and self.world.runs[run].holder == boot)]
 
-    @precondition(lambda self: self.world.runs)
-    @rule(data=st.data())
+    @rule(data=st.data(), what=st.sampled_from(["set cap", "repair", "cancel"]))
+    def operate(self, data, what) -> None:
+        """What operators and beat do: a tenant's cap set, lowered, raised (or lifted, in
+        cap_changes); repair's tick; a cancel."""
+        if what == "set cap":
+            self.set_cap(data, data.draw(st.sampled_from(TENANTS), label="tenant"))
+        elif what == "repair" or not self.world.runs:
+            self.repair()
+        else:
+            self.cancel(data)
+
     def cancel(self, data) -> None:
         from app.state.runs import cancel_run
 
@@ -656,20 +706,19 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     # -- caps and repair ----------------------------------------------------------------------
 
-    @rule(tenant=st.sampled_from(TENANTS), cap=st.sampled_from([1, 2, 3, None]))
-    def set_cap(self, tenant, cap) -> None:
-        """``tenants set --max-running`` (None: ``--no-max-running``, the cap lifted)."""
+    def set_cap(self, data, tenant) -> None:
+        """``tenants set --max-running``: set, lowered, raised; in cap_changes also lifted
+        (``--no-max-running``), which comes first there."""
         from app.tenants import set_max_running
 
-        if cap is None and not self.family.cap_lift and self.world.caps[tenant] is not None:
-            cap = self.world.caps[tenant]  # lifting a cap is the cap_changes family's
+        choices = [None, 3, 1, 2] if self.family.cap_lift else [1, 2, 3]
+        cap = data.draw(st.sampled_from(choices), label="cap")
         set_max_running(tenant, cap)
         self.db.session.remove()
         self.world.caps[tenant] = cap
         if self.family.cap_lift:
             self.strict_tenant = tenant
 
-    @rule()
     def repair(self) -> None:
         """Beat's repair tick: the wake statement (the backstop for freed slots)."""
         from app.state.runs import wake_waiting_runs
