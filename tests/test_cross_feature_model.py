@@ -177,6 +177,7 @@ class World:
     ever_held: dict[tuple[uuid.UUID, uuid.UUID], None] = field(default_factory=dict)
     derived: dict[str, set[uuid.UUID]] = field(default_factory=dict)
     caps: dict[str, int | None] = field(default_factory=dict)
+    ticks: dict[tuple[str, int], set[uuid.UUID]] = field(default_factory=dict)
 
 
 def let_the_bound_pass(pg: psycopg.Connection, boot_id: uuid.UUID) -> None:
@@ -518,6 +519,9 @@ class CrossFeatureModel(RuleBasedStateMachine):
                 self.add_run(outcome.run, tenant=parent.tenant, derived="fanout",
                              input=child_input)
             self.note_derived(key, outcome.run.id)
+            # The same (parent, entry, item) is the same child, whatever key it derives.
+            self.note_derived(f"fan-out child {parent.id}/{entry}/{child_input['item']}",
+                              outcome.run.id)
 
     def beat(self, beat, what) -> None:
         """One of two beats looks for each schedule's latest tick (once a second), or
@@ -541,6 +545,9 @@ class CrossFeatureModel(RuleBasedStateMachine):
                 self.add_run(SimpleNamespace(id=row[0], workflow_name=row[1], dispatch_key=row[2],
                                              concurrency_limit=row[3], concurrency_key=row[4]),
                              tenant="ma", derived="schedule", input=row[6])
+                # A beat looking at this period admits this period's tick, whatever its
+                # clock says within it.
+                self.world.ticks.setdefault((row[1], self.clock), set()).add(row[0])
             self.note_derived(key, row[0])
 
     # -- claims and their ends ----------------------------------------------------------------
@@ -906,6 +913,10 @@ class CrossFeatureModel(RuleBasedStateMachine):
             raise violated("derived_keys", f"derived key {key!r} names {n} runs")
 
     def _check_ticks(self) -> None:
+        for (workflow, period), runs in self.world.ticks.items():
+            if len(runs) > 1:
+                raise violated("ticks", f"{workflow}'s tick of period {period} has {len(runs)}"
+                                        f" runs: {sorted(map(str, runs))}")
         for detail, n in self.pg.execute(
                 "SELECT origin_detail, count(*) FROM runs WHERE origin = 'schedule' "
                 "GROUP BY 1 HAVING count(*) > 1"):
