@@ -84,6 +84,10 @@ SCHEDULED_WORKFLOWS = {
     "m-tick-end": (None, "after_end"),
     "m-tick-fail": (1, "after_failure"),
 }
+# The order workflows are drawn in: limited ones at both ends (generation leans there), so
+# runs of one group meet often enough to contend for its slots.
+CALLER_CHOICES = ["m-one", "m-never", "m-fail", "m-end", "m-one-end", "m-two-fail", "m-two",
+                  "m-one"]
 TENANTS = ("ma", "mb")
 GROUP_KEYS = ("a", "b")
 CALLER_KEYS = (None, "k0", "k1")
@@ -262,8 +266,8 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     def derived_workflows(self) -> list[str]:
         if self.family.derived_reuse:
-            return sorted(CALLER_WORKFLOWS)
-        return [n for n, (_, reuse) in CALLER_WORKFLOWS.items() if reuse == "never"]
+            return CALLER_CHOICES
+        return [n for n in CALLER_CHOICES if CALLER_WORKFLOWS[n][1] == "never"]
 
     def table(self) -> dict[uuid.UUID, tuple]:
         return {row[0]: row[1:] for row in self.pg.execute(
@@ -351,10 +355,15 @@ class CrossFeatureModel(RuleBasedStateMachine):
         elif what == "bound passes":
             self._bound_passes(data.draw(st.sampled_from(early), label="boot"))
         else:
-            # Boots that hold runs first: a death matters most there.
-            holding = {r.holder for r in self.world.runs.values() if r.status == "running"}
-            boots = sorted(self.live_boots(), key=lambda b: b not in holding)
+            # Boots that hold runs first, runs of limited groups before others: a death
+            # matters most there (a slot freed, a takeover due).
+            running = [r for r in self.world.runs.values() if r.status == "running"]
+            limited = {r.holder for r in running if r.group is not None}
+            holding = {r.holder for r in running}
+            boots = sorted(self.live_boots(), key=lambda b: (b not in limited, b not in holding))
             boot_id = data.draw(st.sampled_from(boots), label="boot")
+            if boot_id in limited:
+                note(f"boot {what} holding a run of a limited group")
             self._die(boot_id)
             if what == "dies late":
                 self._bound_passes(boot_id)
@@ -408,7 +417,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         elif kind == "caller":
             self.admit_caller(
                 data.draw(st.sampled_from(TENANTS), label="tenant"),
-                data.draw(st.sampled_from(sorted(CALLER_WORKFLOWS)), label="workflow"),
+                data.draw(st.sampled_from(CALLER_CHOICES), label="workflow"),
                 data.draw(st.sampled_from(CALLER_KEYS), label="key"),
                 data.draw(st.integers(0, 1), label="v"),
                 data.draw(st.sampled_from(GROUP_KEYS), label="g"))
@@ -456,6 +465,8 @@ class CrossFeatureModel(RuleBasedStateMachine):
                        and r.key == key and r.derived is None), None)
         if holder is None:
             return ("created", None)
+        if holder.status in TERMINAL:
+            note("caller key of an ended run admitted again")
         reusable = KEY_REUSE_POLICIES[CALLER_WORKFLOWS[workflow][1]]
         if holder.workflow == workflow and holder.status in reusable:
             holder.key = None  # released: the new run takes it
@@ -473,6 +484,8 @@ class CrossFeatureModel(RuleBasedStateMachine):
         previous = self.world.derived.get(key)
         if previous:  # a redelivery is the very message again
             run = self.world.runs[next(iter(previous))]
+            if run.status in TERMINAL:
+                note("kafka redelivery of an ended run")
             body = {"workflow_ref": run.workflow, "input": run.input, "dispatch_key": key}
         response = self.client.post("/v1/runs", json=body,
                                     headers={"Authorization": f"Bearer {self.tokens['ma']}"})

@@ -688,12 +688,12 @@ MUTANTS: list[Mutant] = [
         (MODEL_TEST,),
     ),
     Mutant(
-        "model_repair_never_wakes_a_group",
-        "a run waiting for a slot its holder's death freed is woken by repair (model rule "
-        "waiting)",
+        "model_repair_never_wakes_a_tenant",
+        "a run waiting for its tenant's cap is woken by repair once the cap has room (a "
+        "holder's death, a cap raised, an end that handed no slot on) (model rule waiting)",
         "app/state/runs.py",
-        "                   < h.concurrency_limit\n",
-        "                   < 0\n",
+        "                   < h.max_running)\n",
+        "                   < 0)\n",
         (MODEL_TEST,),
     ),
     Mutant(
