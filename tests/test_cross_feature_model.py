@@ -360,7 +360,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
             running = [r for r in self.world.runs.values() if r.status == "running"]
             limited = {r.holder for r in running if r.group is not None}
             holding = {r.holder for r in running}
-            boots = sorted(self.live_boots(), key=lambda b: (b not in limited, b not in holding))
+            boots = sorted(self.live_boots(), key=lambda b: (b not in holding, b not in limited))
             boot_id = data.draw(st.sampled_from(boots), label="boot")
             if boot_id in limited:
                 note(f"boot {what} holding a run of a limited group")
@@ -407,7 +407,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         """An admission: a caller's (a key under its workflow's policy, or none), a beat's
         (or a schedule period passing), a keyless Kafka message's, or a parent's fan-out."""
         kinds = ["beat", "kafka", "fanout", "caller", "beat"] if self.family.derived_reuse \
-            else ["caller", "beat", "kafka", "fanout", "caller"]
+            else ["caller", "beat", "kafka", "fanout", "beat", "caller"]
         kind = kind or data.draw(st.sampled_from(kinds), label="kind")
         if kind == "fanout" and not self.world.runs:
             kind = "caller"
@@ -576,9 +576,9 @@ class CrossFeatureModel(RuleBasedStateMachine):
         boots = ["boots"] if self.world.runs or len(self.live_boots()) < 2 else []
         if self.family.early_death:
             boots *= 2  # early_lock_loss: a death, then a delivery of what the boot held
-        choices = deliver + end + deliver + boots \
-            + (["racing rescuer"] if self._takeovers() else []) \
-            + (["late write"] if self._lost_claims() else []) + deliver + end + deliver
+        racing = ["racing rescuer"] if self._takeovers() else []
+        choices = deliver + racing + end + deliver + boots \
+            + (["late write"] if self._lost_claims() else []) + deliver + end + racing + deliver
         if not choices:
             return
         what = data.draw(st.sampled_from(choices), label="work")
@@ -637,20 +637,17 @@ class CrossFeatureModel(RuleBasedStateMachine):
     def racing_rescuer(self, data) -> None:
         """A second rescuer that read the dead holder before the takeover committed: its
         compare-and-set on the dead boot must find the run taken."""
-        from app.state.claims import _decide, claim_slot
+        from app.state.claims import _decide
         from workers.registry import max_takeovers_of
 
         run = self.world.runs[data.draw(st.sampled_from(self._takeovers()), label="run")]
         rescuers = [b for b in self.live_boots() if b != run.holder]
         boot_id = data.draw(st.sampled_from(rescuers), label="boot")
-        if run.slots:  # a limited run's delivery decides under the group's locks
-            claim = claim_slot(self.db.session, run.id, boot_id, max_takeovers=max_takeovers_of)
-        else:
-            stale = SimpleNamespace(status="running", claimed_by=run.takeover_from,
-                                    cancel_requested=run.cancel_requested,
-                                    workflow_name=run.workflow, workflow_version="1",
-                                    claimer_live=True, due=True, slots=False)
-            claim = _decide(self.db.session, run.id, boot_id, stale, max_takeovers_of)
+        stale = SimpleNamespace(status="running", claimed_by=run.takeover_from,
+                                cancel_requested=run.cancel_requested,
+                                workflow_name=run.workflow, workflow_version="1",
+                                claimer_live=True, due=True, slots=False)
+        claim = _decide(self.db.session, run.id, boot_id, stale, max_takeovers_of)
         self.db.session.commit()
         note(f"racing rescuer: {claim.outcome}")
         if claim.outcome.execute:
@@ -661,8 +658,10 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
     def _takeovers(self) -> list[uuid.UUID]:
         live = set(self.live_boots())
+        # Unlimited runs: a limited run's delivery decides under the group's locks, on a
+        # state read after them, so no stale read reaches its takeover.
         return [r.id for r in self.world.runs.values()
-                if r.status == "running" and r.takeover_from is not None
+                if r.status == "running" and r.takeover_from is not None and not r.slots
                 and r.holder in live and len(live - {r.holder}) > 0]
 
     def _acting(self) -> list[tuple[uuid.UUID, uuid.UUID]]:
