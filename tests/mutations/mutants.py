@@ -28,6 +28,8 @@ class Mutant:
 CLAIMS = "app/state/claims.py"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
+# The cross-feature model test: each rule it checks, driven across every family.
+MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
 
 MUTANTS: list[Mutant] = [
     # -- admission ----------------------------------------------------------------------------
@@ -901,5 +903,86 @@ MUTANTS: list[Mutant] = [
         ("tests/rabbitmq/test_rabbitmq_broker.py::"
          "test_a_run_outlives_its_worker_losing_the_broker_connection",),
         ci=False,  # needs RabbitMQ and rabbitmqctl on the machine
+    ),
+    # -- the cross-feature model (issue 43): each rule it checks, broken once ------------------
+    Mutant(
+        "model_live_holders_run_taken_over",
+        "at most one live holder executes a run: a delivery of a run a live boot holds is a "
+        "duplicate (model rule one_holder)",
+        CLAIMS,
+        "    if holder == boot_id or boot_alive(session, holder):\n",
+        "    if holder == boot_id:\n",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_takeover_without_compare_and_set",
+        "a second rescuer that read the dead holder before a takeover committed takes nothing "
+        "(model rule one_holder: its racing rescuer)",
+        CLAIMS,
+        "WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}",
+        "WHERE id = :run AND {_RUNNING} AND {_CLAIMER_LIVE}",
+        (MODEL_TEST,),
+        nth=1, occurrences=2,
+    ),
+    Mutant(
+        "model_group_limit_off_by_one",
+        "at most concurrency_limit runs of a group run at once (model rule limits)",
+        CLAIMS,
+        "{counted(group, LIMITED_WAITS)}) >= {me}.concurrency_limit",
+        "{counted(group, LIMITED_WAITS)}) > {me}.concurrency_limit",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_tenant_cap_off_by_one",
+        "at most max_running runs of a capped tenant start (model rule limits)",
+        CLAIMS,
+        "{counted(tenant, \"('tenant_cap')\")}) >= {me}.max_running",
+        "{counted(tenant, \"('tenant_cap')\")}) > {me}.max_running",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_repair_never_wakes_a_tenant",
+        "a run waiting for its tenant's cap is woken by repair once the cap has room (a "
+        "holder's death, a cap raised, an end that handed no slot on) (model rule waiting)",
+        "app/state/runs.py",
+        "                   < h.max_running)\n",
+        "                   < 0)\n",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_every_key_reusable",
+        "a key names one run unless its workflow's key_reuse lets an ended run's key go; a "
+        "derived key of a workflow that never reuses keys names one run forever (model rules "
+        "caller_keys, derived_keys)",
+        "app/admission.py",
+        "reusable=registry.KEY_REUSE_POLICIES[workflow.key_reuse],",
+        "reusable=registry.KEY_REUSE_POLICIES[\"after_end\"],",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_tick_from_the_beat_clock",
+        "one run per schedule tick, however many beats (a moment apart) admit it (model rule "
+        "ticks)",
+        "workers/ticks.py",
+        "    tick = last_tick(schedule, now)\n",
+        "    tick = now.replace(microsecond=0)\n",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_slot_claim_without_holder",
+        "a claimed run is running under the boot that claimed it: never lost to every boot "
+        "(model rule no_run_lost)",
+        CLAIMS,
+        "           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,\n",
+        "           claimed_by = NULL,\n",
+        (MODEL_TEST,),
+    ),
+    Mutant(
+        "model_finish_unfenced",
+        "a boot's write after it lost its claim is refused (model rule fenced)",
+        CLAIMS, "AND {_RUNNING} AND claimed_by = ANY(:boots)",
+        "AND {_RUNNING}",
+        (MODEL_TEST,),
+        nth=1, occurrences=3,
     ),
 ]
