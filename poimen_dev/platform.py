@@ -76,11 +76,14 @@ def bootstrap(env: Mapping[str, str]) -> tuple[str, str]:
                    env=dict(env), check=True)
     os.environ.update(env)
     from app import create_app
-    from app.auth import ADMIT
+    from app.auth import ADMIN, ADMIT
 
     with create_app().app_context():
         d = state_dir()
-        tenant_token = _ensure_token(d / "dev-token", DEV_TENANT, False, "make run")
+        # The developer is the operator here: the console's operator actions (replaying
+        # dead letters) need the admin scope.
+        tenant_token = _ensure_token(d / "dev-token", DEV_TENANT, False, "make run",
+                                     scope=ADMIN)
         # The inbox only admits runs: its token can do nothing else.
         service_token = _ensure_token(d / "service-token", None, True, "make run inbox",
                                       scope=ADMIT)
