@@ -989,7 +989,8 @@ def _family_params():
 
 @pytest.mark.parametrize("family_flags", list(_family_params()), indirect=True)
 def test_every_rule_holds_across_features(app, database_url, family_flags, request,
-                                          scheduled_workflows, capsys):
+                                          scheduled_workflows, capsys, redis_client,
+                                          queue_name):
     name = request.node.callspec.id
     chosen = os.environ.get("POIMEN_MODEL_SEED")
     run_seed = int(chosen) if chosen else random.SystemRandom().randrange(2**32)
@@ -1017,3 +1018,17 @@ def test_every_rule_holds_across_features(app, database_url, family_flags, reque
                 suppress_health_check=list(HealthCheck)))
     finally:
         print("\n".join(f"  {n:5d}  {what}" for what, n in sorted(STATS.items())))
+        forget_the_sends(app, redis_client, queue_name)
+
+
+def forget_the_sends(app, redis_client, queue_name: str) -> None:
+    """Drop the Celery messages of this test's runs: its examples committed thousands of
+    runs that no worker here executes, and the session's queues are shared. Left there, a
+    later test's worker would spend its time on them (and a test counting Redis
+    transactions would count theirs)."""
+    from app.enqueue import sender
+
+    assert sender(app.extensions["celery"]).wait_idle(60), "the sender is stuck"
+    for key in redis_client.scan_iter(match=f"{queue_name}*"):
+        if redis_client.type(key) == b"list":
+            redis_client.delete(key)
