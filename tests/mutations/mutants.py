@@ -945,8 +945,8 @@ MUTANTS: list[Mutant] = [
         "a run waiting for its tenant's cap is woken by repair once the cap has room (a "
         "holder's death, a cap raised, an end that handed no slot on) (model rule waiting)",
         "app/state/runs.py",
-        "                   < h.max_running)\n",
-        "                   < 0)\n",
+        "                                <= t.max_running\n",
+        "                                <= 0\n",
         (MODEL_TEST,),
     ),
     Mutant(
@@ -955,8 +955,8 @@ MUTANTS: list[Mutant] = [
         "derived key of a workflow that never reuses keys names one run forever (model rules "
         "caller_keys, derived_keys)",
         "app/admission.py",
-        "reusable=registry.KEY_REUSE_POLICIES[workflow.key_reuse],",
-        "reusable=registry.KEY_REUSE_POLICIES[\"after_end\"],",
+        "    return registry.KEY_REUSE_POLICIES[workflow.key_reuse]\n",
+        "    return registry.KEY_REUSE_POLICIES[\"after_end\"]\n",
         (MODEL_TEST,),
     ),
     Mutant(
