@@ -906,25 +906,6 @@ MUTANTS: list[Mutant] = [
     ),
     # -- the cross-feature model (issue 43): each rule it checks, broken once ------------------
     Mutant(
-        "model_live_holders_run_taken_over",
-        "at most one live holder executes a run: a delivery of a run a live boot holds is a "
-        "duplicate (model rule one_holder)",
-        CLAIMS,
-        "    if holder == boot_id or boot_alive(session, holder):\n",
-        "    if holder == boot_id:\n",
-        (MODEL_TEST,),
-    ),
-    Mutant(
-        "model_takeover_without_compare_and_set",
-        "a second rescuer that read the dead holder before a takeover committed takes nothing "
-        "(model rule one_holder: its racing rescuer)",
-        CLAIMS,
-        "WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}",
-        "WHERE id = :run AND {_RUNNING} AND {_CLAIMER_LIVE}",
-        (MODEL_TEST,),
-        nth=1, occurrences=2,
-    ),
-    Mutant(
         "model_group_limit_off_by_one",
         "at most concurrency_limit runs of a group run at once (model rule limits)",
         CLAIMS,
