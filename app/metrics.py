@@ -8,8 +8,8 @@ Every metric and the process that exports it: ``docs/operations/metrics.md``.
   ``/metrics`` sums every gunicorn worker; the Celery worker does the same for
   its pool processes (``workers/metrics.py``).
 * Global gauges (runs by status, waiting runs by reason, live worker boots and their probes' age,
-  outbox lag, queue depth) are facts of the database and the broker, not of a
-  process. Exported by every web and worker instance they were counted once
+  outbox lag, queue depth, the backlog by tenant and queue) are facts of the
+  database and the broker, not of a process. Exported by every web and worker instance they were counted once
   per instance; now only ``beat`` exports them (there is exactly one beat),
   read at scrape time at most once per ``POIMEN_METRICS_CACHE_SECONDS``.
 
@@ -202,7 +202,20 @@ class GlobalGauges:
         if self.queue_depths is not None:
             for queue, count in self.queue_depths().items():
                 depth.add_metric([queue], count)
-        return [runs, waiting, boots, probe_age, probe_age_max, pending, oldest, depth]
+        return [runs, waiting, boots, probe_age, probe_age_max, pending, oldest, depth,
+                *self.backlog()]
+
+    def backlog(self) -> list[Metric]:
+        """The backlog by tenant, queue and state (``app/backlog.py``)."""
+        from .backlog import metric_families, read_backlog
+        from .extensions import db
+
+        with self.flask_app.app_context():
+            try:
+                return metric_families(read_backlog(
+                    db.session, self.flask_app.extensions["celery"]))
+            finally:
+                db.session.remove()
 
 
 def init_app(app: Flask) -> None:

@@ -28,13 +28,14 @@ from werkzeug.exceptions import HTTPException
 
 from workers import registry
 
+from .. import backlog
 from .. import runs as run_service
 from ..admission import AdmissionConflict, admit_run, dumps
 from ..api import MAX_KEY_LEN, _decode_cursor, _encode_cursor, _unstorable
 from ..auth import ADMIT, REPLAY_DLQ
 from ..errors import ApiError
 from ..extensions import db
-from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus
+from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus, WaitReason
 from ..state import runs as state_runs
 from . import reads
 from .session import (
@@ -227,6 +228,25 @@ def runs():
     return render_template(
         "console/runs.html", runs=page, filters=args, next_url=next_url,
         counts=reads.status_counts(db.session, tenant_id), paged="cursor" in request.args)
+
+
+# -- backlog ----------------------------------------------------------------------------------
+
+_backlog_cache = backlog.TenantBacklogCache()
+
+
+@bp.get("/backlog")
+@signed_in
+def backlog_page():
+    """The tenant's runs queued, waiting and delayed, by queue, and the oldest's age."""
+    tenant_id = g.principal.tenant_id
+    ttl = current_app.config.get("POIMEN_METRICS_CACHE_SECONDS", 5.0)
+    read = _backlog_cache.get(ttl, tenant_id, lambda: backlog.read_backlog(
+        db.session, current_app.extensions["celery"], tenant_id))
+    rows = read.rows(g.principal.tenant_name)
+    return render_template("console/backlog.html", rows=rows, totals=backlog.totals(rows),
+                           states=backlog.STATES, reasons=[str(r) for r in WaitReason],
+                           read_at=datetime.fromtimestamp(read.read_at, UTC), ttl=ttl)
 
 
 def _load_run(run_id: str) -> Run:

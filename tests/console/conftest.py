@@ -41,7 +41,8 @@ def console_env(test_env) -> dict[str, str]:
     # The schedules page lists tests/workflows/reuse.py's scheduled workflow for SCHEDULE_TENANT.
     return {**test_env, "POIMEN_CONSOLE_SECRET": secrets.token_urlsafe(48),
             "POIMEN_TOKEN_CACHE_SECONDS": "1",
-            "POIMEN_WORKFLOW_MODULES": "tests.workflows,tests.workflows.reuse",
+            "POIMEN_WORKFLOW_MODULES":
+                "tests.workflows,tests.workflows.reuse,tests.workflows.backlog",
             "POIMEN_TEST_SCHEDULE_TENANT": SCHEDULE_TENANT}
 
 
