@@ -46,25 +46,24 @@ STATES = ("queued", "waiting", "delayed")
 
 # One row per (tenant, workflow version, state, wait reason): the groups, not the runs.
 # `not_before > now()` is NULL for an unset not_before, so such a run is due.
-BACKLOG = text(
-    f"""
-    SELECT t.name AS tenant, t.id AS tenant_id, b.workflow_name, b.workflow_version,
+_GROUPS = f"""
+    SELECT t.name AS tenant, b.workflow_name, b.workflow_version,
            b.state, b.reason, b.runs, extract(epoch FROM now() - b.since) AS oldest_age
       FROM (SELECT r.tenant_id, r.workflow_name, r.workflow_version,
                    CASE WHEN r.not_before > now() THEN 'delayed' ELSE r.status END AS state,
                    CASE WHEN r.status = '{RunStatus.WAITING}' AND (r.not_before > now()) IS NOT TRUE
-                          THEN coalesce(r.wait_reason, '{WaitReason.JOIN}') END
-                     AS reason,
+                        THEN coalesce(r.wait_reason, '{WaitReason.JOIN}') END AS reason,
                    count(*) AS runs,
                    min(CASE WHEN r.not_before > now() THEN r.created_at
                             ELSE greatest(r.created_at, r.not_before) END) AS since
               FROM runs r
-             WHERE r.status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}')
-               AND (CAST(:tenant_id AS integer) IS NULL OR r.tenant_id = :tenant_id)
+             WHERE r.status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}'){{tenant}}
              GROUP BY 1, 2, 3, 4, 5) b
       JOIN tenants t ON t.id = b.tenant_id
     """
-)
+# Every tenant's (beat's gauges), and one tenant's (the console's page).
+BACKLOG = text(_GROUPS.format(tenant=""))
+TENANT_BACKLOG = text(_GROUPS.format(tenant="\n               AND r.tenant_id = :tenant_id"))
 
 
 @dataclass
@@ -111,7 +110,9 @@ def read_backlog(session, celery_app, tenant_id: int | None = None) -> Backlog:
     """The backlog of every tenant (or of ``tenant_id``), by queue and state."""
     cells: dict[tuple[str, str, str], Cell] = {}
     queues: dict[tuple[str, str], str] = {}
-    for row in session.execute(BACKLOG, {"tenant_id": tenant_id}):
+    rows = session.execute(BACKLOG) if tenant_id is None else \
+        session.execute(TENANT_BACKLOG, {"tenant_id": tenant_id})
+    for row in rows:
         ref = (row.workflow_name, row.workflow_version)
         if ref not in queues:
             queues[ref] = queue_of(celery_app, f"{row.workflow_name}@{row.workflow_version}")
