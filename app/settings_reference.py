@@ -265,9 +265,10 @@ SETTINGS: tuple[Setting, ...] = (
     _obs("LOG_LEVEL", "INFO", ALL, "Log level of every process (a name or a number)."),
     _obs("POIMEN_METRICS_TOKEN", "", WEB,
          "Bearer token `web`'s `/metrics` requires; unset, `web` does not serve `/metrics` (404)."),
-    _obs("POIMEN_METRICS_CACHE_SECONDS", "5", BEAT,
+    _obs("POIMEN_METRICS_CACHE_SECONDS", "5", (BEAT, WEB),
          "How long `beat` reuses the global gauges (runs by status, live boots, outbox lag, "
-         "queue depth) between scrapes."),
+         "queue depth, the backlog) between scrapes, and a `web` process a tenant's backlog "
+         "for the console's Backlog page."),
     _obs("PROMETHEUS_MULTIPROC_DIR", "a private temporary directory", (WEB, WORKER),
          "prometheus_client's multiprocess directory for gunicorn's workers; when set it is "
          "emptied at start. The worker always uses a private one."),

@@ -6,7 +6,7 @@
   mode in a private directory made when it starts (``PROMETHEUS_MULTIPROC_DIR``
   is not needed and, if set for gunicorn, not shared with it) and its main
   process serves the sum.
-* ``beat``: the global gauges (``app.metrics.GlobalGauges``: runs by status,
+* ``beat``: the global gauges (``app.metrics.GlobalGauges``: runs by status, the backlog,
   live boots, outbox lag, queue depth), read from Postgres and the broker at
   scrape time. Only beat exports them: one beat runs, so each is counted once.
 
