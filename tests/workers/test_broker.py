@@ -16,7 +16,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from tests.processes import start_worker, wait_until
 from tests.workers.test_celery_native import wait_ready
 from tests.workers.test_task_events import redis_calls, succeeded
-from workers.broker import ACK_DELAY
+from workers.broker import ACK_PENDING_MAX_AGE, pending_removals
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_a_removal_goes_out_on_a_loop_turn_once_it_is_due(broker):
     message.ack()
     channel.qos.flush_due()
     assert message.delivery_tag in b.unacked(), "not due yet"
-    time.sleep(ACK_DELAY * 2)
+    time.sleep(ACK_PENDING_MAX_AGE * 2)
     channel.qos.flush_due()
     assert message.delivery_tag not in b.unacked()
 
