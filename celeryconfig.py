@@ -54,6 +54,10 @@ def _redis_settings(env: Mapping[str, str]) -> dict:
             # (redis-py waits without limit by default).
             "socket_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
             "socket_connect_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
+            # The worker's transport defers removing acknowledged messages from the
+            # unacked hash (workers/broker.py); these bound how many, and for how long.
+            "ack_pending_max": int(env.get("POIMEN_ACK_PENDING_MAX", "64")),
+            "ack_pending_max_age": float(env.get("POIMEN_ACK_PENDING_MAX_AGE", "0.005")),
         },
     }
 
@@ -66,11 +70,29 @@ def amqp_consumer_arguments(env: Mapping[str, str]) -> dict:
     return {"x-consumer-timeout": int(float(raw) * 1000)}
 
 
+def queue_max_priority(env: Mapping[str, str]) -> int | None:
+    """``POIMEN_QUEUE_MAX_PRIORITY``: the ``x-max-priority`` of the queues Celery declares
+    on RabbitMQ (1-255), or None (unset, empty or 0: queues without priorities)."""
+    raw = env.get("POIMEN_QUEUE_MAX_PRIORITY", "").strip()
+    if raw in ("", "0"):
+        return None
+    value = int(raw)
+    if not 1 <= value <= 255:
+        raise ValueError(f"POIMEN_QUEUE_MAX_PRIORITY must be from 1 to 255, not {value}")
+    return value
+
+
 def _amqp_settings(env: Mapping[str, str]) -> dict:
     from kombu import Exchange, Queue
 
     queue = env.get("POIMEN_QUEUE", DEFAULT_QUEUE)
+    max_priority = queue_max_priority(env)
     return {
+        # Priority queues: Celery gives every queue it declares (the default queue and
+        # each workflow's own) this x-max-priority, unless the queue names its own. A
+        # queue argument: an existing queue declared without it refuses the declare
+        # (PRECONDITION_FAILED; workers.queues.check_queue_arguments says so at start).
+        **({"task_queue_max_priority": max_priority} if max_priority is not None else {}),
         # RabbitMQ confirms each publish: a send that returns is in the broker, so an
         # admitted run's message is not lost silently between commit and repair.
         "broker_transport_options": {"confirm_publish": True},

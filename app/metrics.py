@@ -100,6 +100,14 @@ REPAIRS = Counter(
     "that is free).",
     ["reason"],
 )
+ACK_REMOVALS = Counter(
+    "poimen_ack_removals_total",
+    "Acknowledged messages the worker's Redis transport removed from the unacked hash, "
+    "by what sent the removal (delivery: with the next delivery's record; age: "
+    "POIMEN_ACK_PENDING_MAX_AGE reached; count: POIMEN_ACK_PENDING_MAX reached; close: "
+    "the channel closing).",
+    ["how"],
+)
 
 bp = Blueprint("metrics", __name__)
 log = logging.getLogger(__name__)

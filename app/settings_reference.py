@@ -156,6 +156,23 @@ SETTINGS: tuple[Setting, ...] = (
             "RabbitMQ only: seconds a worker's consumer may hold a run's message unacknowledged "
             "(`x-consumer-timeout`, honoured by RabbitMQ 3.12+); must exceed the longest run. "
             "`0`: the server's `consumer_timeout` decides. See docs/operations/rabbitmq.md."),
+    _celery("POIMEN_QUEUE_MAX_PRIORITY", "", (*CELERY, CLI),
+            "RabbitMQ only: `x-max-priority` (1-255; RabbitMQ advises at most 10) of every queue "
+            "Celery declares (the default queue and each workflow's own), so "
+            "`@workflow(priority=...)` orders the waiting messages; Celery's "
+            "`task_queue_max_priority`, if set, does the same. Unset or `0`: no priorities. Set "
+            "it alike in every process: RabbitMQ refuses to re-declare an existing queue with "
+            "other arguments (`PRECONDITION_FAILED`; the worker then refuses to start). Redis "
+            "ignores it: there priorities are always on, in kombu's four lists (0 first). See "
+            "docs/operations/rabbitmq.md."),
+    _celery("POIMEN_ACK_PENDING_MAX", "64", WORKER,
+            "Redis only: the most acknowledged messages whose removal from the `unacked` hash "
+            "a worker defers (to send it with the next delivery's record); the ack that reaches "
+            "it sends them all at once. A worker killed in between leaves at most this many "
+            "finished messages to the visibility timeout (the claim absorbs them)."),
+    _celery("POIMEN_ACK_PENDING_MAX_AGE", "0.005", WORKER,
+            "Redis only: seconds a deferred removal from the `unacked` hash may wait for a "
+            "delivery to ride with; then the worker sends it, delivery or not."),
     _celery("CELERY_PREFETCH_MULTIPLIER", "1", WORKER,
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", "0", (*CELERY, CLI),

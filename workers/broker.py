@@ -10,12 +10,20 @@ batched), while the pool processes waited for their next run.
 This transport records a delivery exactly as kombu does, at once. It defers
 only the removal: an acknowledgement frees the message's prefetch slot at once
 (kombu's in-memory state), and its removal from Redis goes out in the
-transaction of the next delivery's record, or on the event loop's next turn
-once it is ``ACK_DELAY`` old, or before the channel restores its unacknowledged
-messages when it closes. Nothing is delivered less than before. A worker that
-dies with removals pending leaves those messages in the unacked index, and
-Redis' visibility timeout delivers them once more; the claim answers that the
-run finished (docs/internals/execution.md), as it does for any duplicate.
+transaction of the next delivery's record, or once the oldest pending removal
+is ``ack_pending_max_age`` seconds old (a timer on the event loop wakes it for
+that), or at once when ``ack_pending_max`` removals are pending (the ack that
+reaches the bound sends them all, before the loop takes another message), or
+before the channel restores its unacknowledged messages when it closes.
+Nothing is delivered less than before. A worker that dies with removals
+pending leaves those messages (at most ``ack_pending_max``, none older than
+``ack_pending_max_age``) in the unacked index, and Redis' visibility timeout
+delivers them once more; the claim answers that the run finished
+(docs/internals/execution.md), as it does for any duplicate. Both bounds are
+transport options (``POIMEN_ACK_PENDING_MAX``, ``POIMEN_ACK_PENDING_MAX_AGE``,
+``celeryconfig.py``); ``poimen_ack_removals_total{how}`` counts the removals
+by what sent them and ``poimen_ack_removals_pending`` shows those waiting
+(``workers/metrics.py``).
 
 Used by the worker, beat and Flower on a ``redis://`` broker (``workers/celery.py``);
 ``rediss://``, sentinel and RabbitMQ keep their own transports. Only a consumer
@@ -27,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -34,10 +43,26 @@ from kombu.utils.json import dumps
 
 log = logging.getLogger(__name__)
 
-# Seconds an acknowledgement's removal may wait for a delivery to ride with.
-ACK_DELAY = 0.005
+# The bounds on pending removals, unless the transport options say otherwise
+# (celeryconfig.py: POIMEN_ACK_PENDING_MAX, POIMEN_ACK_PENDING_MAX_AGE).
+ACK_PENDING_MAX = 64
+ACK_PENDING_MAX_AGE = 0.005  # seconds an acknowledgement's removal may wait for a delivery
 # After a failed removal, the next try waits this long (Redis away: no retry per loop turn).
 RETRY_DELAY = 1.0
+
+# Every live QoS of this process: what ``pending_removals`` sums for the gauge.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def pending_removals() -> int:
+    """Acknowledged messages of this process whose removal from Redis is pending."""
+    return sum(len(qos._pending_acks) for qos in list(_live))
+
+
+def _count(how: str, n: int) -> None:
+    from app.metrics import ACK_REMOVALS
+
+    ACK_REMOVALS.labels(how).inc(n)
 
 
 class BatchedAckQoS(kombu_redis.QoS):
@@ -48,6 +73,16 @@ class BatchedAckQoS(kombu_redis.QoS):
         self._pending_acks: list[str] = []
         self._due = 0.0  # monotonic time the pending removals should go out by
         self._lock = threading.Lock()  # acks may come from threads (a thread pool)
+        self._retry_at = 0.0  # after a failed removal, no count-bound try before this
+        _live.add(self)
+
+    @property
+    def max_pending(self) -> int:
+        return max(1, int(self.channel.ack_pending_max))
+
+    @property
+    def max_age(self) -> float:
+        return max(0.0, float(self.channel.ack_pending_max_age))
 
     def append(self, message, delivery_tag) -> None:
         # kombu's record of the delivery (QoS.append), with the pending removals in
@@ -61,7 +96,7 @@ class BatchedAckQoS(kombu_redis.QoS):
                       dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))
             self._remove(pipe, removals)
             pipe.execute()
-        self._forget(removals)
+        self._forget(removals, "delivery")
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag) -> None:
@@ -69,14 +104,23 @@ class BatchedAckQoS(kombu_redis.QoS):
             super().ack(delivery_tag)  # no event loop to flush on: kombu's own, at once
             return
         with self._lock:
-            if not self._pending_acks:
-                self._due = time.monotonic() + ACK_DELAY
+            first = not self._pending_acks
+            if first:
+                self._due = time.monotonic() + self.max_age
             self._pending_acks.append(delivery_tag)
+            full = len(self._pending_acks) >= self.max_pending
         virtual.QoS.ack(self, delivery_tag)  # the prefetch slot is free now
+        if full and time.monotonic() >= self._retry_at:
+            # The bound by count: out now, before the event loop takes another message
+            # (unless the last try failed: Redis gets RETRY_DELAY before the next one).
+            self._flush_or_retry("count")
+        elif first:
+            # The bound by age, even if no delivery and no other loop turn comes.
+            self.channel.connection.wake_after(self.max_age)
 
-    def flush_acks(self, *, when_due: bool = False) -> None:
-        """Remove the acknowledged messages from Redis (``when_due``: only once they waited
-        ``ACK_DELAY``)."""
+    def flush_acks(self, *, when_due: bool = False, how: str = "age") -> None:
+        """Remove the acknowledged messages from Redis (``when_due``: only once the oldest
+        waited ``ack_pending_max_age``)."""
         with self._lock:
             if not self._pending_acks or (when_due and time.monotonic() < self._due):
                 return
@@ -84,18 +128,27 @@ class BatchedAckQoS(kombu_redis.QoS):
         with self.pipe_or_acquire() as pipe:
             self._remove(pipe, removals)
             pipe.execute()
-        self._forget(removals)
+        self._forget(removals, how)
 
-    def flush_due(self) -> None:
-        """On the event loop's turn: the due removals; a failure waits ``RETRY_DELAY``."""
+    def flush_due(self) -> float | None:
+        """On the event loop's turn: the due removals; a failure waits ``RETRY_DELAY``.
+        Returns the seconds until the pending removals are due, None if none are pending."""
+        self._flush_or_retry("age", when_due=True)
+        with self._lock:
+            if not self._pending_acks:
+                return None
+            return max(0.0, self._due - time.monotonic())
+
+    def _flush_or_retry(self, how: str, *, when_due: bool = False) -> None:
         try:
-            self.flush_acks(when_due=True)
+            self.flush_acks(when_due=when_due, how=how)
         except Exception as err:  # noqa: BLE001 - the connection's own error handling reconnects
             with self._lock:
-                self._due = time.monotonic() + RETRY_DELAY
+                self._due = self._retry_at = time.monotonic() + RETRY_DELAY
             log.warning("could not remove %d acknowledged message(s) from Redis (%s); "
                         "retrying in %.0fs", len(self._pending_acks), type(err).__name__,
                         RETRY_DELAY)
+            self.channel.connection.wake_after(RETRY_DELAY)
 
     def restore_unacked(self, client=None):
         self._flush_before_restore()
@@ -110,7 +163,7 @@ class BatchedAckQoS(kombu_redis.QoS):
 
     def _flush_before_restore(self) -> None:
         try:
-            self.flush_acks()
+            self.flush_acks(how="close")
         except Exception as err:  # noqa: BLE001 - restoring must go on; duplicates are absorbed
             log.warning("could not remove %d acknowledged message(s) from Redis before "
                         "restoring (%s)", len(self._pending_acks), type(err).__name__)
@@ -119,14 +172,19 @@ class BatchedAckQoS(kombu_redis.QoS):
         for tag in tags:
             pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag)
 
-    def _forget(self, removed: list[str]) -> None:
+    def _forget(self, removed: list[str], how: str) -> None:
         if removed:
             with self._lock:
                 del self._pending_acks[:len(removed)]
+            _count(how, len(removed))
 
 
 class Channel(kombu_redis.Channel):
     QoS = BatchedAckQoS
+    ack_pending_max = ACK_PENDING_MAX
+    ack_pending_max_age = ACK_PENDING_MAX_AGE
+    from_transport_options = (*kombu_redis.Channel.from_transport_options,
+                              "ack_pending_max", "ack_pending_max_age")
 
 
 class Transport(kombu_redis.Transport):
@@ -136,14 +194,35 @@ class Transport(kombu_redis.Transport):
     # Acknowledgements are deferred only where an event loop flushes them on its turns
     # (Celery's prefork worker); a worker without one (threads, gevent) acks at once.
     batch_acks = False
+    _loop = None
+    _wake_at: float | None = None  # monotonic time of the timer armed on the loop, if any
 
     def register_with_event_loop(self, connection, loop):
         super().register_with_event_loop(connection, loop)
         loop.on_tick.add(self._flush_due_acks)  # a set: a reconnect adds it once
+        self._loop = loop
         self.batch_acks = True
+
+    def wake_after(self, seconds: float) -> None:
+        """Turn the event loop in ``seconds`` to send the removals then due (one timer
+        armed at a time: an earlier one already armed serves)."""
+        if self._loop is None:
+            return
+        at = time.monotonic() + seconds
+        if self._wake_at is not None and self._wake_at <= at:
+            return
+        self._wake_at = at
+        self._loop.call_later(seconds, self._on_timer, at)
+
+    def _on_timer(self, at: float) -> None:
+        if self._wake_at == at:
+            self._wake_at = None
+        self._flush_due_acks()
 
     def _flush_due_acks(self) -> None:
         for channel in tuple(self.cycle._channels):
             qos = getattr(channel, "_qos", None)
             if qos is not None:
-                qos.flush_due()
+                left = qos.flush_due()
+                if left is not None:
+                    self.wake_after(max(left, 0.001))

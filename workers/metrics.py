@@ -6,6 +6,8 @@
   mode in a private directory made when it starts (``PROMETHEUS_MULTIPROC_DIR``
   is not needed and, if set for gunicorn, not shared with it) and its main
   process serves the sum.
+  The main process also exports ``poimen_ack_removals_pending``, read at
+  scrape time from its Redis transport (``workers/broker.py``).
 * ``beat``: the global gauges (``app.metrics.GlobalGauges``: runs by status, the backlog,
   live boots, outbox lag, queue depth), read from Postgres and the broker at
   scrape time. Only beat exports them: one beat runs, so each is counted once.
@@ -84,6 +86,22 @@ def _remove_private_dir(**_) -> None:
         shutil.rmtree(_private_dir, ignore_errors=True)
 
 
+class PendingRemovals:
+    """``poimen_ack_removals_pending``: the main process's acknowledged messages whose
+    removal from Redis' unacked hash is pending, read at scrape time."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        from .broker import pending_removals
+
+        yield GaugeMetricFamily(
+            "poimen_ack_removals_pending",
+            "Acknowledged messages whose removal from Redis' unacked hash this worker has "
+            "deferred and not sent yet (at most POIMEN_ACK_PENDING_MAX).",
+            value=pending_removals())
+
+
 def serve_metrics(flask_app, celery_app) -> None:
     """Serve the pool's counters and histograms on ``METRICS_PORT`` (else ``PORT``)."""
     from celery import signals
@@ -96,8 +114,10 @@ def serve_metrics(flask_app, celery_app) -> None:
     path = _count_in_shared_files()
     signals.worker_process_shutdown.connect(_pool_process_exited, weak=False)
     signals.worker_shutdown.connect(_remove_private_dir, weak=False)
+    registry = multiprocess_registry(path)
+    registry.register(PendingRemovals())
     try:
-        start_metrics_server(port, multiprocess_registry(path))
+        start_metrics_server(port, registry)
     except OSError as err:
         log.error("worker metrics not served: port %s: %s", port, err)
         return

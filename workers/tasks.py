@@ -110,6 +110,18 @@ def _start_schedules(sender=None, **_):
 
 
 @worker_init.connect
+def _check_queue_arguments(sender=None, **_):
+    # RabbitMQ: a queue's arguments (x-max-priority) must match the existing queue's.
+    from .queues import QueueArgumentsRefused, check_queue_arguments
+
+    try:
+        check_queue_arguments(sender.app)
+    except QueueArgumentsRefused as err:
+        log.critical("poimen worker refuses to start: %s", err)
+        raise SystemExit(1) from None
+
+
+@worker_init.connect
 def _serve_metrics(sender=None, **_):
     from .metrics import serve_metrics
 

@@ -256,3 +256,112 @@ def test_broker_settings_apply_only_to_their_broker():
     # The settings every broker shares are the same on each.
     for name in ("task_acks_late", "task_reject_on_worker_lost", "task_default_queue"):
         assert redis_conf[name] == amqp_conf[name]
+
+
+# -- priorities (POIMEN_QUEUE_MAX_PRIORITY) ----------------------------------------------------
+
+
+def declare_ok(url: str, queue: str, arguments: dict | None) -> bool:
+    """Whether RabbitMQ accepts declaring ``queue`` with ``arguments`` (an existing queue
+    accepts only its own: a declare with others fails with PRECONDITION_FAILED)."""
+    from amqp.exceptions import PreconditionFailed
+    from kombu import Exchange, Queue
+
+    with Connection(url) as conn:
+        channel = conn.channel()
+        try:
+            Queue(queue, Exchange(queue, type="direct"), routing_key=queue,
+                  queue_arguments=arguments)(channel).declare()
+            return True
+        except PreconditionFailed:
+            return False
+
+
+def delete_queue(url: str, queue: str) -> None:
+    with Connection(url) as conn:
+        conn.default_channel.queue_delete(queue)
+        conn.default_channel.exchange_delete(queue)
+
+
+def test_priority_queues_deliver_higher_priority_runs_first(amqp_env, amqp_url, tenant, pg,
+                                                           tmp_path, processes):
+    """With POIMEN_QUEUE_MAX_PRIORITY the web's sender declares the queue with
+    x-max-priority (RabbitMQ then refuses the queue without it); runs queued before any
+    worker starts are delivered to a one-process worker highest priority first, whatever
+    order they were admitted in."""
+    queue = f"poimen-prio-{uuid.uuid4().hex[:8]}"  # a queue of its own: arguments are fixed
+    env = {**amqp_env, "POIMEN_QUEUE": queue, "POIMEN_QUEUE_MAX_PRIORITY": "10"}
+    try:
+        url = start_api(env, tmp_path, processes)
+        with Runs(url, tenant.token) as runs:
+            routine = [runs.admit("routine", {"i": i}).id for i in range(3)]  # priority 1
+            urgent = [runs.admit("urgent", {"i": i}).id for i in range(3)]    # priority 9
+        wait_until(lambda: amqp_queue_depth(amqp_url, queue) == 6, timeout=60,
+                   what="six messages waiting in RabbitMQ")
+        assert declare_ok(amqp_url, queue, {"x-max-priority": 10})
+        assert not declare_ok(amqp_url, queue, None), "declared without x-max-priority"
+
+        processes.append(start_worker(env, tmp_path, "amqp-prio"))  # one pool process
+        ids = [*routine, *urgent]
+        wait_until(lambda: pg.execute(
+            "SELECT count(*) FROM runs WHERE id = ANY(%s) AND status = 'succeeded'",
+            [ids]).fetchone()[0] == 6, timeout=90, what="the six runs to succeed")
+        order = [str(r[0]) for r in pg.execute(
+            "SELECT id FROM runs WHERE id = ANY(%s) ORDER BY started_at", [ids])]
+        assert order[:3] == sorted(order[:3], key=urgent.index), order
+        assert set(order[:3]) == set(urgent) and set(order[3:]) == set(routine), order
+    finally:
+        delete_queue(amqp_url, queue)
+
+
+def test_a_worker_refuses_to_start_when_rabbitmq_holds_its_queue_with_other_arguments(
+        amqp_env, amqp_url, tmp_path, processes):
+    """The queue exists without x-max-priority; a worker asked for priorities stops at once
+    with an error that names the queue, the argument and what to do."""
+    queue = f"poimen-prio-{uuid.uuid4().hex[:8]}"
+    assert declare_ok(amqp_url, queue, None)
+    try:
+        env = {**amqp_env, "POIMEN_QUEUE": queue, "POIMEN_QUEUE_MAX_PRIORITY": "10"}
+        worker = start_worker(env, tmp_path, "amqp-refused")
+        processes.append(worker)
+        assert worker.proc.wait(60) == 1
+        log = worker.log()
+        assert "poimen worker refuses to start" in log and repr(queue) in log, log[-3000:]
+        assert "x-max-priority" in log and "POIMEN_QUEUE_MAX_PRIORITY" in log, log[-3000:]
+        assert declare_ok(amqp_url, queue, None), "the queue is left as it was"
+    finally:
+        delete_queue(amqp_url, queue)
+
+
+def test_the_priority_setting_leaves_redis_as_it_is(base_env, fast_env, tenant, pg, tmp_path,
+                                                   processes):
+    """On Redis POIMEN_QUEUE_MAX_PRIORITY sets nothing (kombu keeps its four priority lists
+    whatever the queue's arguments): a worker with it starts and runs prioritized runs."""
+    env = {"POIMEN_QUEUE": "q", "POIMEN_QUEUE_MAX_PRIORITY": "10"}
+    assert "task_queue_max_priority" not in celery_settings(base_env["REDIS_URL"], env)
+    assert celery_settings("amqp://h//", env)["task_queue_max_priority"] == 10
+    env = {**fast_env, "POIMEN_QUEUE_MAX_PRIORITY": "10"}
+    url = start_api(env, tmp_path, processes)
+    processes.append(start_worker(env, tmp_path, "redis-prio"))
+    with Runs(url, tenant.token) as runs:
+        ids = [runs.admit(ref, {}).id for ref in ("urgent", "routine", "echo")]
+        assert [runs.wait(i, timeout=90).status for i in ids] == ["succeeded"] * 3
+
+
+@pytest.mark.processes  # amqp_url makes the session's vhost with rabbitmqctl
+def test_celerys_own_task_queue_max_priority_is_declared_too(amqp_url):
+    """Celery's ``task_queue_max_priority``, set after the settings (as a workflow module
+    may), gives the worker's queue its x-max-priority as POIMEN_QUEUE_MAX_PRIORITY does."""
+    from workers.queues import check_queue_arguments
+
+    queue = f"poimen-prio-{uuid.uuid4().hex[:8]}"
+    app = Celery("prio", set_as_current=False)
+    app.config_from_object(celery_settings(amqp_url, {"POIMEN_QUEUE": queue}))
+    app.conf.task_queue_max_priority = 5
+    try:
+        check_queue_arguments(app, [app.amqp.queues[queue]])  # what the worker declares
+        assert declare_ok(amqp_url, queue, {"x-max-priority": 5})
+        assert not declare_ok(amqp_url, queue, None)
+    finally:
+        delete_queue(amqp_url, queue)
+        app.close()

@@ -7,6 +7,8 @@ transport the worker uses, and a real worker for the round trips it saves.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -16,7 +18,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from tests.processes import start_worker, wait_until
 from tests.workers.test_celery_native import wait_ready
 from tests.workers.test_task_events import redis_calls, succeeded
-from workers.broker import ACK_DELAY
+from workers.broker import ACK_PENDING_MAX_AGE, pending_removals
 
 
 @pytest.fixture
@@ -92,7 +94,7 @@ def test_a_removal_goes_out_on_a_loop_turn_once_it_is_due(broker):
     message.ack()
     channel.qos.flush_due()
     assert message.delivery_tag in b.unacked(), "not due yet"
-    time.sleep(ACK_DELAY * 2)
+    time.sleep(ACK_PENDING_MAX_AGE * 2)
     channel.qos.flush_due()
     assert message.delivery_tag not in b.unacked()
 
@@ -144,3 +146,100 @@ def test_a_workers_burst_costs_one_transaction_per_run_and_leaves_nothing_unacke
     # kombu alone: a MULTI/EXEC to record each delivery and one to remove it (120 here).
     transactions = redis_calls(redis_client, "exec") - before
     assert transactions <= len(runs) * 1.3, f"{transactions} transactions for {len(runs)} runs"
+
+
+def test_the_ack_that_reaches_the_bound_by_count_sends_every_pending_removal(broker):
+    b, channel, conn = broker
+    channel.ack_pending_max, channel.ack_pending_max_age = 3, 3600.0  # only the count bounds
+    channel.basic_qos(0, 5, False)
+    b.publish(5)
+    messages = [b.deliver() for _ in range(5)]
+    for message in messages[:2]:
+        message.ack()
+    assert {m.delivery_tag for m in messages[:2]} <= b.unacked(), "below the bound: pending"
+    assert pending_removals() >= 2
+    messages[2].ack()  # the third: the bound
+    assert not {m.delivery_tag for m in messages[:3]} & b.unacked(), "all three went out"
+    messages[3].ack()
+    assert b.unacked() == {messages[3].delivery_tag, messages[4].delivery_tag}
+
+
+def scrape(port: int, name: str, **labels: str) -> float:
+    from tests.processes import metric
+
+    return metric(f"http://127.0.0.1:{port}/metrics", name, **labels)
+
+
+def finished_in_unacked(redis_client, runs) -> set[str]:
+    """The runs whose message is still in kombu's unacked hash (all of them finished)."""
+    ids = {str(r) for r in runs}
+    return {(json.loads(raw)[0].get("headers") or {}).get("id")
+            for raw in redis_client.hvals("unacked")} & ids
+
+
+def test_the_bound_by_count_holds_under_a_stream_and_a_kill_9_leaves_no_more(
+        admit, sent, fast_env, pg, tmp_path, processes, redis_client, side_effects):
+    """Runs finishing together with nothing left to deliver leave their removals pending
+    (the age bound is an hour here); the ack reaching POIMEN_ACK_PENDING_MAX sends them.
+    A kill -9 of the worker's main process then leaves at most the bound's worth."""
+    from tests.processes import free_port
+
+    bound = 3
+    port = free_port()
+    env = {**fast_env, "POIMEN_ACK_PENDING_MAX": str(bound),
+           "POIMEN_ACK_PENDING_MAX_AGE": "3600", "METRICS_PORT": str(port)}
+    worker = start_worker(env, tmp_path, "ack-bound", concurrency=4)
+    processes.append(worker)
+    wait_ready(worker)
+    runs = [admit("effect", {"seconds": 0.5}) for _ in range(8)]  # two waves of four
+    sent()
+    pending: list[float] = []
+
+    def done() -> bool:
+        pending.append(scrape(port, "poimen_ack_removals_pending"))
+        return succeeded(pg, runs) == len(runs)
+
+    wait_until(done, timeout=90, what="the stream to succeed")
+    wait_until(lambda: scrape(port, "poimen_ack_removals_total", how="count") >= bound,
+               timeout=10, what="the count bound to send a batch")
+    assert max(pending) < bound, pending
+    left = finished_in_unacked(redis_client, runs)
+    assert 0 < len(left) < bound, left
+    assert scrape(port, "poimen_ack_removals_pending") == len(left)
+    assert scrape(port, "poimen_ack_removals_total", how="delivery") >= 1
+
+    os.kill(worker.pid, signal.SIGKILL)  # the main process only: a crash in the window
+    worker.proc.wait(10)
+    assert len(finished_in_unacked(redis_client, runs)) <= bound
+    # The test's own leftovers: not for a later test's worker to be delivered.
+    ids = {str(r) for r in runs}
+    for tag, raw in redis_client.hgetall("unacked").items():
+        if (json.loads(raw)[0].get("headers") or {}).get("id") in ids:
+            redis_client.hdel("unacked", tag)
+            redis_client.zrem("unacked_index", tag)
+
+
+def test_the_bound_by_age_holds_when_no_delivery_comes(admit, sent, fast_env, pg, tmp_path,
+                                                       processes, redis_client):
+    """One run, nothing after it: its removal waits POIMEN_ACK_PENDING_MAX_AGE (2 s here),
+    then goes out without a delivery to ride with (a timer turns the event loop)."""
+    from tests.processes import free_port
+
+    port = free_port()
+    env = {**fast_env, "POIMEN_ACK_PENDING_MAX_AGE": "2", "METRICS_PORT": str(port)}
+    worker = start_worker(env, tmp_path, "ack-age")
+    processes.append(worker)
+    wait_ready(worker)
+    run = admit("echo", {"n": 1})
+    sent()
+    wait_until(lambda: succeeded(pg, [run]) == 1, timeout=60, what="the run to succeed")
+    wait_until(lambda: scrape(port, "poimen_ack_removals_pending") == 1, timeout=5,
+               what="the removal pending")
+    acked_at = time.monotonic()
+    assert finished_in_unacked(redis_client, [run]) == {str(run)}
+    wait_until(lambda: not finished_in_unacked(redis_client, [run]), timeout=5,
+               what="the removal to go out once due")
+    waited = time.monotonic() - acked_at
+    assert 1.0 < waited < 3.5, waited
+    assert scrape(port, "poimen_ack_removals_total", how="age") == 1
+    assert scrape(port, "poimen_ack_removals_pending") == 0

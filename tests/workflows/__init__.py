@@ -100,6 +100,18 @@ def blind(ctx, input):
     return {"attempt": ctx.attempt}
 
 
+# Priorities on the default queue (tests/rabbitmq: RabbitMQ delivers higher first once the
+# queue has x-max-priority; on Redis, kombu serves 0 first).
+@workflow("urgent", version="1", priority=9)
+def urgent(ctx, input):
+    return {"priority": 9}
+
+
+@workflow("routine", version="1", priority=1)
+def routine(ctx, input):
+    return {"priority": 1}
+
+
 @workflow("crash", version="1")
 def crash(ctx, input):
     """Kill the worker process that runs it (an OOM kill, a segfault)."""
