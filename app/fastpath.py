@@ -155,14 +155,14 @@ class FastAdmission:
         if body is None:
             return self.flask_wsgi(environ, start_response)
         rid = logs.request_id_from(environ.get("HTTP_X_REQUEST_ID", ""))
-        headers = EnvironHeaders(environ)
-        trace = tracecontext.from_headers(headers) if "HTTP_TRACEPARENT" in environ else None
+        given = EnvironHeaders(environ)
+        trace = tracecontext.from_headers(given) if "HTTP_TRACEPARENT" in environ else None
         # The fields the view's records carry (logs._request_context); ``logs.note`` adds
         # the dispatch key to this context, which ends with the block.
         with logconfig.log_context(request_id=rid, tenant=principal.tenant_name,
                                    trace_id=trace.trace_id if trace is not None else None):
             try:
-                admission = admit_one(principal, parse_json(body), headers, started,
+                admission = admit_one(principal, parse_json(body), given, started,
                                       SingleStatements(self.engine, self.send), note=logs.note)
             except Exception as err:  # noqa: BLE001 - answered by Flask's handlers, as the view's
                 return self._flask_answer(environ, start_response, err, principal, rid,
