@@ -261,6 +261,9 @@ class TelemetrySettings:
     sentry_dsn: str | None = None        # SENTRY_DSN: error reporting on
     sentry_environment: str | None = None  # SENTRY_ENVIRONMENT
     sentry_release: str | None = None    # SENTRY_RELEASE
+    # OpenTelemetry configured for this process by any of its own variables (an OTLP
+    # endpoint of any signal, OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER): the names set.
+    otel_variables: tuple[str, ...] = ()
 
     @property
     def otlp_traces_url(self) -> str | None:
@@ -279,7 +282,20 @@ def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySetting
         sentry_dsn=env.get("SENTRY_DSN", "").strip() or None,
         sentry_environment=env.get("SENTRY_ENVIRONMENT", "").strip() or None,
         sentry_release=env.get("SENTRY_RELEASE", "").strip() or None,
+        otel_variables=_otel_variables(env),
     )
+
+
+def _otel_variables(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The OpenTelemetry variables set that configure an exporter: whoever starts the SDK
+    (``app/telemetry.py``, ``opentelemetry-instrument``), OpenTelemetry is meant to be on."""
+    endpoints = [name for name, value in env.items() if value.strip()
+                 and name.startswith("OTEL_EXPORTER_OTLP_") and name.endswith("ENDPOINT")]
+    exporters = [name for name, value in (
+        ("OTEL_TRACES_EXPORTER", env.get("OTEL_TRACES_EXPORTER", "")),
+        ("OTEL_METRICS_EXPORTER", env.get("OTEL_METRICS_EXPORTER", "")))
+        if value.strip().lower() not in ("", "none")]
+    return tuple(sorted(endpoints) + exporters)
 
 
 # -- the lease (lease.py applies it and checks its ordering) ---------------------------------

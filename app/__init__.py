@@ -60,10 +60,11 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     init_console(app)
     register_error_handlers(app)
     register_cli(app)
-    # OpenTelemetry's and Sentry's Flask instrumentation see only what Flask serves.
+    # OpenTelemetry's and Sentry's Flask instrumentation see only what Flask serves: configured
+    # by their variables, the fast path stays out; enabled otherwise, it steps aside per request.
     telemetry = telemetry_settings()
-    if app.config["POIMEN_ADMISSION_FAST_PATH"] and not (telemetry.otlp_endpoint
-                                                         or telemetry.sentry_dsn):
+    if app.config["POIMEN_ADMISSION_FAST_PATH"] and not (
+            telemetry.otlp_endpoint or telemetry.otel_variables or telemetry.sentry_dsn):
         from . import fastpath
 
         fastpath.install(app)

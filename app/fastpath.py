@@ -17,7 +17,9 @@ refusal rules), on the same engine, and the run reaches the same sender after
 its commit. The answer is the view's, byte for byte: the body, ``Location``,
 ``Idempotent-Replayed``, ``X-Request-ID``; the same metrics series
 (``poimen_http_requests_total`` and the latency histogram under the route
-``/v1/runs``); the access log's ``request_id``/``tenant``/``run_id`` fields.
+``/v1/runs``); the log records' ``request_id``, ``tenant``, ``trace_id`` (of a
+valid ``traceparent``) and ``dispatch_key``, and the access log's
+``request_id``/``tenant``/``run_id`` fields.
 
 Everything else goes to Flask, which answers as it always has: another path or
 method, a token not in the cache (Flask looks it up and caches it), another
@@ -27,24 +29,49 @@ while the fast path works (a 422 refusal, a 409 conflict, a database outage)
 is answered by Flask's own error handlers, inside a request context made for
 it: the statement is never run twice.
 
-Off (every request through Flask) when ``POIMEN_ADMISSION_FAST_PATH=0``, when
-the app's session is not the app's own (a test's rolled-back transaction), and
-when OpenTelemetry or Sentry is configured (``create_app`` does not install it),
-so that their Flask instrumentation sees every request.
+Only the app's own Flask, never someone else's: the fast path skips Flask's
+hooks and signals, so it serves a request only while nothing but Poimen hooks
+it. It does not run foreign hooks itself (a ``before_request`` may expect
+``request``, an instrumentation its own ``wsgi_app`` wrapper and span around
+the view): a request anything else would see goes through Flask whole. At
+install it records the app's own hooks -- ``before_request``,
+``after_request``, ``teardown_request``, ``url_value_preprocessors`` (the app's
+and the ``/v1/runs`` blueprint's), ``teardown_appcontext``, the receivers of
+Flask's request and app-context signals, ``app.wsgi_app`` (itself),
+``Flask.__call__`` and the view -- and each ``POST /v1/runs`` compares their
+identities and counts (a fixed handful, no import, no walk) with that record.
+Any difference hands the request to Flask: a hook or a receiver added after
+``create_app`` (a workflow module's allow-list, an extension's CORS, Sentry's
+``request_started``), a middleware wrapped around ``app.wsgi_app`` (Sentry's,
+OpenTelemetry's ``instrument_app``), ``Flask.__call__`` patched (Sentry's Flask
+integration). Anything foreign already there at install (a hook or receiver
+whose module is not Poimen's or Flask-SQLAlchemy's, an app instrumented by
+OpenTelemetry -- ``opentelemetry-instrument`` instruments Flask itself before
+the app exists) keeps every request on Flask for good.
+
+Off (every request through Flask, not installed) when
+``POIMEN_ADMISSION_FAST_PATH=0``, when OpenTelemetry or Sentry is configured by
+its variables (``SENTRY_DSN``; an OTLP endpoint of any signal,
+``OTEL_TRACES_EXPORTER`` or ``OTEL_METRICS_EXPORTER``: ``create_app`` does not
+install it), and, per request, when the app's session is not the app's own (a
+test's rolled-back transaction).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import logging
 import time
+import weakref
 
-from flask import Flask, g
+from flask import Flask, g, signals
+from flask.helpers import _split_blueprint_path
 from werkzeug.datastructures import EnvironHeaders
 
 import logconfig
 
-from . import logs, metrics
+from . import logs, metrics, tracecontext
 from .admission import dumps
 from .api import admit_one, answer_headers, parse_json, serialize_run
 from .auth import ADMIT, TENANT_HEADER, cached_principal
@@ -52,9 +79,23 @@ from .enqueue import send_pending
 from .extensions import db
 from .state.direct import SingleStatements
 
+log = logging.getLogger(__name__)
+
 PATH = "/v1/runs"
 _TENANT_KEY = "HTTP_" + TENANT_HEADER.upper().replace("-", "_")
 _STATUS = {201: "201 CREATED", 200: "200 OK"}
+
+# Flask's per-request hooks, by blueprint (``None``: the app's): run around the view.
+HOOKS = ("before_request_funcs", "after_request_funcs", "teardown_request_funcs",
+         "url_value_preprocessors")
+# The signals Flask sends while it serves a request.
+SIGNALS = (signals.request_started, signals.request_finished, signals.got_request_exception,
+           signals.request_tearing_down, signals.appcontext_pushed, signals.appcontext_popped,
+           signals.appcontext_tearing_down)
+# Whose hooks are the app's own: Poimen's package, and Flask-SQLAlchemy's session teardown.
+OWN_PACKAGES = frozenset({__name__.partition(".")[0], "flask_sqlalchemy"})
+# Flask's own ``__call__`` (Sentry's Flask integration replaces it with its middleware).
+FLASK_CALL = ("flask.app", "Flask.__call__")
 
 
 class FastAdmission:
@@ -73,10 +114,40 @@ class FastAdmission:
         self.requests = {status: metrics.HTTP_REQUESTS.labels("POST", PATH, str(status))
                          for status in _STATUS}
         self.seconds = metrics.HTTP_SECONDS.labels("POST", PATH)
+        self.endpoint = app.url_map.bind("").match(PATH, "POST")[0]
+        blueprint = self.endpoint.rpartition(".")[0]
+        # Flask runs the hooks of the app and of each blueprint the endpoint is under.
+        self.scopes = (None, *(_split_blueprint_path(blueprint) if blueprint else ()))
+        self.own: tuple | None = None  # what ``record`` saw; None serves nothing
+
+    def record(self) -> None:
+        """Record the app's own hooks as they are now (``self`` on ``app.wsgi_app``), or
+        None (nothing ever equals it) when something foreign hooks the app already."""
+        found = foreign(self.app, self.scopes)
+        if found:
+            log.info("admission fast path off: the app's requests are hooked by %s",
+                     "; ".join(found))
+        self.own = None if found else self._hooked()
+
+    def _hooked(self) -> tuple:
+        """What hooks the app's requests now: identities and counts, a fixed handful."""
+        app = self.app
+        return (app.wsgi_app, type(app).__call__, app.view_functions.get(self.endpoint),
+                len(app.teardown_appcontext_funcs),
+                # HOOKS, spelled out: this runs on every POST /v1/runs.
+                [len(hooks.get(scope, ())) for hooks in (
+                    app.before_request_funcs, app.after_request_funcs,
+                    app.teardown_request_funcs, app.url_value_preprocessors)
+                 for scope in self.scopes],
+                [len(signal.receivers) for signal in SIGNALS])
+
+    def serves(self) -> bool:
+        """True while only the app's own hooks are on its requests (checked per request)."""
+        return self._hooked() == self.own
 
     def __call__(self, environ: dict, start_response):
         if (environ.get("PATH_INFO") != PATH or environ.get("REQUEST_METHOD") != "POST"
-                or db.session is not self.session):
+                or db.session is not self.session or self._hooked() != self.own):
             return self.flask_wsgi(environ, start_response)
         started = time.perf_counter()
         principal = self._principal(environ)
@@ -84,12 +155,18 @@ class FastAdmission:
         if body is None:
             return self.flask_wsgi(environ, start_response)
         rid = logs.request_id_from(environ.get("HTTP_X_REQUEST_ID", ""))
-        try:
-            with logconfig.log_context(request_id=rid, tenant=principal.tenant_name):
-                admission = admit_one(principal, parse_json(body), EnvironHeaders(environ),
-                                      started, SingleStatements(self.engine, self.send))
-        except Exception as err:  # noqa: BLE001 - answered by Flask's handlers, as the view's
-            return self._flask_answer(environ, start_response, err, principal, rid, started)
+        given = EnvironHeaders(environ)
+        trace = tracecontext.from_headers(given) if "HTTP_TRACEPARENT" in environ else None
+        # The fields the view's records carry (logs._request_context); ``logs.note`` adds
+        # the dispatch key to this context, which ends with the block.
+        with logconfig.log_context(request_id=rid, tenant=principal.tenant_name,
+                                   trace_id=trace.trace_id if trace is not None else None):
+            try:
+                admission = admit_one(principal, parse_json(body), given, started,
+                                      SingleStatements(self.engine, self.send), note=logs.note)
+            except Exception as err:  # noqa: BLE001 - answered by Flask's handlers, as the view's
+                return self._flask_answer(environ, start_response, err, principal, rid,
+                                          started)
         run = admission.run
         payload = (dumps(serialize_run(run, principal.tenant_name), ascii=True) + "\n").encode()
         status = 201 if admission.created else 200
@@ -142,11 +219,48 @@ class FastAdmission:
             return response(environ, start_response)
 
 
+def _receiver(ref):
+    """A signal's receiver: blinker keeps most of them as weak references."""
+    return ref() if isinstance(ref, weakref.ref) else ref
+
+
+def _own(function) -> bool:
+    module = getattr(function, "__module__", None) or ""
+    return module.partition(".")[0] in OWN_PACKAGES
+
+
+def foreign(app: Flask, scopes=(None,)) -> list[str]:
+    """What hooks ``app``'s requests besides Poimen (and Flask-SQLAlchemy), by name."""
+    found = []
+    if getattr(app, "_is_instrumented_by_opentelemetry", False):
+        found.append("OpenTelemetry's Flask instrumentation")
+    call = type(app).__call__
+    if (getattr(call, "__module__", None), getattr(call, "__qualname__", None)) != FLASK_CALL:
+        found.append(f"{type(app).__name__}.__call__ replaced")
+    for hooks in HOOKS:
+        for scope in scopes:
+            found += [f"{hooks}[{scope}]: {f!r}" for f in getattr(app, hooks).get(scope, ())
+                      if not _own(f)]
+    found += [f"teardown_appcontext_funcs: {f!r}" for f in app.teardown_appcontext_funcs
+              if not _own(f)]
+    for signal in SIGNALS:
+        found += [f"{signal.name}: {r!r}" for r in map(_receiver, signal.receivers.values())
+                  if r is not None and not _own(r)]
+    return found
+
+
 def install(app: Flask) -> None:
     """Put :class:`FastAdmission` in front of ``app``'s Flask dispatch."""
     if not isinstance(app.wsgi_app, FastAdmission):
-        app.wsgi_app = FastAdmission(app, app.wsgi_app)
+        app.wsgi_app = middleware = FastAdmission(app, app.wsgi_app)
+        middleware.record()
 
 
 def installed(app: Flask) -> bool:
     return isinstance(app.wsgi_app, FastAdmission)
+
+
+def serving(app: Flask) -> bool:
+    """True if ``app``'s next plain ``POST /v1/runs`` would be answered in front of Flask."""
+    middleware = app.wsgi_app
+    return isinstance(middleware, FastAdmission) and middleware.serves()

@@ -127,7 +127,11 @@ SETTINGS: tuple[Setting, ...] = (
           "`1`: a plain `POST /v1/runs` (JSON body, a token this process has cached) is "
           "answered in front of Flask, with the same rules and answers at a third less CPU "
           "(`app/fastpath.py`); `0`: every request through Flask. Off by itself while "
-          "OpenTelemetry or Sentry is on."),
+          "OpenTelemetry or Sentry is configured (`SENTRY_DSN`, any `OTEL_EXPORTER_OTLP_*"
+          "ENDPOINT`, `OTEL_TRACES_EXPORTER`, `OTEL_METRICS_EXPORTER`), and for any request "
+          "a hook, signal receiver or middleware other than Poimen's would see "
+          "(`opentelemetry-instrument`, Sentry's Flask integration, an extension's "
+          "`before_request`)."),
     _proc("POIMEN_BATCH_MAX", "1000", WEB,
           "The most items one `POST /v1/runs/batch` may carry; more is a 413 "
           "(`batch_too_large`) and nothing is admitted. The body must also fit in 1 MiB."),
@@ -303,6 +307,14 @@ SETTINGS: tuple[Setting, ...] = (
            "imported. Needs the `otel` extra (`pip install 'poimen[otel]'`); without it, one "
            "warning and the process runs on. The SDK's other `OTEL_*` variables (headers, "
            "sampler, resource attributes) apply as the SDK documents them."),
+    _trace("OTEL_TRACES_EXPORTER", "", WEB,
+           "The SDK's own (`opentelemetry-instrument`'s exporter); read here only to keep "
+           "the admission fast path out: set to anything but `none`, OpenTelemetry is "
+           "meant to be on, as with an OTLP endpoint of any signal "
+           "(`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, ...)."),
+    _trace("OTEL_METRICS_EXPORTER", "", WEB,
+           "The SDK's own; read like `OTEL_TRACES_EXPORTER` (its `http.server.*` metrics "
+           "count only what Flask serves)."),
     _trace("OTEL_SERVICE_NAME", "poimen-web, poimen-worker, poimen-beat", (WEB, WORKER, BEAT),
            "The `service.name` of the process's spans."),
     _trace("SENTRY_DSN", "", (WEB, WORKER, BEAT),

@@ -135,12 +135,16 @@ class Process:
 
 
 def start_web(env: Mapping[str, str], log_dir: Path, port: int | None = None,
-              workers: int = 2, threads: int = 8, name: str = "web") -> tuple[Process, str]:
-    """Start gunicorn as the Procfile does; return it and its base URL once it answers."""
+              workers: int = 2, threads: int = 8, name: str = "web",
+              wrapper: Sequence[str] = ()) -> tuple[Process, str]:
+    """Start gunicorn as the Procfile does; return it and its base URL once it answers.
+
+    ``wrapper``: a command gunicorn runs under (``opentelemetry-instrument``).
+    """
     port = port or free_port()
     proc = Process(
         name,
-        [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+        [*wrapper, str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
          "--threads", str(threads), "--access-logfile", "-", "app:create_app()"],
         env, log_dir,
     ).start()

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from tests.processes import free_port, start_web, start_worker, wait_until
+from tests.processes import BIN, free_port, start_web, start_worker, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +141,7 @@ def spans(receiver: Receiver) -> list[dict]:
                     found.append({
                         "service": resource.get("service.name"),
                         "name": span.name,
+                        "kind": span.kind,
                         "trace_id": span.trace_id.hex(),
                         "attributes": {a.key: _value(a.value) for a in span.attributes},
                     })
@@ -189,6 +190,51 @@ def test_web_and_worker_spans_continue_the_runs_trace_without_its_input(
         assert secret not in json.dumps(span), span
     # The health probes are not traced.
     assert not any("/healthz" in json.dumps(s) for s in received)
+
+
+SERVER = 2  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
+
+
+def test_opentelemetry_instrument_traces_every_admission(
+        fast_env, make_tenant, tmp_path, processes, receiver):
+    """``opentelemetry-instrument gunicorn ...`` (its distro's SDK set-up, its Flask
+    auto-instrumentation) with only the traces' own endpoint variable: every
+    ``POST /v1/runs`` gets a server span, the plain admissions the fast path would
+    answer (a cached token, JSON with a length) included, replays too."""
+    env = {name: value for name, value in fast_env.items() if not name.startswith("OTEL_")}
+    env.update({
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.port}/v1/traces",
+        # The distro's exporter "otlp" over HTTP (its default protocol is gRPC), no metrics
+        # or logs exporter: nothing else of OpenTelemetry is configured.
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_SERVICE_NAME": "poimen-web-auto", "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    web, api = start_web(env, tmp_path, workers=1, threads=4,
+                         wrapper=[str(BIN / "opentelemetry-instrument")])
+    processes.append(web)
+    platform = Platform(api, make_tenant().token)
+
+    traces = [uuid.uuid4().hex for _ in range(6)]
+    for n, trace_id in enumerate(traces):
+        # The first looks the token up (Flask in any case); the rest are plain admissions,
+        # two of them replays of one key.
+        body = {"workflow_ref": "echo", "input": {"n": n}}
+        if n >= 4:
+            body = {"workflow_ref": "echo", "input": {}, "dispatch_key": "otel-replayed"}
+        r = platform.post(body, traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")
+        assert r.status_code == (200 if n == 5 else 201), r.text
+
+    def server_spans():
+        found = {s["trace_id"]: s for s in spans(receiver)
+                 if s["service"] == "poimen-web-auto" and s["kind"] == SERVER
+                 and s["attributes"].get("http.route") == "/v1/runs"}
+        return found if set(traces) <= set(found) else None
+
+    found = wait_until(server_spans, timeout=30,
+                       what="a server span of POST /v1/runs for each of the 6 requests")
+    assert {found[t]["attributes"].get("http.response.status_code",
+                                       found[t]["attributes"].get("http.status_code"))
+            for t in traces} == {"201", "200"}
 
 
 # -- Sentry ------------------------------------------------------------------------------------

@@ -49,9 +49,9 @@ MUTANTS: list[Mutant] = [
         "an admission answered in front of Flask runs once: a refusal is answered, "
         "never handed to Flask to run again",
         "app/fastpath.py",
-        "            return self._flask_answer(environ, start_response, err, principal, rid, "
-        "started)\n",
-        "            return self.flask_wsgi(environ, start_response)\n",
+        "                return self._flask_answer(environ, start_response, err, principal, rid,\n"
+        "                                          started)\n",
+        "                return self.flask_wsgi(environ, start_response)\n",
         ("tests/app/test_fast_admission.py::"
          "test_a_conflict_is_answered_once_and_admits_nothing",),
     ),
