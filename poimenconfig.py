@@ -257,6 +257,9 @@ class TelemetrySettings:
     """OpenTelemetry and Sentry, each off unless its variable is set (``app/telemetry.py``)."""
 
     otlp_endpoint: str | None = None     # OTEL_EXPORTER_OTLP_ENDPOINT: tracing on
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: tracing on; the spans' URL as it is (the spec's rule
+    # for a signal's own endpoint), ahead of the base URL's /v1/traces.
+    otlp_traces_endpoint: str | None = None
     service_name: str | None = None      # OTEL_SERVICE_NAME: else poimen-<process>
     sentry_dsn: str | None = None        # SENTRY_DSN: error reporting on
     sentry_environment: str | None = None  # SENTRY_ENVIRONMENT
@@ -266,8 +269,16 @@ class TelemetrySettings:
     otel_variables: tuple[str, ...] = ()
 
     @property
+    def tracing(self) -> bool:
+        """Whether this process exports spans (either endpoint set)."""
+        return bool(self.otlp_traces_endpoint or self.otlp_endpoint)
+
+    @property
     def otlp_traces_url(self) -> str | None:
-        """Where spans are POSTed: the OTLP/HTTP base URL's ``/v1/traces``."""
+        """Where spans are POSTed: the traces endpoint as set, else the OTLP/HTTP base
+        URL's ``/v1/traces``."""
+        if self.otlp_traces_endpoint:
+            return self.otlp_traces_endpoint
         if not self.otlp_endpoint:
             return None
         return self.otlp_endpoint.rstrip("/") + "/v1/traces"
@@ -278,6 +289,7 @@ def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySetting
     env = _environ(env)
     return TelemetrySettings(
         otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None,
+        otlp_traces_endpoint=env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip() or None,
         service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
         sentry_dsn=env.get("SENTRY_DSN", "").strip() or None,
         sentry_environment=env.get("SENTRY_ENVIRONMENT", "").strip() or None,

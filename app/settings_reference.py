@@ -307,6 +307,10 @@ SETTINGS: tuple[Setting, ...] = (
            "imported. Needs the `otel` extra (`pip install 'poimen[otel]'`); without it, one "
            "warning and the process runs on. The SDK's other `OTEL_*` variables (headers, "
            "sampler, resource attributes) apply as the SDK documents them."),
+    _trace("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "", (WEB, WORKER, BEAT),
+           "The traces endpoint of its own (`http://collector:4318/v1/traces`), used as it "
+           "is, ahead of `OTEL_EXPORTER_OTLP_ENDPOINT`'s `/v1/traces`; either one turns "
+           "tracing on."),
     _trace("OTEL_TRACES_EXPORTER", "", WEB,
            "The SDK's own (`opentelemetry-instrument`'s exporter); read here only to keep "
            "the admission fast path out: set to anything but `none`, OpenTelemetry is "

@@ -1,8 +1,8 @@
 """Optional OpenTelemetry tracing and Sentry error reporting, for teams that use them.
 
 Each is off, and its package never imported, unless its variable is set
-(``poimenconfig.telemetry_settings``): ``OTEL_EXPORTER_OTLP_ENDPOINT`` turns on
-tracing (the ``otel`` extra), ``SENTRY_DSN`` error reporting (the ``sentry``
+(``poimenconfig.telemetry_settings``): ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` turns on tracing (the ``otel`` extra), ``SENTRY_DSN`` error reporting (the ``sentry``
 extra). A variable set without its package installed is one log line, and the
 process runs on without it: telemetry must never stop a run.
 
@@ -64,7 +64,7 @@ class _State:
 def init_web(app: Flask, settings: TelemetrySettings | None = None) -> None:
     """Turn on what is configured for ``web``: Flask spans and Sentry's Flask integration."""
     settings = settings or telemetry_settings()
-    if settings.otlp_endpoint and _start_tracing(settings, WEB):
+    if settings.tracing and _start_tracing(settings, WEB):
         try:
             from opentelemetry.instrumentation.flask import FlaskInstrumentor
         except ImportError as err:
@@ -79,7 +79,7 @@ def init_web(app: Flask, settings: TelemetrySettings | None = None) -> None:
 def init_celery_process(settings: TelemetrySettings | None = None, service: str = WORKER) -> None:
     """Turn on what is configured for a Celery process: task spans, Sentry's Celery integration."""
     settings = settings or telemetry_settings()
-    if settings.otlp_endpoint and _start_tracing(settings, service):
+    if settings.tracing and _start_tracing(settings, service):
         try:
             from opentelemetry.instrumentation.celery import CeleryInstrumentor
         except ImportError as err:
@@ -125,6 +125,12 @@ def _start_tracing(settings: TelemetrySettings, service: str) -> bool:
     except ImportError as err:
         _missing("OTEL_EXPORTER_OTLP_ENDPOINT", "otel", err)
         return False
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        # The SDK was started already (``opentelemetry-instrument``): its provider and
+        # exporter stay; a second one would be refused by the API anyway.
+        _State.tracing = trace.get_tracer_provider()
+        log.info("OpenTelemetry: the SDK already started in this process is used")
+        return True
     provider = TracerProvider(
         resource=Resource.create({SERVICE_NAME: settings.service_name or service}))
     provider.add_span_processor(BatchSpanProcessor(

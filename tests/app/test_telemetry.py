@@ -16,7 +16,8 @@ from app.telemetry import SCRUBBED, scrub_event
 from poimenconfig import telemetry_settings
 from tests.processes import ROOT
 
-TELEMETRY_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "SENTRY_DSN",
+TELEMETRY_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                       "OTEL_SERVICE_NAME", "SENTRY_DSN",
                        "SENTRY_ENVIRONMENT", "SENTRY_RELEASE")
 
 
@@ -27,6 +28,16 @@ def test_each_is_off_unless_its_variable_is_set():
                              "SENTRY_DSN": "https://k@o1.ingest.sentry.io/2"})
     assert on.otlp_traces_url == "http://collector:4318/v1/traces"
     assert on.sentry_dsn == "https://k@o1.ingest.sentry.io/2"
+
+
+def test_the_traces_endpoint_alone_turns_tracing_on_and_is_used_as_it_is():
+    traces = telemetry_settings({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/spans"})
+    assert traces.tracing and traces.otlp_endpoint is None
+    assert traces.otlp_traces_url == "http://c:4318/spans"
+    both = telemetry_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318",
+                               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/spans"})
+    assert both.otlp_traces_url == "http://c:4318/spans"
+    assert not telemetry_settings({}).tracing
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
