@@ -235,10 +235,9 @@ class RedisWire:
         channel's envelope, everything but the write. Compared field by field with the
         wire's message of the same run, trace headers and reply-to; only the delivery tag,
         a fresh id per message, is left out."""
+        from celery.app.routes import MapRoute
         from kombu import Producer
         from kombu.utils.json import dumps
-
-        from celery.app.routes import MapRoute
 
         if any(not isinstance(route, MapRoute) for route in self.amqp.router.routes):
             # A router may route each message by its arguments (the run id): one
@@ -270,9 +269,9 @@ class RedisWire:
             fields.insert(0, "the list key")
         if not fields:
             return None
-        hints = sorted({_HINTS.get(field, "") for field in fields} - {""})
-        return (f"send_task writes another {', '.join(fields)}"
-                + (f" ({'; '.join(hints)})" if hints else ""))
+        hints = sorted({hint for field in fields for hint in _HINTS.get(field, ())})
+        return (f"send_task's message differs in {', '.join(fields)}"
+                + (f" (set by {', '.join(hints)})" if hints else ""))
 
     def _compose(self, run: str, workflow_ref: str, extra: dict[str, str], reply_to: str,
                  delivery_tag: str) -> tuple[str, str] | None:
@@ -347,15 +346,15 @@ def _tell_once(workflow_ref: str | None, why: str) -> None:
 
 # A differing field of the message -> the settings that set it.
 _HINTS = {
-    "the list key": "the queue or priority: task_routes, the workflow's queue",
-    "content-type": "task_serializer",
-    "content-encoding": "task_serializer",
-    "body": "task_serializer, task_compression or message signing",
-    "headers.compression": "task_compression",
-    "properties.priority": "priority: task_default_priority, task_routes, task_annotations",
-    "properties.delivery_info.exchange": "task_routes (exchange)",
-    "properties.delivery_info.routing_key": "task_routes (routing key)",
-    "properties.delivery_mode": "delivery mode",
+    "the list key": ("task_routes", "the workflow's queue", "a priority"),
+    "content-type": ("task_serializer",),
+    "content-encoding": ("task_serializer",),
+    "body": ("task_serializer", "task_compression", "message signing"),
+    "headers.compression": ("task_compression",),
+    "properties.priority": ("task_default_priority", "task_routes", "task_annotations"),
+    "properties.delivery_info.exchange": ("task_routes",),
+    "properties.delivery_info.routing_key": ("task_routes",),
+    "properties.delivery_mode": ("task_default_delivery_mode",),
 }
 
 

@@ -45,7 +45,7 @@ def make_signing_files(folder: Path) -> tuple[Path, Path, Path]:
     store.mkdir(parents=True, exist_ok=True)
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "poimen-test-signer")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1))
@@ -69,13 +69,13 @@ def _signed(app, signing_dir: str | None) -> None:
                     security_key=str(folder / "signer.key"),
                     security_certificate=str(folder / "signer.pem"),
                     security_cert_store=str(folder / "store"))
-    app.setup_security(allowed_serializers=["json", "auth"], serializer="json")
+    app.setup_security(allowed_serializers=["json"], serializer="json")
 
 
 # A setting's name -> what a team's module does with the Celery app.
 SETTINGS = {
     "msgpack": lambda app, _: app.conf.update(task_serializer="msgpack",
-                                              accept_content=["msgpack", "json"]),
+                                              accept_content=["msgpack"]),
     "gzip": lambda app, _: app.conf.update(task_compression="gzip"),
     "routes": lambda app, _: app.conf.update(task_routes={
         "runs.execute": {"queue": routed_queue(app.conf.task_default_queue)}}),
