@@ -88,8 +88,33 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
             # Shown by Flower next to the task: which workflow this run is.
             shadow=execute_shadow(workflow_ref),
             headers=trace.headers() if trace is not None else None,
-            **_routing(workflow_ref),
+            **{**_task_options(celery_app), **_routing(workflow_ref)},
         )
+
+
+def _task_options(celery_app) -> dict:
+    """``runs.execute``'s own send options (its serializer, priority, time limits, ... from
+    Celery's ``task_*`` settings and ``task_annotations``), which ``send_task`` adds only in
+    a process that has the task: a worker's retries and repairs. Passed by every send, so
+    the web process, which has no task, sends the same message; a workflow's own options
+    (``_routing``) win over them, as ``send_task``'s explicit options do."""
+    task = celery_app._tasks.get(EXECUTE_RUN)  # not .tasks: that would finalize the app
+    if task is None:
+        task = _stand_ins.get(celery_app)
+        if task is None:
+            # The worker's task as Celery binds it (from_config, annotate), without its code.
+            stand_in = type("execute", (celery_app.Task,), {
+                "name": EXECUTE_RUN, "__module__": __name__, "run": staticmethod(_never)})
+            stand_in.bind(celery_app)
+            task = _stand_ins[celery_app] = stand_in()
+    return {key: value for key, value in task._get_exec_options().items() if value is not None}
+
+
+def _never(*_args, **_kwargs):
+    raise RuntimeError("runs.execute runs in a worker")
+
+
+_stand_ins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def queue_of(celery_app, workflow_ref: str) -> str:

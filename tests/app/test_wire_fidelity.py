@@ -29,9 +29,7 @@ from tests.processes import start_web, start_worker, wait_until
 from tests.workflows import team_settings
 
 # The settings under which the wire cannot write send_task's message: send_task sends.
-# (annotations and task_default_priority change send_task's message only in a process
-# that has the runs.execute task: a worker's retries and repairs.)
-FALLS_BACK = {"msgpack", "gzip", "routes", "router", "publish-signal", "signed"}
+FALLS_BACK = set(team_settings.SETTINGS)
 
 
 @pytest.fixture
@@ -133,7 +131,8 @@ def test_an_admission_is_the_message_send_task_writes(app, team_celery, redis_cl
 @pytest.mark.parametrize("setting, hint", [
     ("msgpack", "task_serializer"), ("gzip", "task_compression"), ("routes", "list key"),
     ("router", "router function"), ("publish-signal", "before_task_publish"),
-    ("signed", "body"),
+    ("signed", "body"), ("annotations", "task_annotations"),
+    ("default-priority", "task_default_priority"),
 ])
 def test_the_fallback_is_logged_once_with_the_setting(app, team_celery, caplog, monkeypatch,
                                                       setting, hint):
@@ -149,6 +148,24 @@ def test_the_fallback_is_logged_once_with_the_setting(app, team_celery, caplog, 
                 assert wire.message(uuid.uuid4(), "echo", None) is None
     said = [r.getMessage() for r in caplog.records if "with send_task" in r.getMessage()]
     assert len(said) == 1 and hint in said[0], said
+
+
+@pytest.mark.parametrize("setting", ["annotations", "default-priority"])
+def test_the_web_sends_the_task_options_a_worker_sends(app, team_celery, setting):
+    """send_task adds runs.execute's own options (task_annotations, task_default_priority,
+    task_time_limit, ...) only where the task is registered: a worker, whose retries and
+    repairs carry them. The web process has no task; its sends pass the same options."""
+    import workers.tasks  # noqa: F401 - registers runs.execute with every app finalized after
+    from app.enqueue import _task_options
+    from app.task_names import EXECUTE_RUN
+
+    web, worker = team_celery(setting), team_celery(setting)
+    worker.finalize()
+    assert EXECUTE_RUN in worker._tasks and EXECUTE_RUN not in web._tasks
+    by_worker = {key: value for key, value in
+                 worker._tasks[EXECUTE_RUN]._get_exec_options().items() if value is not None}
+    assert _task_options(web) == by_worker
+    assert by_worker["priority"] == (5 if setting == "annotations" else 4)
 
 
 def test_the_same_settings_keep_the_wire(app, caplog):
