@@ -150,8 +150,12 @@ class RedisWire:
 
     Only where that is the whole of what ``send_task`` would do: a Redis broker, a
     direct queue without an expiry or key prefix, priority 0, no "sent" events and no
-    receiver of Celery's publish signals (OpenTelemetry's instrumentation is one).
-    Everything else is sent by ``send_task`` (``usable`` says which).
+    receiver of Celery's publish signals (OpenTelemetry's instrumentation is one), and
+    a message equal to the one ``send_task`` writes under the live configuration (a
+    workflow module may set a serializer, compression, routes, annotations, a default
+    priority, message signing: ``_unlike_send_task`` compares the two at a workflow's
+    first message). Everything else is sent by ``send_task`` (``usable`` and
+    ``_template`` say which, and the log says why, once).
     """
 
     def __init__(self, celery_app, channel):
@@ -274,8 +278,11 @@ class RedisWire:
         reply_to = self.celery_app.thread_oid
         wire = self._compose(str(run), workflow_ref, extra, reply_to, _PLACEHOLDER_TAG)
         capture = _Capture(self.channel)
-        _publish(self.celery_app, run, workflow_ref, None, Producer(capture, auto_declare=False),
-                 trace, declare=[])
+        try:
+            _publish(self.celery_app, run, workflow_ref, None,
+                     Producer(capture, auto_declare=False), trace, declare=[])
+        except Exception as err:  # noqa: BLE001 - send_task sends, and says so itself
+            return f"send_task raised {type(err).__name__} composing its message"
         if len(capture.published) != 1:
             return f"send_task publishes {len(capture.published)} messages"
         message, exchange, routing_key = capture.published[0]

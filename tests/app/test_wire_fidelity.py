@@ -28,9 +28,6 @@ from app.enqueue import RedisWire, Sender, _publish
 from tests.processes import start_web, start_worker, wait_until
 from tests.workflows import team_settings
 
-# The settings under which the wire cannot write send_task's message: send_task sends.
-FALLS_BACK = set(team_settings.SETTINGS)
-
 
 @pytest.fixture
 def signing_dir(tmp_path):
@@ -40,12 +37,13 @@ def signing_dir(tmp_path):
 
 @pytest.fixture
 def team_celery(app, signing_dir):
-    """``make(setting)``: a Celery app with the web's settings and the team's ``setting``."""
+    """``make(setting)``: a Celery app with the web's settings and the team's ``setting``
+    (None: the web's alone)."""
     from celeryconfig import celery_settings
 
     made = []
 
-    def make(setting: str) -> Celery:
+    def make(setting: str | None) -> Celery:
         celery_app = Celery("team", set_as_current=False)
         celery_app.config_from_object(celery_settings(app.config["CELERY_BROKER_URL"]))
         if setting == "signed":
@@ -59,7 +57,7 @@ def team_celery(app, signing_dir):
             register_auth((signing_dir / "signer.key").read_text(), None,
                           (signing_dir / "signer.pem").read_text(),
                           str(signing_dir / "store"), "sha256", "json")
-        else:
+        elif setting is not None:
             team_settings.SETTINGS[setting](celery_app, None)
         made.append(celery_app)
         return celery_app
@@ -119,13 +117,12 @@ def test_an_admission_is_the_message_send_task_writes(app, team_celery, redis_cl
     (admission_key, admission), (celery_key, by_celery) = _taken(redis_client, run_id)
     assert admission_key == celery_key
     assert _comparable(admission, celery_app) == _comparable(by_celery, celery_app)
+    # Each of these settings changes the message: the wire steps aside and says so once,
+    # naming no run.
     said = [r.getMessage() for r in caplog.records if "with send_task" in r.getMessage()]
-    if setting in FALLS_BACK:
-        assert by_wire is None
-        assert said, "the fallback is logged"
-        assert str(run_id) not in " ".join(said)
-    else:
-        assert by_wire is not None and not said
+    assert by_wire is None
+    assert said, "the fallback is logged"
+    assert str(run_id) not in " ".join(said)
 
 
 @pytest.mark.parametrize("setting, hint", [
@@ -168,15 +165,25 @@ def test_the_web_sends_the_task_options_a_worker_sends(app, team_celery, setting
     assert by_worker["priority"] == (5 if setting == "annotations" else 4)
 
 
-def test_the_same_settings_keep_the_wire(app, caplog):
-    """The web's own settings: the check finds send_task's message equal, nothing logged."""
-    celery_app = app.extensions["celery"]
-    with app.app_context(), caplog.at_level(logging.INFO, logger="app.enqueue"), \
-            celery_app.producer_or_acquire() as producer:
-        wire = RedisWire(celery_app, producer.channel)
-        assert wire._unlike_send_task("echo", ()) is None
-        assert wire._unlike_send_task("echo", ("traceparent", "tracestate")) is None
-        assert wire._unlike_send_task("soft-time", ()) is None
+def test_the_same_settings_keep_the_wire(app, team_celery, caplog, monkeypatch):
+    """The web's own settings, or a team's that leave the message as it is (a route to the
+    default queue): the check finds send_task's message equal, the wire writes, nothing
+    is logged."""
+    from app import enqueue
+
+    monkeypatch.setattr(enqueue, "_told", set())
+    same_route = team_celery(None)
+    same_route.conf.update(task_routes={
+        "runs.execute": {"queue": same_route.conf.task_default_queue}})
+    with app.app_context(), caplog.at_level(logging.INFO, logger="app.enqueue"):
+        for celery_app in (app.extensions["celery"], same_route):
+            with celery_app.producer_or_acquire() as producer:
+                wire = RedisWire(celery_app, producer.channel)
+                assert wire._unlike_send_task("echo", ()) is None
+                assert wire._unlike_send_task("echo", ("traceparent", "tracestate")) is None
+                assert wire._unlike_send_task("soft-time", ()) is None
+                assert wire.message(uuid.uuid4(), "echo", None) is not None
+    assert not [r for r in caplog.records if "with send_task" in r.getMessage()]
 
 
 # -- real processes: the web admits, a worker runs; no beat, so nothing is repaired -----------
