@@ -165,6 +165,26 @@ def test_the_web_sends_the_task_options_a_worker_sends(app, team_celery, setting
     assert by_worker["priority"] == (5 if setting == "annotations" else 4)
 
 
+@pytest.mark.parametrize("name", ["before_task_publish", "after_task_publish", "task_sent"])
+def test_a_publish_signal_receiver_gets_send_task(app, caplog, monkeypatch, name):
+    """A receiver of any of Celery's publish signals runs only where send_task sends."""
+    from app import enqueue
+
+    monkeypatch.setattr(enqueue, "_told", set())
+    signal = getattr(signals, name)
+    signal.connect(team_settings._seen, weak=False)
+    celery_app = app.extensions["celery"]
+    try:
+        with caplog.at_level(logging.INFO, logger="app.enqueue"), \
+                celery_app.producer_or_acquire() as producer:
+            assert not RedisWire.usable(celery_app, producer.channel)
+            assert not RedisWire.usable(celery_app, producer.channel)
+    finally:
+        signal.disconnect(team_settings._seen)
+    said = [r.getMessage() for r in caplog.records if "with send_task" in r.getMessage()]
+    assert len(said) == 1 and name in said[0], said
+
+
 def test_the_same_settings_keep_the_wire(app, team_celery, caplog, monkeypatch):
     """The web's own settings, or a team's that leave the message as it is (a route to the
     default queue): the check finds send_task's message equal, the wire writes, nothing
@@ -221,3 +241,7 @@ def test_every_run_succeeds_at_once_under_a_teams_settings(test_env, tmp_path, t
 
     wait_until(all_succeeded, timeout=15, what=f"the runs under {setting}")
     assert time.monotonic() - started < 15
+    # The web process said once why send_task sends, naming no run.
+    told = [line for line in web.log().splitlines() if "with send_task" in line]
+    assert len(told) == 1, told
+    assert not any(run in told[0] for run in runs)
