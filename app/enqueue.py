@@ -88,8 +88,33 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
             # Shown by Flower next to the task: which workflow this run is.
             shadow=execute_shadow(workflow_ref),
             headers=trace.headers() if trace is not None else None,
-            **_routing(workflow_ref),
+            **{**_task_options(celery_app), **_routing(workflow_ref)},
         )
+
+
+def _task_options(celery_app) -> dict:
+    """``runs.execute``'s own send options (its serializer, priority, time limits, ... from
+    Celery's ``task_*`` settings and ``task_annotations``), which ``send_task`` adds only in
+    a process that has the task: a worker's retries and repairs. Passed by every send, so
+    the web process, which has no task, sends the same message; a workflow's own options
+    (``_routing``) win over them, as ``send_task``'s explicit options do."""
+    task = celery_app._tasks.get(EXECUTE_RUN)  # not .tasks: that would finalize the app
+    if task is None:
+        task = _stand_ins.get(celery_app)
+        if task is None:
+            # The worker's task as Celery binds it (from_config, annotate), without its code.
+            stand_in = type("execute", (celery_app.Task,), {
+                "name": EXECUTE_RUN, "__module__": __name__, "run": staticmethod(_never)})
+            stand_in.bind(celery_app)
+            task = _stand_ins[celery_app] = stand_in()
+    return {key: value for key, value in task._get_exec_options().items() if value is not None}
+
+
+def _never(*_args, **_kwargs):
+    raise RuntimeError("runs.execute runs in a worker")
+
+
+_stand_ins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def queue_of(celery_app, workflow_ref: str) -> str:
@@ -125,8 +150,12 @@ class RedisWire:
 
     Only where that is the whole of what ``send_task`` would do: a Redis broker, a
     direct queue without an expiry or key prefix, priority 0, no "sent" events and no
-    receiver of Celery's publish signals (OpenTelemetry's instrumentation is one).
-    Everything else is sent by ``send_task`` (``usable`` says which).
+    receiver of Celery's publish signals (OpenTelemetry's instrumentation is one), and
+    a message equal to the one ``send_task`` writes under the live configuration (a
+    workflow module may set a serializer, compression, routes, annotations, a default
+    priority, message signing: ``_unlike_send_task`` compares the two at a workflow's
+    first message). Everything else is sent by ``send_task`` (``usable`` and
+    ``_template`` say which, and the log says why, once).
     """
 
     def __init__(self, celery_app, channel):
@@ -172,14 +201,15 @@ class RedisWire:
 
     @staticmethod
     def usable(celery_app, channel) -> bool:
-        """Whether a batch on ``channel`` may be written as wire messages."""
-        from celery import signals
-
-        return (getattr(channel, "_q_for_pri", None) is not None
-                and not getattr(channel, "global_keyprefix", "")
-                and not celery_app.conf.task_send_sent_event
-                and not signals.before_task_publish.receivers
-                and not signals.after_task_publish.receivers)
+        """Whether a batch on ``channel`` may be written as wire messages (why not is
+        logged once per process)."""
+        if getattr(channel, "_q_for_pri", None) is None:
+            return False  # not kombu's Redis transport: no wire at all
+        why = _steps_aside(celery_app, channel)
+        if why is not None:
+            _tell_once(None, why)
+            return False
+        return True
 
     def message(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None
                 ) -> tuple[str, str] | None:
@@ -208,6 +238,10 @@ class RedisWire:
                                  _PLACEHOLDER_TAG)
         if composed is None:
             return None
+        why = self._unlike_send_task(workflow_ref, extra_names)
+        if why is not None:
+            _tell_once(workflow_ref, why)
+            return None
         template = _Template(*composed, extra_names)
         # The template must write what composing writes, byte for byte: tried once
         # with other values (a field that transformed the run id would differ here).
@@ -218,6 +252,58 @@ class RedisWire:
             log.warning("the wire message of %s has no template; composing each", workflow_ref)
             return _COMPOSE
         return template
+
+    def _unlike_send_task(self, workflow_ref: str, extra_names: tuple[str, ...]) -> str | None:
+        """Why ``send_task`` under the live configuration writes another message than the
+        wire for ``workflow_ref``'s runs (the settings that differ), or None if it writes
+        the same.
+
+        The reference is ``_publish`` itself (what the fallback sends) run into a
+        ``_Capture`` of the wire's channel: Celery's routing, annotations, priority,
+        serializer, compression and signing, then kombu's ``Producer.publish`` and the
+        channel's envelope, everything but the write. Compared field by field with the
+        wire's message of the same run, trace headers and reply-to; only the delivery tag,
+        a fresh id per message, is left out."""
+        from celery.app.routes import MapRoute
+        from kombu import Producer
+        from kombu.utils.json import dumps
+
+        if any(not isinstance(route, MapRoute) for route in self.amqp.router.routes):
+            # A router may route each message by its arguments (the run id): one
+            # sample does not show where the next one goes.
+            return "task_routes has a router function"
+        run = uuid.uuid4()
+        trace = _sample_trace(extra_names)
+        extra = trace.headers() if trace is not None else {}
+        reply_to = self.celery_app.thread_oid
+        wire = self._compose(str(run), workflow_ref, extra, reply_to, _PLACEHOLDER_TAG)
+        capture = _Capture(self.channel)
+        try:
+            _publish(self.celery_app, run, workflow_ref, None,
+                     Producer(capture, auto_declare=False), trace, declare=[])
+        except Exception as err:  # noqa: BLE001 - send_task sends, and says so itself
+            return f"send_task raised {type(err).__name__} composing its message"
+        if len(capture.published) != 1:
+            return f"send_task publishes {len(capture.published)} messages"
+        message, exchange, routing_key = capture.published[0]
+        if exchange:
+            return f"send_task publishes to exchange {exchange!r}, not to the queue's list"
+        if routing_key in self.channel._expires:
+            return f"queue {routing_key!r} has an expiry"
+        key = self.channel._q_for_pri(
+            routing_key, self.channel._get_message_priority(message, reverse=False))
+        reference = json.loads(dumps(message))
+        reference["properties"].pop("delivery_tag", None)
+        ours = json.loads(wire[1])
+        ours["properties"].pop("delivery_tag", None)
+        fields = _differing((), reference, ours)
+        if key != wire[0]:
+            fields.insert(0, "the list key")
+        if not fields:
+            return None
+        hints = sorted({hint for field in fields for hint in _HINTS.get(field, ())})
+        return (f"send_task's message differs in {', '.join(fields)}"
+                + (f" (set by {', '.join(hints)})" if hints else ""))
 
     def _compose(self, run: str, workflow_ref: str, extra: dict[str, str], reply_to: str,
                  delivery_tag: str) -> tuple[str, str] | None:
@@ -255,6 +341,93 @@ class RedisWire:
             },
         }
         return self.channel._q_for_pri(qname, 0), json.dumps(envelope)
+
+
+def _steps_aside(celery_app, channel) -> str | None:
+    """Why no message on ``channel`` may be a wire message (what ``send_task`` does that
+    the wire cannot), or None: a key prefix, "sent" events, a publish signal's receiver
+    (OpenTelemetry's Celery instrumentation is one)."""
+    from celery import signals
+
+    if getattr(channel, "global_keyprefix", ""):
+        return "the Redis transport has a global_keyprefix"
+    if celery_app.conf.task_send_sent_event:
+        return "task_send_sent_event is on"
+    for signal in (signals.before_task_publish, signals.after_task_publish, signals.task_sent):
+        if signal.receivers:
+            return f"a {signal.name} receiver is connected"
+    return None
+
+
+_told: set[tuple[str | None, str]] = set()
+_told_lock = threading.Lock()
+
+
+def _tell_once(workflow_ref: str | None, why: str) -> None:
+    """Log once per process (per workflow route and reason) that ``send_task`` sends
+    instead of the wire. Names settings and the workflow, no run's data."""
+    with _told_lock:
+        if (workflow_ref, why) in _told or len(_told) >= _MAX_TEMPLATES:
+            return
+        _told.add((workflow_ref, why))
+    if workflow_ref is None:
+        log.info("the sender publishes every run with send_task: %s", why)
+    else:
+        log.info("the sender publishes the runs of %s with send_task: %s", workflow_ref, why)
+
+
+# A differing field of the message -> the settings that set it.
+_HINTS = {
+    "the list key": ("task_routes", "the workflow's queue", "a priority"),
+    "content-type": ("task_serializer",),
+    "content-encoding": ("task_serializer",),
+    "body": ("task_serializer", "task_compression", "message signing"),
+    "headers.compression": ("task_compression",),
+    "properties.priority": ("task_default_priority", "task_routes", "task_annotations"),
+    "properties.delivery_info.exchange": ("task_routes",),
+    "properties.delivery_info.routing_key": ("task_routes",),
+    "properties.delivery_mode": ("task_default_delivery_mode",),
+}
+
+
+def _differing(path: tuple[str, ...], reference, ours) -> list[str]:
+    """The dotted names of the fields where ``ours`` is not ``reference`` (names only: a
+    value may be a run's)."""
+    if isinstance(reference, dict) and isinstance(ours, dict):
+        fields = []
+        for name in sorted(set(reference) | set(ours)):
+            if name not in reference or name not in ours:
+                fields.append(".".join((*path, name)))
+            else:
+                fields.extend(_differing((*path, name), reference[name], ours[name]))
+        return fields
+    return [] if reference == ours else [".".join(path)]
+
+
+def _sample_trace(names: tuple[str, ...]) -> TraceContext | None:
+    """A made-up trace context carrying the headers ``names``."""
+    if not names:
+        return None
+    return TraceContext(f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01",
+                        "poimen=check" if "tracestate" in names else None)
+
+
+class _Capture:
+    """A kombu channel that keeps what is published on it instead of writing it: every
+    attribute is the wrapped channel's but ``basic_publish``, which puts kombu's envelope
+    on the message (``_inplace_augment_message``, as the channel's own publish does) and
+    stops there. Nothing reaches Redis, nor the wrapped channel's state."""
+
+    def __init__(self, channel):
+        self._channel = channel
+        self.published: list[tuple[dict, str, str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def basic_publish(self, message, exchange, routing_key, **_kwargs):
+        self._channel._inplace_augment_message(message, exchange, routing_key)
+        self.published.append((message, exchange, routing_key))
 
 
 # Stand-ins for a message's own values in a template (JSON strings needing no escape,
