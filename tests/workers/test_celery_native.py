@@ -454,7 +454,9 @@ def test_purge_deletes_messages_not_runs_and_beat_sends_them_again(admit, env, p
 def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp_path,
                                                             processes, task_events):
     processes.append(start_worker(env, tmp_path, "taskw", concurrency=1))
-    run_id = admit("tests.celery_tasks.retry_twice", {"countdown": 0.2})
+    # A fan-out child's (as a parent's spawn admits it): its request names its run tree.
+    parent = admit("echo", {"n": 0})
+    run_id = admit("tests.celery_tasks.retry_twice", {"countdown": 0.2}, parent_run_id=parent)
     given_up = admit("celery-give-up")
 
     status, attempt, failures, result, error, _ = wait_status(pg, run_id, {"succeeded",
@@ -463,7 +465,9 @@ def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp
     assert (attempt, failures) == (3, 2)  # three attempts, one success
     # self.request.id is the run id (each attempt recorded its side effect under it).
     assert effects(pg, run_id) == ["try:0", "try:1", "try:2"]
-    assert result == {"request_id": str(run_id), "retries": 2}
+    # The third attempt's delivery is the worker's retry send: still the child's tree.
+    assert result == {"request_id": str(run_id), "retries": 2, "parent_id": str(parent),
+                      "root_id": str(parent)}
     events = run_events(pg, run_id)
     assert events.count("run.retrying") == 2 and events.count("run.started") == 3
     assert events[-1] == "run.succeeded"
