@@ -34,7 +34,7 @@ from workers import registry
 
 from .models import AdmissionOrigin, RunStatus
 from .state import runs as state_runs
-from .state.compose import send_after_commit
+from .state.compose import send_row_after_commit
 from .tracecontext import TraceContext
 
 _COMPARED = ("workflow_ref", "input", "goal_id")
@@ -439,8 +439,5 @@ def _replay_of(session: Session, existing: Row) -> Admission | AdmissionConflict
         return AdmissionConflict(existing, diffs)
     if existing.status == RunStatus.QUEUED:
         # Its first message may have been lost; a duplicate is absorbed by claims.
-        send_after_commit(
-            session, existing.id, f"{existing.workflow_name}@{existing.workflow_version}",
-            existing.traceparent, existing.tracestate,
-        )
+        send_row_after_commit(session, existing)
     return Admission(run=existing, created=False)

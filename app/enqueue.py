@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import threading
 import time
 import uuid
 import weakref
+from typing import NamedTuple
 
 from flask import current_app
 from sqlalchemy import event
@@ -37,6 +39,7 @@ from workers import registry
 
 from . import telemetry
 from .state.compose import PENDING_SENDS
+from .state.compose import tree_of as compose_tree_of
 from .task_names import EXECUTE_RUN, execute_shadow
 from .tracecontext import TraceContext
 
@@ -47,11 +50,30 @@ log = logging.getLogger(__name__)
 _PENDING = PENDING_SENDS
 
 
+class Tree(NamedTuple):
+    """What a run's message tells Celery (and Flower) of the run: ``retries``, the executions
+    it started before this one (its ``attempt``), and its place in the run tree:
+    ``parent_id``, the run that fanned it out, and ``root_id``, the tree's root (None: the
+    run itself, as Celery writes for a task sent outside any task)."""
+
+    retries: int = 0
+    parent_id: str | None = None
+    root_id: str | None = None
+
+
+TOP = Tree()  # a top-level run's first message
+
+
+def tree_of(row) -> Tree:
+    """The ``Tree`` of the run ``row`` (``compose.tree_of``: attempt, parent, root columns)."""
+    return Tree(*compose_tree_of(row))
+
+
 def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None = None,
-             trace: TraceContext | None = None) -> bool:
+             trace: TraceContext | None = None, tree: Tree = TOP) -> bool:
     """Publish one ``runs.execute`` message now (repair, retries); False if the broker failed."""
     try:
-        _publish(celery_app, run_id, workflow_ref, countdown, trace=trace)
+        _publish(celery_app, run_id, workflow_ref, countdown, trace=trace, tree=tree)
         return True
     except Exception:  # noqa: BLE001 - the broker is down; beat repairs queued runs
         log.exception("could not enqueue run %s; beat will re-send it", run_id)
@@ -59,19 +81,22 @@ def send_run(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
 
 
 def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float | None,
-             producer=None, trace: TraceContext | None = None, declare: list | None = None
-             ) -> None:
+             producer=None, trace: TraceContext | None = None, declare: list | None = None,
+             tree: Tree = TOP) -> None:
     """One ``runs.execute`` message; task id = run id so Flower shows the run.
 
     The run's W3C Trace Context travels as the message headers ``traceparent``
     and ``tracestate`` (where OpenTelemetry's Celery instrumentation looks too),
     on every message of the run: admission's, a replay's, repair's, a retry's.
+    Celery's ``retries``, ``parent_id`` and ``root_id`` are the run's (``tree``), never
+    the task this thread runs (a worker's run that fans out or retries, beat's repair),
+    which ``send_task`` would take as the parent.
     """
     # Inside the run's own trace context: OpenTelemetry's Celery instrumentation (when
     # on) replaces the message's traceparent with its publish span's, which must
     # belong to the run's trace, not to whatever this thread traces (a repair tick).
     run = str(run_id)
-    with telemetry.continuing(trace):
+    with telemetry.continuing(trace), _sent_as_run(tree):
         celery_app.send_task(
             EXECUTE_RUN,
             args=[run],
@@ -88,8 +113,50 @@ def _publish(celery_app, run_id: uuid.UUID, workflow_ref: str, countdown: float 
             # Shown by Flower next to the task: which workflow this run is.
             shadow=execute_shadow(workflow_ref),
             headers=trace.headers() if trace is not None else None,
+            retries=tree.retries,
+            root_id=tree.root_id or run,
+            parent_id=tree.parent_id,
+            # Not a result of the task this thread runs (its request's children).
+            add_to_parent=False,
             **{**_task_options(celery_app), **_routing(workflow_ref)},
         )
+
+
+class _TreeParent:
+    """The run tree as ``send_task`` looks for a parent: its ``current_worker_task``.
+
+    Celery fills a message's missing ``parent_id`` (and ``root_id``) from the task the
+    thread runs; a top-level run's message has no parent, so when this thread runs a
+    task, this stands on top of Celery's task stack for the send: its request's ``id``
+    (None) is the parent Celery writes."""
+
+    __slots__ = ("request",)
+
+    class _Request:
+        __slots__ = ("id", "root_id", "called_directly", "delivery_info")
+
+        def __init__(self, parent_id: str | None, root_id: str | None):
+            self.id, self.root_id = parent_id, root_id
+            self.called_directly = False
+            self.delivery_info: dict = {}
+
+    def __init__(self, tree: Tree):
+        self.request = self._Request(tree.parent_id, tree.root_id)
+
+
+@contextlib.contextmanager
+def _sent_as_run(tree: Tree):
+    """Make ``send_task``'s parent lookup find ``tree``, not this thread's task."""
+    from celery._state import _task_stack
+
+    if tree.parent_id is not None or _task_stack.top is None:
+        yield  # a child names both, or no task runs here: Celery looks nothing up
+        return
+    _task_stack.push(_TreeParent(tree))
+    try:
+        yield
+    finally:
+        _task_stack.pop()
 
 
 def _task_options(celery_app) -> dict:
@@ -211,8 +278,8 @@ class RedisWire:
             return False
         return True
 
-    def message(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None
-                ) -> tuple[str, str] | None:
+    def message(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None,
+                tree: Tree = TOP) -> tuple[str, str] | None:
         """``(list key, payload)`` of the run's message, or None where ``send_task`` must send it."""
         extra = trace.headers() if trace is not None else {}
         key = (workflow_ref, tuple(extra))
@@ -226,8 +293,8 @@ class RedisWire:
             return None
         if template is _COMPOSE:  # no template could be made: every field composed
             return self._compose(run, workflow_ref, extra, self.celery_app.thread_oid,
-                                 str(uuid.uuid4()))
-        return template.render(run, extra, self.celery_app.thread_oid, str(uuid.uuid4()))
+                                 str(uuid.uuid4()), tree)
+        return template.render(run, extra, self.celery_app.thread_oid, str(uuid.uuid4()), tree)
 
     def _template(self, workflow_ref: str, extra_names: tuple[str, ...]):
         """The message of ``workflow_ref``'s runs with its per-message values left out,
@@ -235,7 +302,7 @@ class RedisWire:
         ``_compose`` writes (then every message is composed)."""
         values = {name: _PLACEHOLDER_VALUE + name for name in extra_names}
         composed = self._compose(_PLACEHOLDER_RUN, workflow_ref, values, _PLACEHOLDER_REPLY,
-                                 _PLACEHOLDER_TAG)
+                                 _PLACEHOLDER_TAG, _PLACEHOLDER_TREE)
         if composed is None:
             return None
         why = self._unlike_send_task(workflow_ref, extra_names)
@@ -247,8 +314,9 @@ class RedisWire:
         # with other values (a field that transformed the run id would differ here).
         run, reply, tag = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
         sample = {name: f"v-{name}-{uuid.uuid4().hex}" for name in extra_names}
-        if template.render(run, sample, reply, tag) != self._compose(run, workflow_ref, sample,
-                                                                     reply, tag):
+        tree = Tree(3, str(uuid.uuid4()), str(uuid.uuid4()))
+        if template.render(run, sample, reply, tag, tree) != self._compose(
+                run, workflow_ref, sample, reply, tag, tree):
             log.warning("the wire message of %s has no template; composing each", workflow_ref)
             return _COMPOSE
         return template
@@ -306,9 +374,9 @@ class RedisWire:
                 + (f" (set by {', '.join(hints)})" if hints else ""))
 
     def _compose(self, run: str, workflow_ref: str, extra: dict[str, str], reply_to: str,
-                 delivery_tag: str) -> tuple[str, str] | None:
+                 delivery_tag: str, tree: Tree = TOP) -> tuple[str, str] | None:
         """The message, every field composed: Celery's ``create_task_message`` in kombu's
-        envelope. ``extra``: the trace headers."""
+        envelope. ``extra``: the trace headers; ``tree``: retries, parent and root."""
         options = _routing(workflow_ref)
         if options.get("priority"):
             return None
@@ -322,7 +390,8 @@ class RedisWire:
             time_limit=options.get("time_limit"),
             soft_time_limit=options.get("soft_time_limit"),
             shadow=execute_shadow(workflow_ref), argsrepr=argsrepr, kwargsrepr="{}",
-            ignore_result=None)
+            ignore_result=None, retries=tree.retries, root_id=tree.root_id or run,
+            parent_id=tree.parent_id)
         headers.update(extra)
         delivery_mode = (self.delivery_mode if declared.exchange.delivery_mode is None
                          else declared.exchange.delivery_mode)
@@ -437,6 +506,12 @@ _PLACEHOLDER_REPLY = "00000000-poimen-reply-0000"
 _PLACEHOLDER_TAG = "00000000-poimen-tag-0000"
 _PLACEHOLDER_BODY = "00000000-poimen-body-0000"
 _PLACEHOLDER_VALUE = "00000000-poimen-header-"
+# A tree's: written by _compose as JSON strings, the retries and parent in place of a number
+# and a null-or-string (the template puts each in with its quotes).
+_PLACEHOLDER_TREE = Tree("00000000-poimen-retries-0000",  # type: ignore[arg-type]
+                         "00000000-poimen-parent-0000", "00000000-poimen-root-0000")
+_RETRIES = f'"{_PLACEHOLDER_TREE.retries}"'
+_PARENT = f'"{_PLACEHOLDER_TREE.parent_id}"'
 _UNKNOWN = object()
 _COMPOSE = object()
 _MAX_TEMPLATES = 256  # workflow refs x trace header sets; past it the cache starts over
@@ -444,11 +519,11 @@ _MAX_TEMPLATES = 256  # workflow refs x trace header sets; past it the cache sta
 
 class _Template:
     """A wire message of one workflow (and set of trace headers) with its per-message
-    values (run id, reply-to, delivery tag, trace headers, the base64 body) as
-    placeholders: a message is the template's text with the values put in.
+    values (run id, reply-to, delivery tag, trace headers, retries, parent and root, the
+    base64 body) as placeholders: a message is the template's text with the values put in.
 
     Composing costs ~57 us per message (Celery's ``create_task_message``, the workflow's
-    routing, the envelope's ``json.dumps``); putting five values in a text, a few."""
+    routing, the envelope's ``json.dumps``); putting eight values in a text, a few."""
 
     __slots__ = ("key", "text", "body_prefix", "body_suffix", "extra_names")
 
@@ -460,12 +535,15 @@ class _Template:
         self.text = payload.replace(envelope["body"], _PLACEHOLDER_BODY, 1)
         self.extra_names = extra_names
 
-    def render(self, run: str, extra: dict[str, str], reply_to: str, delivery_tag: str
-               ) -> tuple[str, str]:
+    def render(self, run: str, extra: dict[str, str], reply_to: str, delivery_tag: str,
+               tree: Tree = TOP) -> tuple[str, str]:
         body = base64.b64encode(
             f"{self.body_prefix}{run}{self.body_suffix}".encode()).decode()
         text = (self.text.replace(_PLACEHOLDER_BODY, body, 1).replace(_PLACEHOLDER_RUN, run)
-                .replace(_PLACEHOLDER_REPLY, reply_to).replace(_PLACEHOLDER_TAG, delivery_tag))
+                .replace(_PLACEHOLDER_REPLY, reply_to).replace(_PLACEHOLDER_TAG, delivery_tag)
+                .replace(_RETRIES, str(int(tree.retries)), 1)
+                .replace(_PARENT, json.dumps(tree.parent_id), 1)
+                .replace(_PLACEHOLDER_TREE.root_id, tree.root_id or run, 1))
         for name in self.extra_names:
             # JSON-escaped as json.dumps writes it (a trace header is ASCII already).
             text = text.replace(_PLACEHOLDER_VALUE + name, json.dumps(extra[name])[1:-1], 1)
@@ -481,7 +559,7 @@ class Sender:
 
     def __init__(self, celery_app):
         self.celery_app = celery_app
-        self.queue: queue.Queue[tuple[uuid.UUID, str, TraceContext | None]] = queue.Queue()
+        self.queue: queue.Queue[tuple[uuid.UUID, str, TraceContext | None, Tree]] = queue.Queue()
         self.pid = os.getpid()
         self.pending = 0  # handed over, not yet published or given up
         self.changed = threading.Condition()
@@ -492,14 +570,14 @@ class Sender:
         self.wire: RedisWire | None = None  # the last batch's, for ``_write_direct``
         threading.Thread(target=self._run, name="poimen-sender", daemon=True).start()
 
-    def put(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None = None
-            ) -> None:
+    def put(self, run_id: uuid.UUID, workflow_ref: str, trace: TraceContext | None = None,
+            tree: Tree = TOP) -> None:
         if self.queue.qsize() >= self.MAX_BACKLOG:
             log.warning("sender backlog full; run %s is left to beat's repair", run_id)
             return
         with self.changed:
             self.pending += 1
-        self.queue.put((run_id, workflow_ref, trace))
+        self.queue.put((run_id, workflow_ref, trace, tree))
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until everything handed over so far was published or given up (tests, shutdown)."""
@@ -511,12 +589,12 @@ class Sender:
             self.pending -= count
             self.changed.notify_all()
 
-    def _send(self, producer, batch: list[tuple[uuid.UUID, str, TraceContext | None]]) -> None:
+    def _send(self, producer, batch: list[tuple[uuid.UUID, str, TraceContext | None, Tree]]) -> None:
         # Each queue declared once while sends succeed, not at every send or batch (kombu's
         # maybe_declare re-binds the queue each time: a fifth of a send's CPU). An error
         # forgets them all (``_run``), so a broker that lost its state is declared again.
         queues = self.celery_app.amqp.queues
-        for name in {queue_of(self.celery_app, ref) for _, ref, _ in batch} - self.declared:
+        for name in {queue_of(self.celery_app, item[1]) for item in batch} - self.declared:
             producer.maybe_declare(queues[name])
             self.declared.add(name)
         rest = batch
@@ -543,10 +621,11 @@ class Sender:
         # is a duplicate the claim absorbs.
         # max_size counts Redis commands: a publish may add a PEXPIRE to its LPUSH.
         with producer.batch(max_size=len(rest) * 2):
-            for run_id, ref, trace in rest:
-                _publish(self.celery_app, run_id, ref, None, producer, trace, declare=[])
+            for run_id, ref, trace, tree in rest:
+                _publish(self.celery_app, run_id, ref, None, producer, trace, declare=[],
+                         tree=tree)
 
-    def _write_direct(self, batch: list[tuple[uuid.UUID, str, TraceContext | None]]) -> bool:
+    def _write_direct(self, batch: list[tuple[uuid.UUID, str, TraceContext | None, Tree]]) -> bool:
         """Write ``batch`` with the wire of the last batch, without a producer; False
         (nothing written) unless every run goes out as a wire message to a queue declared
         since the last error. A producer's checkout from kombu's pool (and its release)
@@ -566,7 +645,7 @@ class Sender:
 
     def _run(self) -> None:
         backoff = 0.1
-        batch: list[tuple[uuid.UUID, str, TraceContext | None]] = []
+        batch: list[tuple[uuid.UUID, str, TraceContext | None, Tree]] = []
         while True:
             if not batch:
                 batch.append(self.queue.get())
@@ -661,9 +740,9 @@ def send_pending(pending: dict, celery_app=None) -> None:
     process's sender: the session's ``after_commit``, and ``state.direct``'s statements.
     ``celery_app``: the app's (``current_app``'s when None, which needs an app context)."""
     out = sender(celery_app if celery_app is not None else current_app.extensions["celery"])
-    for run_id, (workflow_ref, traceparent, tracestate) in pending.items():
+    for run_id, (workflow_ref, traceparent, tracestate, *tree) in pending.items():
         out.put(run_id, workflow_ref,
-                TraceContext(traceparent, tracestate) if traceparent else None)
+                TraceContext(traceparent, tracestate) if traceparent else None, Tree(*tree))
 
 
 @event.listens_for(Session, "after_rollback")

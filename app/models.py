@@ -108,6 +108,9 @@ class Run(db.Model):
     origin: Mapped[str] = mapped_column(String(16), nullable=False)
     origin_detail: Mapped[str | None] = mapped_column(String(255))
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    # The root of a child's run tree (its parent's root, or its parent; migration 0021):
+    # Celery's root_id on the run's messages. None for a top-level run (its own root).
+    root_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     # The hash of the resolved workflow definition pinned at admission (migration 0006).
     definition_hash: Mapped[str | None] = mapped_column(String(64))
     # The W3C Trace Context the run was admitted with (migration 0010; app/tracecontext.py).

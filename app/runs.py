@@ -18,7 +18,7 @@ from sqlalchemy import Row, and_, or_, select, text
 from sqlalchemy.orm import Session
 
 from . import metrics
-from .enqueue import queue_of, send_run
+from .enqueue import queue_of, send_run, tree_of
 from .liveness import GONE_SLACK
 from .models import Run, Tenant
 from .state import runs as state_runs
@@ -249,16 +249,16 @@ def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
     sent = 0
     for row in woken:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         trace=of_run(row))
+                         trace=of_run(row), tree=tree_of(row))
     for row in dead:
         # Not before the boot is gone (a delivery then would take nothing over), and not
         # before the takeover delay (the cut-off process may adopt its run first).
         countdown = max(takeover_delay, row.gone_in + GONE_SLACK if row.gone_in else 0.0)
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         countdown=countdown or None, trace=of_run(row))
+                         countdown=countdown or None, trace=of_run(row), tree=tree_of(row))
     for row in queued:
         sent += send_run(celery_app, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                         trace=of_run(row))
+                         trace=of_run(row), tree=tree_of(row))
     metrics.REPAIRS.labels("dead_boot").inc(len(dead))
     metrics.REPAIRS.labels("queued").inc(len(queued))
     metrics.REPAIRS.labels("slot_free").inc(len(woken))

@@ -274,7 +274,8 @@ class TaskBody:
     """The action of a task workflow: the task's own function, called under the run's claim.
 
     ``self.request`` (for ``bind=True`` tasks) is a request whose ``id`` is the
-    run id and ``retries`` the run's recorded failures; ``self.retry(...)``
+    run id, ``retries`` the run's recorded failures and ``parent_id``/``root_id`` the
+    run's place in its run tree (its message's); ``self.retry(...)``
     raises Celery's ``Retry`` without sending anything, and the run is retried
     by Poimen (``workers/execution.py``) after the countdown it asked for.
     The run's input (a JSON object) is the task's keyword arguments.
@@ -290,14 +291,18 @@ class TaskBody:
     def __call__(self, ctx, input: dict) -> Any:
         from flask import current_app
 
+        from .execution import delivered_tree
+
         task = current_app.extensions["celery"].tasks[self.task_name]
+        # The run tree as the run's message carries it: a fan-out child's parent and root.
+        tree = delivered_tree(ctx.run_id)
         task.push_request(
             id=str(ctx.run_id), task=task.name, retries=ctx.failures,
             args=[], kwargs=dict(input), called_directly=False,
             # "eager": self.retry() raises Retry instead of publishing a message;
             # the run's retry is Poimen's, with the run's claim and backoff.
             is_eager=True, delivery_info={"is_eager": True}, hostname=socket.gethostname(),
-            root_id=str(ctx.run_id), parent_id=None, group=None, chord=None, callbacks=None,
+            root_id=tree.root_id or str(ctx.run_id), parent_id=tree.parent_id, group=None, chord=None, callbacks=None,
             errbacks=None, chain=None, ignore_result=True,
         )
         try:

@@ -16,7 +16,7 @@ from celery.exceptions import Retry as CeleryRetry
 from flask import current_app
 from sqlalchemy.exc import DataError
 
-from app.enqueue import send_pending, send_run
+from app.enqueue import Tree, send_pending, send_run
 from app.extensions import db
 from app.liveness import GONE_SLACK
 from app.logs import note_tenant
@@ -101,6 +101,28 @@ def limited_workflow(shadow: str | None) -> bool:
         return False
 
 
+def delivered_tree(run_id: uuid.UUID, retries: int | None = None, *,
+                  takeover: bool = False) -> Tree:
+    """The ``Tree`` of a message this worker sends for ``run_id`` (a retry, a release, a
+    holder's takeover): ``retries`` (the run's attempt after this send's write), and the
+    run tree's parent and root as the delivery that executes the run here carries them,
+    as Celery's own retry copies its request's (a claim does not read them). Not from
+    Celery's task: None, a top-level run. ``takeover``: the delivered message's retries
+    plus the holder's attempt."""
+    from celery._state import get_current_worker_task
+
+    task = get_current_worker_task()
+    request = getattr(task, "request", None)
+    run = str(run_id)
+    if request is None or getattr(request, "id", None) != run:
+        return Tree(retries or 0)
+    if takeover:
+        retries = (getattr(request, "retries", 0) or 0) + 1
+    root = getattr(request, "root_id", None)
+    return Tree(retries or 0, getattr(request, "parent_id", None),
+                root if root and root != run else None)
+
+
 def execute_run(run_id: str, *, limited: bool = False) -> Execution:
     """Execute run ``run_id`` if this delivery wins its claim; say what it did.
 
@@ -123,7 +145,8 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
             delay = claim.gone_in + GONE_SLACK
             log.warning("run %s: its holder %s lost its lock; it may be taken over in %.1fs, "
                         "sent again for then", run_id, claim.holder, delay)
-            send_run(current_app.extensions["celery"], run_uuid, claim.ref, countdown=delay)
+            send_run(current_app.extensions["celery"], run_uuid, claim.ref, countdown=delay,
+                     tree=delivered_tree(run_uuid, takeover=True))
             return Execution(claim)
         level = logging.INFO if claim.outcome != ClaimOutcome.DUPLICATE else logging.WARNING
         log.log(level, "run %s: %s (holder %s); nothing to do", run_id, claim.outcome.value,
@@ -236,7 +259,7 @@ def _run_claimed(claim: Claim) -> Ended:
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
             send_run(current_app.extensions["celery"], run_id, ref, countdown=delay,
-                     trace=of_run(row))
+                     trace=of_run(row), tree=delivered_tree(run_id, claim.attempt - 1))
             return Ended(RunEnding.RELEASED, delay=delay)
         return Ended(RunEnding.LOST)
     except Exception as err:
@@ -318,7 +341,7 @@ def _record_failure(ctx: RunContext, fence: Fence, failures: int, err: Exception
             log.warning("run %s: %s; retry %s/%s in %.1fs", run_id, error["type"],
                         failures + 2, workflow.max_attempts, delay)
             send_run(current_app.extensions["celery"], run_id, workflow.ref, countdown=delay,
-                     trace=fence.trace)
+                     trace=fence.trace, tree=delivered_tree(run_id, ctx.attempt))
             return Ended(RunEnding.RETRYING, delay=delay)
         log.warning("run %s: claim lost before recording failure", run_id)
         return Ended(RunEnding.LOST)

@@ -28,9 +28,11 @@ from app.models import RunStatus, WaitReason
 ENDED = "('succeeded', 'failed', 'cancelled')"
 
 # Where a transition leaves the runs to send once its transaction commits
-# (``{run_id: (workflow_ref, traceparent, tracestate)}`` on ``session.info``):
-# ``app/enqueue.py`` hands them to the sender after commit and forgets them on rollback.
-# The trace context is the run's (its columns), carried as plain values.
+# (``{run_id: (workflow_ref, traceparent, tracestate, retries, parent_id, root_id)}`` on
+# ``session.info``): ``app/enqueue.py`` hands them to the sender after commit and forgets
+# them on rollback. The trace context is the run's (its columns), carried as plain values;
+# retries, parent_id and root_id are what the message tells Celery (and Flower) of the
+# run's attempt and run tree (``tree_of``).
 PENDING_SENDS = "poimen_pending_enqueue"
 
 
@@ -46,17 +48,41 @@ def to_json(value: Any) -> str | None:
 
 
 def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str,
-                      traceparent: str | None = None, tracestate: str | None = None) -> None:
+                      traceparent: str | None = None, tracestate: str | None = None,
+                      retries: int = 0, parent_id: str | None = None,
+                      root_id: str | None = None) -> None:
     """Send ``run_id`` to the workers once ``session``'s transaction commits; its message
-    carries the run's W3C Trace Context (``traceparent``, ``tracestate``) as headers."""
-    session.info.setdefault(PENDING_SENDS, {})[run_id] = (workflow_ref, traceparent, tracestate)
+    carries the run's W3C Trace Context (``traceparent``, ``tracestate``) as headers, and
+    Celery's ``retries``, ``parent_id`` and ``root_id`` (None: the run itself) of the run."""
+    session.info.setdefault(PENDING_SENDS, {})[run_id] = (
+        workflow_ref, traceparent, tracestate, retries, parent_id, root_id)
+
+
+def tree_of(row: Any) -> tuple[int, str | None, str | None]:
+    """``(retries, parent_id, root_id)`` of a run's next message, from its row: Celery's
+    ``retries`` is the executions the run has started (its ``attempt``: 0 until the first),
+    ``parent_id`` the run that fanned it out, ``root_id`` its tree's root (None: itself; a
+    child admitted before ``root_run_id`` existed names its parent). A row without these
+    columns reads as a first, top-level send."""
+    parent = getattr(row, "parent_run_id", None)
+    root = getattr(row, "root_run_id", None) or parent
+    return (getattr(row, "attempt", None) or 0, str(parent) if parent else None,
+            str(root) if root else None)
+
+
+def send_row_after_commit(session: Session, row: Any) -> None:
+    """``send_after_commit`` of the run ``row`` (its id, ref, trace context and tree)."""
+    send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+                      row.traceparent, row.tracestate, *tree_of(row))
 
 
 def send_woken(session: Session, row: Row | None) -> None:
     """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
     for parent in (row.woken if row is not None else None) or ():
         send_after_commit(session, uuid.UUID(parent["id"]), parent["ref"],
-                          parent.get("traceparent"), parent.get("tracestate"))
+                          parent.get("traceparent"), parent.get("tracestate"),
+                          parent.get("attempt") or 0, parent.get("parent_run_id"),
+                          parent.get("root_run_id") or parent.get("parent_run_id"))
 
 
 def outbox_rows(source: str, event_type: str, fields: str = "'{}'::jsonb",
@@ -132,7 +158,7 @@ JOIN_RELEASE = f""",
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN {ENDED}
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS ({outbox_rows("woken", "'run.joined'",
                                  "jsonb_build_object('entry_id', entry_id)",
@@ -143,7 +169,8 @@ JOIN_RELEASE = f""",
 WITH_WOKEN = (
     "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
     "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, "
-    "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
+    "'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, "
+    "'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) "
     f"FROM woken w WHERE w.status = '{RunStatus.QUEUED}') AS woken"
 )
 
@@ -276,7 +303,7 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
                 WHERE t.max_running IS NOT NULL AND {when})
            AND {status_is('w', RunStatus.WAITING)} AND w.wait_reason IN {LIMITED_WAITS}
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS ({outbox_rows("slot_woken", "'run.woken'")})
 """
@@ -285,12 +312,14 @@ def slot_release(source: str = "changed", when: str = "true") -> str:
 def with_woken(*, join: bool) -> str:
     """The select list of a statement with ``slot_release`` (and ``JOIN_RELEASE`` if
     ``join``): its rows, plus every run it re-queued (``woken``: id, ref, trace context)."""
-    columns = "w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate"
+    columns = ("w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, "
+               "w.attempt, w.parent_run_id, w.root_run_id")
     woken = (f"SELECT {columns} FROM woken w WHERE w.status = '{RunStatus.QUEUED}' UNION ALL "
              if join else "")
     return (
         "changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object("
         "'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, "
-        "'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) "
+        "'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, "
+        "'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) "
         f"FROM ({woken}SELECT {columns} FROM slot_woken w) w) AS woken"
     )

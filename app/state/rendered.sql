@@ -7,11 +7,11 @@
 WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                  origin, origin_detail, parent_run_id, definition_hash,
+                  origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                   traceparent, tracestate, concurrency_key, concurrency_limit)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-        :origin_detail, :parent_run_id, :definition_hash,
+        :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, :definition_hash,
         :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
@@ -38,11 +38,11 @@ SELECT runs.*,
 WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                  origin, origin_detail, parent_run_id, definition_hash,
+                  origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                   traceparent, tracestate, concurrency_key, concurrency_limit)
 SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
        r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
-       :origin_detail, :parent_run_id, r.definition_hash,
+       :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, r.definition_hash,
        r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
   FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
        ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
@@ -119,7 +119,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -130,7 +130,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: CANCEL_QUEUED
 WITH  changed AS (
@@ -163,7 +163,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -174,7 +174,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/runs.py: END_ABANDONED
 WITH  changed AS (
@@ -208,7 +208,7 @@ WITH  changed AS (
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -238,7 +238,7 @@ WITH  changed AS (
                 WHERE t.max_running IS NOT NULL AND true)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -249,7 +249,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/runs.py: TIME_LIMIT
 WITH  changed AS (
@@ -285,7 +285,7 @@ WITH  changed AS (
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -315,7 +315,7 @@ WITH  changed AS (
                 WHERE t.max_running IS NOT NULL AND true)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -326,7 +326,7 @@ WITH  changed AS (
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/runs.py: LOCK_SLOTS
 SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
@@ -356,7 +356,8 @@ UPDATE runs SET last_sent_at = now()
          LIMIT :limit
            FOR UPDATE OF r SKIP LOCKED) AS dead
  WHERE runs.id = dead.id
-RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in;
+RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in,
+          attempt, parent_run_id, root_run_id;
 
 -- app/state/runs.py: QUEUED_RUNS
 UPDATE runs SET last_sent_at = now()
@@ -371,7 +372,8 @@ UPDATE runs SET last_sent_at = now()
         ORDER BY r.last_sent_at
         LIMIT :limit
           FOR UPDATE OF r SKIP LOCKED)
-RETURNING id, workflow_name, workflow_version, traceparent, tracestate;
+RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
+          parent_run_id, root_run_id;
 
 -- app/state/runs.py: QUEUED_WORKFLOWS
 SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
@@ -418,7 +420,7 @@ UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
         ORDER BY w.created_at, w.id
         LIMIT :limit)
    AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
- RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, 'run.woken',
@@ -468,7 +470,7 @@ UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
         ORDER BY w.created_at, w.id
         LIMIT :limit)
    AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
- RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate),
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, 'run.woken',
@@ -602,7 +604,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -613,7 +615,7 @@ woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: TAKE_OVER_SLOT
 WITH
@@ -685,7 +687,7 @@ WITH
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -715,7 +717,7 @@ WITH
                 WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled'))
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -726,7 +728,7 @@ WITH
 
     )
 
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: ADOPT
 WITH  changed AS (
@@ -809,7 +811,7 @@ WITH changed AS (
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -839,7 +841,7 @@ WITH changed AS (
                 WHERE t.max_running IS NOT NULL AND true)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -850,7 +852,7 @@ WITH changed AS (
 
     )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: FINISH_INSERTED
 WITH changed AS (
@@ -893,7 +895,7 @@ WITH changed AS (
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -923,7 +925,7 @@ WITH changed AS (
                 WHERE t.max_running IS NOT NULL AND true)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -934,7 +936,7 @@ WITH changed AS (
 
     )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: FINISH_CLOSED
 WITH changed AS (
@@ -979,7 +981,7 @@ WITH changed AS (
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
            AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
     woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1009,7 +1011,7 @@ WITH changed AS (
                 WHERE t.max_running IS NOT NULL AND true)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1020,7 +1022,7 @@ WITH changed AS (
 
     )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: FINISH_UNLIMITED
 WITH changed AS (
@@ -1054,7 +1056,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1065,7 +1067,7 @@ woken_event AS (
 
 )
 
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: FINISH_INSERTED_UNLIMITED
 WITH changed AS (
@@ -1108,7 +1110,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1119,7 +1121,7 @@ woken_event AS (
 
 )
 
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: FINISH_CLOSED_UNLIMITED
 WITH changed AS (
@@ -1164,7 +1166,7 @@ woken AS (
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
        AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
 woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1175,7 +1177,7 @@ woken_event AS (
 
 )
 
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- app/state/claims.py: RELEASE
 WITH  changed AS (
@@ -1211,7 +1213,7 @@ slot_woken AS (
             WHERE t.max_running IS NOT NULL AND true)
        AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1222,7 +1224,7 @@ slot_woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: RETRY
 WITH  changed AS (
@@ -1259,7 +1261,7 @@ slot_woken AS (
             WHERE t.max_running IS NOT NULL AND true)
        AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -1270,7 +1272,7 @@ slot_woken_event AS (
 
 )
 
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate FROM slot_woken w) w) AS woken FROM changed;
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
 
 -- app/state/claims.py: CLAIM_STATE
 SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
@@ -1499,7 +1501,7 @@ slot_woken AS (
             WHERE t.max_running IS NOT NULL AND true)
        AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
     RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
 ),
 slot_woken_event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)

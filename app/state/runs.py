@@ -44,7 +44,7 @@ from .compose import (
     holds_slot,
     same_group,
     same_tenant,
-    send_after_commit,
+    send_row_after_commit,
     send_woken,
     slot_release,
     slot_status_is,
@@ -59,15 +59,22 @@ _SLOT_COLUMNS = "workflow_name, workflow_version, concurrency_key, concurrency_l
 
 # -- admit ------------------------------------------------------------------------------------
 
+# A fan-out child's root_run_id: its parent's root, or its parent (a top-level parent has
+# none). One lookup of the parent by key, made only for a child: the subquery is an
+# InitPlan, run when the CASE first needs it, so a top-level admission pays nothing.
+_ROOT_OF_PARENT = ("CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE "
+                   "(SELECT coalesce(p.root_run_id, p.id) FROM runs p "
+                   "WHERE p.id = CAST(:parent_run_id AS uuid)) END")
+
 ADMIT = with_event(
-    """
+    f"""
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id, definition_hash,
+                      origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                       traceparent, tracestate, concurrency_key, concurrency_limit)
     VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
             CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-            :origin_detail, :parent_run_id, :definition_hash,
+            :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, :definition_hash,
             :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
     ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     """,
@@ -100,14 +107,14 @@ EXISTING = text(
 # key: two batches that share keys take them in one order, so neither can hold a key the
 # other waits for while it waits for one the other holds (a deadlock).
 ADMIT_MANY = with_event(
-    """
+    f"""
     INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                       goal_id, dispatch_key, status, attempt, failures, cancel_requested,
-                      origin, origin_detail, parent_run_id, definition_hash,
+                      origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                       traceparent, tracestate, concurrency_key, concurrency_limit)
     SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
            r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
-           :origin_detail, :parent_run_id, r.definition_hash,
+           :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, r.definition_hash,
            r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
       FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
            ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
@@ -171,8 +178,7 @@ def admit(session: Session, values: dict, *, input_json: str, event_json: str) -
     row = session.execute(ADMIT, {**values, "input": input_json, "event": event_json}
                           ).one_or_none()
     if row is not None:
-        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                          row.traceparent, row.tracestate)
+        send_row_after_commit(session, row)
     return row
 
 
@@ -186,8 +192,7 @@ def admit_many(session: Session, *, tenant_id: int, runs_json: str, origin: str,
         "tenant_id": tenant_id, "runs": runs_json, "origin": origin,
         "origin_detail": origin_detail, "parent_run_id": parent_run_id}).all()
     for row in rows:
-        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                          row.traceparent, row.tracestate)
+        send_row_after_commit(session, row)
     return rows
 
 
@@ -463,7 +468,8 @@ DEAD_BOOT_RUNS = text(
              LIMIT :limit
                FOR UPDATE OF r SKIP LOCKED) AS dead
      WHERE runs.id = dead.id
-    RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in
+    RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in,
+              attempt, parent_run_id, root_run_id
     """
 )
 
@@ -484,7 +490,8 @@ QUEUED_RUNS = text(
             ORDER BY r.last_sent_at
             LIMIT :limit
               FOR UPDATE OF r SKIP LOCKED)
-    RETURNING id, workflow_name, workflow_version, traceparent, tracestate
+    RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
+              parent_run_id, root_run_id
     """
 )
 
@@ -565,7 +572,8 @@ def _wake(waiting: str) -> TextClause:
             LIMIT :limit)
        AND {status_is("runs", RunStatus.WAITING)} AND wait_reason IN {LIMITED_WAITS}
     """,
-        "id, tenant_id, workflow_name, workflow_version, traceparent, tracestate",
+        "id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, "
+        "parent_run_id, root_run_id",
         "'run.woken'",
         before=f"""
     waiters AS (
@@ -625,8 +633,7 @@ def change_tenant_cap(session: Session, tenant_id: int, max_running: int | None)
     session.execute(SET_TENANT_CAP, {"tenant": tenant_id, "max_running": max_running})
     woken = session.execute(WAKE_TENANT, {"tenant": tenant_id, "limit": None}).all()
     for row in woken:
-        send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
-                          row.traceparent, row.tracestate)
+        send_row_after_commit(session, row)
     return woken
 
 

@@ -18,7 +18,7 @@ import pytest
 from celery import signals
 from redis.exceptions import ResponseError
 
-from app.enqueue import RedisWire, _publish, _Template, sender
+from app.enqueue import TOP, RedisWire, Tree, _publish, _Template, sender
 from app.tracecontext import TraceContext
 
 TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "vendor=1")
@@ -48,16 +48,16 @@ def _take(redis_client, key: str, run_id: uuid.UUID) -> dict:
     raise AssertionError(f"no message of {run_id} in {key}")
 
 
-def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
+def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None, tree=TOP):
     run_id = uuid.uuid4()
     with app.app_context(), celery_app.producer_or_acquire() as producer:
-        _publish(celery_app, run_id, workflow_ref, None, producer, trace)
+        _publish(celery_app, run_id, workflow_ref, None, producer, trace, tree=tree)
         wire = RedisWire(celery_app, producer.channel)
         assert RedisWire.usable(celery_app, producer.channel)
         # The wire's first message of a workflow makes its template; the one compared is
         # written from it, as every later message of the workflow is.
         assert wire.message(uuid.uuid4(), workflow_ref, trace) is not None
-        written = wire.message(run_id, workflow_ref, trace)
+        written = wire.message(run_id, workflow_ref, trace, tree)
         names = tuple(trace.headers()) if trace is not None else ()
         assert isinstance(wire._templates[(workflow_ref, names)], _Template)
     assert written is not None
@@ -67,16 +67,26 @@ def _both_ways(app, celery_app, redis_client, workflow_ref, trace=None):
     return celery_message, _take(redis_client, key, run_id)
 
 
-@pytest.mark.parametrize("workflow_ref, trace", [
-    ("echo", None),           # the default queue
-    ("echo", TRACE),          # a run admitted with W3C Trace Context
-    ("echo", TraceContext(TRACE.traceparent, None)),  # a traceparent alone
-    ("soft-time", None),      # a workflow's time limits travel in the message
+PARENT, ROOT = str(uuid.uuid4()), str(uuid.uuid4())
+
+
+@pytest.mark.parametrize("workflow_ref, trace, tree", [
+    ("echo", None, TOP),           # the default queue
+    ("echo", TRACE, TOP),          # a run admitted with W3C Trace Context
+    ("echo", TraceContext(TRACE.traceparent, None), TOP),  # a traceparent alone
+    ("soft-time", None, TOP),      # a workflow's time limits travel in the message
+    ("echo", None, Tree(2)),       # a retry: its third execution
+    ("echo", TRACE, Tree(1, PARENT, ROOT)),  # a retried fan-out child of a child
+    ("echo", None, Tree(0, PARENT, PARENT)),  # a child of a top-level run
 ])
 def test_a_wire_message_is_send_tasks_message(app, celery_app, celery_tasks, redis_client,
-                                              workflow_ref, trace):
-    by_celery, by_wire = _both_ways(app, celery_app, redis_client, workflow_ref, trace)
+                                              workflow_ref, trace, tree):
+    by_celery, by_wire = _both_ways(app, celery_app, redis_client, workflow_ref, trace, tree)
     assert by_wire == by_celery
+    headers = by_wire["headers"]
+    assert headers["retries"] == tree.retries
+    assert headers["parent_id"] == tree.parent_id
+    assert headers["root_id"] == (tree.root_id or headers["id"])
     assert by_wire["headers"]["task"] == "runs.execute"
     if workflow_ref == "soft-time":
         assert by_wire["headers"]["timelimit"] == [60, 2]

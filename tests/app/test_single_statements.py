@@ -48,7 +48,7 @@ def test_sends_go_at_commit_and_are_forgotten_at_rollback(store):
     send_after_commit(stand_in, run_id, "noop@1")  # registered after the statement, as the store does
     assert sent == []
     stand_in.commit()
-    assert sent == [{run_id: ("noop@1", None, None)}]
+    assert sent == [{run_id: ("noop@1", None, None, 0, None, None)}]
     send_after_commit(stand_in, uuid.uuid4(), "noop@1")
     stand_in.rollback()
     stand_in.commit()

@@ -61,12 +61,12 @@ MUTANTS: list[Mutant] = [
         "app/state/runs.py",
         "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, :definition_hash,\n"
         "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)\n"
         "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
         "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
         "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, :definition_hash,\n"
+        "            :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, :definition_hash,\n"
         "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit\n"
         "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
         "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",

@@ -147,7 +147,34 @@ def flower(env, tmp_path, processes):
         r = requests.get(f"{url}/api/task/info/{run_id}", auth=("ops", "s3cret"), timeout=5)
         return r.json() if r.status_code == 200 else None
 
+    task_info.url = url  # its pages (``browser``)
     return task_info
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium (Debian's ``chromium`` and ``chromium-driver``, as the console's
+    tests drive it) that can resolve no host but 127.0.0.1."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromedriver = shutil.which("chromedriver")
+    if not (chromium and chromedriver):
+        pytest.skip("no browser: install Debian's chromium and chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1700", "--no-first-run", "--disable-sync",
+                "--disable-background-networking", "--disable-component-update",
+                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
 
 
 def flower_state(flower, run_id) -> str | None:
@@ -220,6 +247,66 @@ def test_flower_and_task_events_show_each_runs_outcome(admit, env, pg, tmp_path,
     assert flower_verdict(flower, cancelled, "the cancelled run's task")["state"] == "REVOKED"
     assert run_row(pg, cancelled)[0] == "cancelled"
     assert "task-succeeded" not in task_events.of(cancelled)
+
+
+def _task_page(browser, flower, run_id) -> dict[str, object]:
+    """Flower's task page of ``run_id`` in the browser: each row's label (lower case) -> its
+    value element. Flower's basic auth travels in the URL (as a person types it once)."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(flower.url.replace("http://", "http://ops:s3cret@") + f"/task/{run_id}")
+    wait_until(lambda: browser.find_elements(By.ID, "taskid"), timeout=30,
+               what=f"Flower's page of task {run_id}")
+    assert browser.find_element(By.ID, "taskid").get_attribute("textContent") == str(run_id)
+    rows = {}
+    for row in browser.find_elements(By.CSS_SELECTOR, "#task-page dl .detail-row"):
+        label = row.find_element(By.TAG_NAME, "dt").get_attribute("textContent").strip()
+        rows[label.lower()] = row.find_element(By.TAG_NAME, "dd")
+    return rows
+
+
+def _links_to(value, run_id) -> bool:
+    from selenium.webdriver.common.by import By
+
+    links = value.find_elements(By.TAG_NAME, "a")
+    return any(a.get_attribute("href").endswith(f"/task/{run_id}") for a in links)
+
+
+def test_flowers_task_page_shows_a_runs_retries_and_its_run_tree(admit, env, pg, tmp_path,
+                                                                 processes, flower, browser):
+    """What Flower shows of a Celery task's retries and its parent/root, it shows of runs: a
+    run that succeeds on its third attempt shows Retries 2, a fan-out child links its parent
+    run's task (and its tree's root), a top-level run none (its root is itself)."""
+    from selenium.webdriver.common.by import By
+
+    processes.append(start_worker(env, tmp_path, "treew", concurrency=1))
+    flaky = admit("flaky", {"failures": 2})
+    assert flower_verdict(flower, flaky, "the flaky run's task")["state"] == "SUCCESS"
+    assert run_row(pg, flaky)[:3] == ("succeeded", 3, 2)
+    # The page shows the task's latest received message: its third.
+    page = wait_until(lambda: (rows := _task_page(browser, flower, flaky)).get("retries")
+                      and rows["retries"].text.strip() == "2" and rows,
+                      timeout=30, what="Flower's page to show Retries 2")
+    assert "parent id" not in page  # a top-level run: no parent, not the task that sent it
+    assert _links_to(page["root id"], flaky)
+
+    review = admit("doc-review", {"participants": ["ana"]})
+    child = wait_until(lambda: pg.execute("SELECT id FROM runs WHERE parent_run_id = %s",
+                                          [review]).fetchone(),
+                       timeout=90, what="the review's child run")[0]
+    assert flower_verdict(flower, child, "the child run's task")["state"] == "SUCCESS"
+    wait_status(pg, review, {"succeeded"})
+    page = _task_page(browser, flower, child)
+    assert page["retries"].text.strip() == "0"
+    assert _links_to(page["parent id"], review) and _links_to(page["root id"], review)
+    # The link leads to the parent run's own task page.
+    page["parent id"].find_element(By.TAG_NAME, "a").click()
+    wait_until(lambda: browser.find_element(By.ID, "taskid").get_attribute("textContent")
+               == str(review), timeout=30, what="the parent run's task page")
+    parent_page = _task_page(browser, flower, review)
+    assert "parent id" not in parent_page and _links_to(parent_page["root id"], review)
+    # The review waited for its child (a join) and resumed: a second execution.
+    assert parent_page["retries"].text.strip() == "1"
 
 
 def test_a_duplicate_delivery_while_the_run_goes_is_not_a_success(admit, env, pg, tmp_path,
@@ -367,7 +454,9 @@ def test_purge_deletes_messages_not_runs_and_beat_sends_them_again(admit, env, p
 def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp_path,
                                                             processes, task_events):
     processes.append(start_worker(env, tmp_path, "taskw", concurrency=1))
-    run_id = admit("tests.celery_tasks.retry_twice", {"countdown": 0.2})
+    # A fan-out child's (as a parent's spawn admits it): its request names its run tree.
+    parent = admit("echo", {"n": 0})
+    run_id = admit("tests.celery_tasks.retry_twice", {"countdown": 0.2}, parent_run_id=parent)
     given_up = admit("celery-give-up")
 
     status, attempt, failures, result, error, _ = wait_status(pg, run_id, {"succeeded",
@@ -376,7 +465,9 @@ def test_a_shared_task_that_retries_twice_runs_as_a_workflow(admit, env, pg, tmp
     assert (attempt, failures) == (3, 2)  # three attempts, one success
     # self.request.id is the run id (each attempt recorded its side effect under it).
     assert effects(pg, run_id) == ["try:0", "try:1", "try:2"]
-    assert result == {"request_id": str(run_id), "retries": 2}
+    # The third attempt's delivery is the worker's retry send: still the child's tree.
+    assert result == {"request_id": str(run_id), "retries": 2, "parent_id": str(parent),
+                      "root_id": str(parent)}
     events = run_events(pg, run_id)
     assert events.count("run.retrying") == 2 and events.count("run.started") == 3
     assert events[-1] == "run.succeeded"

@@ -135,7 +135,8 @@ def test_a_run_woken_for_a_slot_is_sent_with_its_trace_context(session, admit, b
     claim(session, first, boot.boot_id)
     claim(session, second, boot.boot_id)
     finish_run(session, first, boot.boot_id, status="succeeded")
-    assert session.info[PENDING_SENDS][second] == ("keyed@1", traceparent, "k=v")
+    # Its slot wait started no execution: still Celery's retries 0; top-level.
+    assert session.info[PENDING_SENDS][second] == ("keyed@1", traceparent, "k=v", 0, None, None)
     session.commit()
 
 

@@ -25,7 +25,8 @@ def retry_twice(self, **input):
     record_effect(self.request.id, f"try:{self.request.retries}")
     if self.request.retries < 2:
         raise self.retry(exc=NotYet("not yet"), countdown=float(input.get("countdown", 0.2)))
-    return {"request_id": self.request.id, "retries": self.request.retries}
+    return {"request_id": self.request.id, "retries": self.request.retries,
+            "parent_id": self.request.parent_id, "root_id": self.request.root_id}
 
 
 # The string form, by the task's registered name.
