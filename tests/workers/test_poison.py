@@ -161,3 +161,36 @@ def test_a_poisoned_takeover_is_a_failure_of_its_celery_task_and_counted(
         # A second delivery of the ended run counts nothing more.
         execute_run(str(run_id))
     assert counted._value.get() == before + 1
+
+
+def test_the_api_the_console_and_the_client_show_a_poisoned_run(
+        database_url, tenant, admit, boot_factory, dead_boot, session, pg):
+    """GET /v1/runs/<id> and ?status=poisoned, the console's status count, filter and badge,
+    and the python client's idea of an ended run."""
+    import re
+
+    from poimen_client import TERMINAL
+
+    from app import create_app
+
+    run_id, other = admit(), admit()
+    hold_as(pg, run_id, dead_boot(), takeovers=DEFAULT_MAX_TAKEOVERS)
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
+    client = create_app({"POIMEN_CONSOLE_SECRET": "s" * 40, "TESTING": True}).test_client()
+    headers = tenant.headers
+
+    body = client.get(f"/v1/runs/{run_id}", headers=headers).json
+    assert body["status"] == "poisoned" and body["error"]["code"] == "poisoned"
+    listed = client.get("/v1/runs?status=poisoned", headers=headers).json["runs"]
+    assert [r["id"] for r in listed] == [str(run_id)]
+    assert "poisoned" in TERMINAL
+
+    page = client.get("/console/sign-in").get_data(as_text=True)
+    csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+    client.post("/console/sign-in", data={"csrf_token": csrf, "token": tenant.token})
+    runs = client.get("/console/runs?status=poisoned").get_data(as_text=True)
+    assert re.search(r'data-status="poisoned"[^>]*>poisoned <span>1</span>', runs)
+    assert f'data-run-id="{run_id}"' in runs and f'data-run-id="{other}"' not in runs
+    assert '<span class="badge status-poisoned">poisoned</span>' in runs
+    detail = client.get(f"/console/runs/{run_id}").get_data(as_text=True)
+    assert 'id="run-status">poisoned<' in detail and "killed 6 workers" in detail
