@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Row, text
@@ -105,8 +105,9 @@ class Claim:
     gone_in: float | None = None
     ref: str | None = None
     # FINISHED by this delivery's takeover: the run's row as it ended it (status,
-    # tenant_id, workflow_name), for the poisoned runs' counter.
-    ended: Row | None = None
+    # tenant_id, workflow_name), for the poisoned runs' counter; an observation, not
+    # part of what the claim decided (not compared).
+    ended: Row | None = field(default=None, compare=False)
 
 
 # What a claim returns: everything the worker needs to run the workflow, so

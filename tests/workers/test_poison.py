@@ -148,6 +148,10 @@ def test_a_poisoned_takeover_is_a_failure_of_its_celery_task_and_counted(
 
     tenant_name = pg.execute("SELECT t.name FROM tenants t JOIN runs r ON r.tenant_id = t.id "
                              "WHERE r.id = %s", [run_id := admit("echo")]).fetchone()[0]
+    # Tenant names are cached by id; other tests' databases reuse ids for other names.
+    from app.logs import _tenant_name
+
+    _tenant_name.cache_clear()
     counted = RUNS_POISONED.labels(tenant_name, "echo")
     before = counted._value.get()
     hold_as(pg, run_id, dead_boot(), takeovers=DEFAULT_MAX_TAKEOVERS)
