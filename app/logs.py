@@ -179,6 +179,11 @@ def init_celery() -> None:
     signals.task_postrun.connect(_task_done, weak=False)
 
 
+def tenant_name(tenant_id: int) -> str | None:
+    """The name of tenant ``tenant_id`` (cached; None if there is none)."""
+    return _tenant_name(tenant_id)
+
+
 @functools.lru_cache(maxsize=1024)
 def _tenant_name(tenant_id: int) -> str | None:
     from sqlalchemy import text

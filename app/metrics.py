@@ -93,6 +93,13 @@ CLAIMS = Counter(
     "finished, waiting, slot_wait, not_due, missing, claimer_dead).",
     ["outcome"],
 )
+RUNS_POISONED = Counter(
+    "poimen_runs_poisoned_total",
+    "Runs ended poisoned: their executions killed max_takeovers + 1 workers (a segfault, "
+    "os._exit, OOM), so the last takeover ended them instead of resuming them; by tenant "
+    "(its name) and workflow.",
+    ["tenant", "workflow"],
+)
 REPAIRS = Counter(
     "poimen_repairs_total",
     "Runs repair re-sent, by reason (dead_boot: held by a dead worker; queued: "

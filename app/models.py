@@ -34,6 +34,8 @@ class RunStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # Its executions kept killing their workers: ended after max_takeovers takeovers.
+    POISONED = "poisoned"
 
 
 class WaitReason(enum.StrEnum):
@@ -44,7 +46,8 @@ class WaitReason(enum.StrEnum):
     TENANT_CAP = "tenant_cap"  # a slot of its tenant (tenants.max_running)
 
 
-TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED,
+                               RunStatus.POISONED})
 
 
 class Tenant(db.Model):
@@ -137,7 +140,8 @@ class Run(db.Model):
 
     __table_args__ = (
         CheckConstraint(
-            "status IN ('queued', 'running', 'waiting', 'succeeded', 'failed', 'cancelled')",
+            "status IN ('queued', 'running', 'waiting', 'succeeded', 'failed', 'cancelled', "
+            "'poisoned')",
             name="ck_runs_status",
         ),
         # Exactly-once admission is decided here: the index, not application code.

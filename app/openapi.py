@@ -322,7 +322,12 @@ def openapi_document() -> dict[str, Any]:
                             "description": "true once a newer run took this run's "
                                            "dispatch_key (the workflow's key_reuse policy); "
                                            "a replay of the key answers with the newer run"},
-                        "status": {"type": "string", "enum": [s.value for s in RunStatus]},
+                        "status": {"type": "string", "enum": [s.value for s in RunStatus],
+                                   "description": "succeeded, failed, cancelled and poisoned "
+                                                  "are terminal; poisoned: the run's "
+                                                  "executions killed its workflow's "
+                                                  "max_takeovers + 1 workers, and it was not "
+                                                  "resumed again (error.code poisoned)"},
                         "wait_reason": {"type": "string", "nullable": True,
                                         "enum": [*(r.value for r in WaitReason), None],
                                         "description": "What a waiting run waits for"},

@@ -106,8 +106,9 @@ def _not_executed(task, claim) -> str:
         db.session.rollback()
         if status == "cancelled":
             _announce_cancelled(task)
-        elif status == "failed" and claim.holder is not None:
-            # This delivery took over a dead worker's run and ended it (worker_lost).
+        elif status == "poisoned" and claim.holder is not None:
+            # This delivery took over a dead worker's run and ended it: it killed max_takeovers
+            # + 1 workers (poisoned), a failure of its task.
             raise RunFailed(f"run {claim.run_id} failed: {(error or {}).get('code')}")
     raise Ignore()
 

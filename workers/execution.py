@@ -19,8 +19,8 @@ from sqlalchemy.exc import DataError
 from app.enqueue import Tree, send_pending, send_run
 from app.extensions import db
 from app.liveness import GONE_SLACK
-from app.logs import note_tenant
-from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS
+from app.logs import note_tenant, tenant_name
+from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS, RUNS_POISONED
 from app.models import RunStatus
 from app.state.claims import (
     Adoption,
@@ -184,6 +184,7 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
 def observe_claim(claim: Claim) -> None:
     """Count the claim's outcome; a run's first start observes its queue wait."""
     CLAIMS.labels(claim.outcome.value).inc()
+    count_poisoned(claim)
     row = claim.run
     if row is None:
         return
@@ -192,6 +193,20 @@ def observe_claim(claim: Claim) -> None:
             and row.started_at is not None and row.created_at is not None:
         QUEUE_WAIT_SECONDS.labels(row.workflow_name).observe(
             max(0.0, (row.started_at - row.created_at).total_seconds()))
+
+
+def count_poisoned(claim: Claim) -> None:
+    """Count a run this delivery's takeover ended poisoned (poimen_runs_poisoned_total)."""
+    row = claim.ended
+    if row is None or row.status != RunStatus.POISONED:
+        return
+    try:
+        tenant = tenant_name(row.tenant_id) or str(row.tenant_id)
+    except Exception:  # noqa: BLE001 - a label must not fail the delivery; the id names it too
+        tenant = str(row.tenant_id)
+    RUNS_POISONED.labels(tenant, row.workflow_name).inc()
+    log.error("run %s: poisoned: its executions killed %s workers (max_takeovers); not "
+              "resumed again", claim.run_id, row.takeovers + 1)
 
 
 def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:

@@ -40,7 +40,7 @@ REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Z
 STEP_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 EVENT_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
 MAX_POSITION = 1_000_000
-# How many dead workers a run may outlive before it fails with worker_lost.
+# How many dead workers a run may outlive; one more and it ends poisoned.
 DEFAULT_MAX_TAKEOVERS = 5
 # ctx.outputs of a join entry holds its children's outcomes under this name.
 RESERVED_OUTPUT_NAMES = frozenset({"children"})
@@ -183,7 +183,7 @@ class Workflow:
     version: str
     steps: Sequence[Step]
     max_attempts: int = 1
-    # Lost workers (OOM, segfault, kill -9) a run may outlive; then it fails worker_lost.
+    # Lost workers (OOM, segfault, kill -9) a run may outlive; one more and it ends poisoned.
     max_takeovers: int = DEFAULT_MAX_TAKEOVERS
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
@@ -314,8 +314,9 @@ def _validate(wf: Workflow) -> None:
 KEY_REUSE_POLICIES = {
     # policy: the statuses of an ended run whose key a new admission may take
     "never": (),
-    "after_failure": ("failed", "cancelled"),
-    "after_end": ("succeeded", "failed", "cancelled"),
+    # (a poisoned run failed: it killed its workers, and its key is free like a failed run's)
+    "after_failure": ("failed", "cancelled", "poisoned"),
+    "after_end": ("succeeded", "failed", "cancelled", "poisoned"),
 }
 CATCH_UP = ("last", "none")
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Row, text
@@ -104,6 +104,10 @@ class Claim:
     # workflow ``ref``) again in ``gone_in`` seconds, when it may be taken over.
     gone_in: float | None = None
     ref: str | None = None
+    # FINISHED by this delivery's takeover: the run's row as it ended it (status,
+    # tenant_id, workflow_name), for the poisoned runs' counter; an observation, not
+    # part of what the claim decided (not compared).
+    ended: Row | None = field(default=None, compare=False)
 
 
 # What a claim returns: everything the worker needs to run the workflow, so
@@ -243,8 +247,9 @@ CLAIM_SLOT_LOCKED = locked(
     _of_runs(*_CLAIMED_NAMES) + [("last_entry", "jsonb")] + _of_runs("status", "wait_reason"))
 
 # Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
-# resumed; a run that has already outlived max_takeovers workers fails with
-# worker_lost (it is probably what kills them: OOM, a segfault); else resume it.
+# resumed (a cancel wins over the bound); a run that has already outlived
+# max_takeovers workers ends ``poisoned``: its executions are what kills them (OOM,
+# a segfault, os._exit), so it is not resumed again; else resume it.
 # A run of a limited group (after LOCK_SLOTS, like a claim) resumes only if a
 # slot is free (another run may have taken the dead holder's): else it waits,
 # unclaimed, with the lost worker counted.
@@ -271,7 +276,7 @@ def _take_over(slots: bool):
         f"""
     UPDATE runs
        SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}
+                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}
                          ELSE 'running' END,
            claimed_by = {claimer},
            attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers{parked}
@@ -280,9 +285,10 @@ def _take_over(slots: bool):
                                         THEN 0 ELSE 1 END,
            error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
                         THEN jsonb_build_object(
-                            'code', 'worker_lost', 'type', 'poimen.WorkerLost',
-                            'message', 'the run outlived ' || takeovers || ' lost workers '
-                                       || '(max_takeovers); it is not resumed again',
+                            'code', 'poisoned', 'type', 'poimen.Poisoned',
+                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                       || '(max_takeovers ' || :max_takeovers || '): '
+                                       || 'poisoned, it is not resumed again',
                             'traceback', '')
                         ELSE error END,
            finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
@@ -294,11 +300,11 @@ def _take_over(slots: bool):
         _CLAIMED_COLUMNS + ", status, takeovers, error" + (", wait_reason" if slots else ""),
         "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
         f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
-        "CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END"
+        "CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END"
         + (" || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) "
            "ELSE '{}' END" if slots else ""),
         before=_ME_VERDICT if slots else "",
-        # A child ended worker_lost or cancelled counts for its parent's join; an
+        # A child ended poisoned or cancelled counts for its parent's join; an
         # ended run of a limited group wakes the next one.
         then=JOIN_RELEASE + (slot_release(when=f"s.status IN {ENDED}") if slots else ""),
         select=with_woken(join=True) if slots else WITH_WOKEN,
@@ -564,8 +570,9 @@ def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Ro
         return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, holder=holder, slots=True,
                      wait_reason=row.wait_reason)
     if row.status != RunStatus.RUNNING:
-        # Cancelled while its worker was lost, or too many workers lost: ended, not resumed.
-        return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder)
+        # Cancelled while its worker was lost, or too many workers lost (poisoned): ended,
+        # not resumed.
+        return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder, ended=row)
     return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row,
                  slots=slots)
 

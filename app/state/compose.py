@@ -25,7 +25,7 @@ from app.liveness import held_by_sql
 from app.models import RunStatus, WaitReason
 
 # The statuses a run never leaves.
-ENDED = "('succeeded', 'failed', 'cancelled')"
+ENDED = "('succeeded', 'failed', 'cancelled', 'poisoned')"
 
 # Where a transition leaves the runs to send once its transaction commits
 # (``{run_id: (workflow_ref, traceparent, tracestate, retries, parent_id, root_id)}`` on

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.liveness import LIVE_BOOTS_SQL, claimer_live_sql
 
-from .compose import outbox_rows, send_woken, slot_release, to_json
+from .compose import ENDED, outbox_rows, send_woken, slot_release, to_json
 
 
 class DeclaredAction(Protocol):
@@ -162,7 +162,7 @@ _ACTION_FIELDS = ("jsonb_build_object('step', CAST(:step AS text), 'entry', CAST
 def _complete_marker_sql(spawned: bool) -> str:
     # A fan-out links its children to the entry (for the join) in the statement
     # that completes its marker, in the transaction that admitted them.
-    link = """,
+    link = f""",
     linked AS (
         INSERT INTO step_children (child_run_id, entry_id, position, ordinal, item_key)
         SELECT c.child, :entry, :position, c.ordinal, c.item_key
@@ -176,7 +176,7 @@ def _complete_marker_sql(spawned: bool) -> str:
            SET children_total = e.children_total + (SELECT count(*) FROM linked),
                children_done = e.children_done + (
                    SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
-                    WHERE r.status IN ('succeeded', 'failed', 'cancelled'))
+                    WHERE r.status IN {ENDED})
          WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
     )""" if spawned else ""
     return f"""

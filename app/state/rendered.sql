@@ -105,7 +105,7 @@ UPDATE runs
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -117,7 +117,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -149,7 +149,7 @@ UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -161,7 +161,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -194,7 +194,7 @@ WITH  changed AS (
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -206,7 +206,7 @@ WITH  changed AS (
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -271,7 +271,7 @@ WITH  changed AS (
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -283,7 +283,7 @@ WITH  changed AS (
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -558,7 +558,7 @@ UPDATE runs
 WITH  changed AS (
 UPDATE runs
    SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                     WHEN takeovers >= :max_takeovers THEN 'failed'
+                     WHEN takeovers >= :max_takeovers THEN 'poisoned'
                      ELSE 'running' END,
        claimed_by = :boot,
        attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
@@ -567,9 +567,10 @@ UPDATE runs
                                     THEN 0 ELSE 1 END,
        error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
                     THEN jsonb_build_object(
-                        'code', 'worker_lost', 'type', 'poimen.WorkerLost',
-                        'message', 'the run outlived ' || takeovers || ' lost workers '
-                                   || '(max_takeovers); it is not resumed again',
+                        'code', 'poisoned', 'type', 'poimen.Poisoned',
+                        'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                   || '(max_takeovers ' || :max_takeovers || '): '
+                                   || 'poisoned, it is not resumed again',
                         'traceback', '')
                     ELSE error END,
        finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
@@ -581,7 +582,7 @@ UPDATE runs
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
-           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END
+           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END
       FROM changed
      WHERE true
 
@@ -590,7 +591,7 @@ UPDATE runs
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -602,7 +603,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -637,7 +638,7 @@ WITH
     ), changed AS (
     UPDATE runs
        SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                         WHEN takeovers >= :max_takeovers THEN 'failed'
+                         WHEN takeovers >= :max_takeovers THEN 'poisoned'
                          WHEN v.reason IS NOT NULL THEN 'waiting'
                          ELSE 'running' END,
            claimed_by = CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers THEN CAST(:boot AS uuid) END,
@@ -647,9 +648,10 @@ WITH
                                         THEN 0 ELSE 1 END,
            error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
                         THEN jsonb_build_object(
-                            'code', 'worker_lost', 'type', 'poimen.WorkerLost',
-                            'message', 'the run outlived ' || takeovers || ' lost workers '
-                                       || '(max_takeovers); it is not resumed again',
+                            'code', 'poisoned', 'type', 'poimen.Poisoned',
+                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                       || '(max_takeovers ' || :max_takeovers || '): '
+                                       || 'poisoned, it is not resumed again',
                             'traceback', '')
                         ELSE error END,
            finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
@@ -664,7 +666,7 @@ WITH
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
-               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'failed' THEN jsonb_build_object('error', error) ELSE '{}' END || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
           FROM changed
          WHERE true
 
@@ -673,7 +675,7 @@ WITH
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -685,7 +687,7 @@ WITH
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -707,14 +709,14 @@ WITH
                         WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled')
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
                UNION
                SELECT (SELECT r.id FROM runs r
                         WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
                  FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled'))
+                WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
         RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
                   w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
@@ -797,7 +799,7 @@ WITH changed AS (
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -809,7 +811,7 @@ WITH changed AS (
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -881,7 +883,7 @@ WITH changed AS (
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -893,7 +895,7 @@ WITH changed AS (
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -967,7 +969,7 @@ WITH changed AS (
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -979,7 +981,7 @@ WITH changed AS (
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -1042,7 +1044,7 @@ event AS (
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -1054,7 +1056,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -1096,7 +1098,7 @@ event AS (
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -1108,7 +1110,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -1152,7 +1154,7 @@ event AS (
 joined AS (
     UPDATE step_entries e SET children_done = e.children_done + 1
       FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled')
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
 ),
 woken AS (
@@ -1164,7 +1166,7 @@ woken AS (
            updated_at = now(), last_sent_at = now()
       FROM joined j
      WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled')
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
     RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
               p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
 ),
@@ -1395,7 +1397,7 @@ WITH
            SET children_total = e.children_total + (SELECT count(*) FROM linked),
                children_done = e.children_done + (
                    SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
-                    WHERE r.status IN ('succeeded', 'failed', 'cancelled'))
+                    WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
          WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
     ),
     event AS (

@@ -3,14 +3,14 @@ runs, every column they group and age by in the index, so a scrape is an index-o
 of the backlog, never of the whole runs table
 
 Revision ID: 0023
-Revises: 0021
+Revises: 0022
 Create Date: 2026-12-05 05:00:00.000000
 
 """
 from alembic import op
 
 revision = '0023'
-down_revision = '0021'
+down_revision = '0022'
 branch_labels = None
 depends_on = None
 

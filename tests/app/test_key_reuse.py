@@ -73,6 +73,24 @@ def test_after_failure_keeps_a_key_whose_run_did_not_fail(client, tx_tenant, db_
     assert again.status_code == 200 and again.json["id"] == first.json["id"]
 
 
+@pytest.mark.parametrize("ref", ["reuse-after-failure", "reuse-after-end"])
+def test_a_poisoned_runs_key_is_reused_like_a_failed_runs(client, tx_tenant, db_session, ref):
+    """A poisoned run failed (it killed its workers): after_failure and after_end take its
+    key; never (the default) replays it."""
+    first = post(client, tx_tenant, ref, "K", n=1)
+    end(db_session, first.json["id"], "poisoned")
+    from sqlalchemy import text
+
+    db_session.execute(text("UPDATE runs SET created_at = created_at - interval '1 second' "
+                            "WHERE id = :run"), {"run": first.json["id"]})
+    second = post(client, tx_tenant, ref, "K", n=1)
+    assert second.status_code == 201 and second.json["id"] != first.json["id"]
+    replay = post(client, tx_tenant, "reuse-never", "P", n=1)
+    end(db_session, replay.json["id"], "poisoned")
+    again = post(client, tx_tenant, "reuse-never", "P", n=1)
+    assert again.status_code == 200 and again.json["status"] == "poisoned"
+
+
 def test_after_failure_takes_a_cancelled_runs_key(client, tx_tenant, db_session):
     first = post(client, tx_tenant, "reuse-after-failure", "K")
     assert client.post(f"/v1/runs/{first.json['id']}/cancel",

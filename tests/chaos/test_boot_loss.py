@@ -80,20 +80,21 @@ def test_a_lock_cut_with_a_rescuer_racing_still_finishes_once(admit, side_effect
         assert "run.resumed" in events and side_effects(run_id, "start") == 2
 
 
-def test_a_run_that_kills_its_worker_fails_worker_lost_after_max_takeovers(
+def test_a_run_that_kills_its_worker_ends_poisoned_after_max_takeovers(
         admit, side_effects, test_env, pg, tmp_path, processes):
     env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
     run_id = admit("crash", {})
     processes.append(start_worker(env, tmp_path))
     processes.append(start_beat(env, tmp_path))
-    wait_until(lambda: run_row(pg, run_id)[0] == "failed", timeout=180,
-               what="the run to fail worker_lost")
+    wait_until(lambda: run_row(pg, run_id)[0] == "poisoned", timeout=180,
+               what="the run to end poisoned")
     status, attempt, takeovers, error, _ = run_row(pg, run_id)
-    assert error["code"] == "worker_lost"
+    assert error["code"] == "poisoned"
     assert (attempt, takeovers) == (6, 5)  # the first execution and five takeovers
     assert side_effects(run_id, "start") == 6
     events = events_of(pg, run_id)
-    assert events[-1] == "run.failed" and events.count("run.resumed") == 5
+    assert events[-1] == "run.poisoned" and events.count("run.resumed") == 5
+    assert events.count("run.poisoned") == 1 and "run.failed" not in events
 
 
 def test_a_cancelled_run_whose_worker_dies_ends_cancelled(app, admit, side_effects, test_env,

@@ -92,9 +92,7 @@ def test_doc_review_runs_survive_random_kill_9_of_workers(admit, pg, test_env, t
     assert sum(kills.values()) >= 5
 
     # Every run terminal: parents and children alike.
-    assert set(statuses) <= {"succeeded", "failed"}
-    failed = pg.execute("SELECT id, error->>'code' FROM runs WHERE status = 'failed'").fetchall()
-    assert all(code == "worker_lost" for _, code in failed), failed  # only max_takeovers
+    assert set(statuses) <= {"succeeded", "poisoned"}  # only max_takeovers ends one otherwise
 
     # Zero markers completed twice: one action.completed event per marker, and
     # every completed marker has one.

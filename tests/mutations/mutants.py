@@ -27,6 +27,7 @@ class Mutant:
 
 CLAIMS = "app/state/claims.py"
 CLAIM_TESTS = "tests/workers/test_claims.py"
+POISON_TESTS = "tests/workers/test_poison.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -287,10 +288,34 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "takeovers_unbounded",
-        "a run that keeps killing workers fails worker_lost after max_takeovers",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}\n",
+        "a run that keeps killing workers ends poisoned after max_takeovers",
+        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
         "                         {park}\n",
-        (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_fails_worker_lost",),
+        (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_ends_poisoned",),
+    ),
+    Mutant(
+        "poison_bound_off_by_one",
+        "the takeover at max_takeovers - 1 resumes the run; the one at max_takeovers poisons it",
+        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
+        "                         WHEN takeovers >= :max_takeovers - 1 THEN 'poisoned'{park}\n",
+        (f"{POISON_TESTS}::test_the_claim_at_one_below_the_bound_resumes",),
+    ),
+    Mutant(
+        "poisoned_ends_failed",
+        "a poisoned run ends with its own status and event, not as failed",
+        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
+        "                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}\n",
+        (f"{POISON_TESTS}::"
+         "test_a_run_whose_holders_keep_dying_resumes_up_to_the_bound_then_is_poisoned",),
+    ),
+    Mutant(
+        "poison_beats_cancel",
+        "a cancel requested wins over the poison bound",
+        CLAIMS, "    UPDATE runs\n       SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
+        "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "    UPDATE runs\n       SET status = CASE WHEN takeovers >= :max_takeovers THEN "
+        "'poisoned'\n                         WHEN cancel_requested THEN 'cancelled'",
+        (f"{POISON_TESTS}::test_a_cancel_requested_wins_over_the_poison_bound",),
     ),
     # -- boots --------------------------------------------------------------------------------
     Mutant(

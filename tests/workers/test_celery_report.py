@@ -62,12 +62,12 @@ def test_a_run_pinned_to_a_version_this_worker_lacks_is_retry(admit, deliver, pg
         deliver(run_id)
 
 
-def test_a_takeover_that_ends_the_run_worker_lost_is_failure(admit, deliver, dead_boot, pg):
+def test_a_takeover_that_ends_the_run_poisoned_is_failure(admit, deliver, dead_boot, pg):
     from workers.celery_native import RunFailed
 
     run_id = admit("echo")
     hold_as(pg, run_id, dead_boot(), takeovers=5)  # the default max_takeovers
-    with pytest.raises(RunFailed, match="worker_lost"):
+    with pytest.raises(RunFailed, match="poisoned"):
         deliver(run_id)
 
 

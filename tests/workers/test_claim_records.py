@@ -156,16 +156,16 @@ def test_adopting_a_run_one_of_our_boots_already_holds_is_ours(session, admit, b
     assert row_of(pg, run_id)["claimed_by"] == new.boot_id
 
 
-def test_a_workflows_own_max_takeovers_decides_when_a_lost_run_fails(session, admit,
-                                                                     boot_factory, dead_boot,
-                                                                     pg):
-    """``fragile`` allows one takeover (the default is 5): the second loss fails it."""
+def test_a_workflows_own_max_takeovers_decides_when_a_lost_run_is_poisoned(session, admit,
+                                                                           boot_factory,
+                                                                           dead_boot, pg):
+    """``fragile`` allows one takeover (the default is 5): the second loss poisons it."""
     run_id, dead = admit("fragile"), dead_boot()
     pg.execute("UPDATE runs SET status = 'running', claimed_by = %s, attempt = 2, "
                "takeovers = 1 WHERE id = %s", [dead, run_id])
     assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
     row = row_of(pg, run_id)
-    assert row["status"] == "failed" and row["error"]["code"] == "worker_lost"
+    assert row["status"] == "poisoned" and row["error"]["code"] == "poisoned"
 
 
 def test_claims_that_do_nothing_still_name_run_boot_and_holder(session, admit, boot_factory,

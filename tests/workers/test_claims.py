@@ -405,17 +405,16 @@ def test_a_lock_key_held_elsewhere_fails_loudly_naming_the_holder(dsn, pg):
 
 # Takeover limits and cancellation --------------------------------------------------------
 
-def test_a_run_that_outlived_max_takeovers_workers_fails_worker_lost(session, admit,
-                                                                     boot_factory, dead_boot,
-                                                                     pg):
+def test_a_run_that_outlived_max_takeovers_workers_ends_poisoned(session, admit, boot_factory,
+                                                                 dead_boot, pg):
     run_id, dead = admit(), dead_boot()
     hold_as(pg, run_id, dead, takeovers=5)  # the default max_takeovers
     outcome = claim(session, run_id, boot_factory().boot_id)
     assert outcome.outcome == ClaimOutcome.FINISHED
     status, error = pg.execute("SELECT status, error FROM runs WHERE id = %s",
                                [run_id]).fetchone()
-    assert status == "failed" and error["code"] == "worker_lost"
-    assert events_of(pg, run_id) == ["run.admitted", "run.failed"]
+    assert status == "poisoned" and error["code"] == "poisoned"
+    assert events_of(pg, run_id) == ["run.admitted", "run.poisoned"]
 
 
 def test_takeovers_below_the_limit_resume_and_count(session, admit, boot_factory, dead_boot, pg):

@@ -856,6 +856,36 @@ def test_join_a_cancelled_child_counts_and_a_cancelled_waiting_parent_stays_canc
     assert "run.joined" not in events_of(pg, other)
 
 
+def test_join_a_poisoned_child_counts_as_a_failed_one(admit, run_here, dead_boot, pg):
+    """A child whose executions killed max_takeovers + 1 workers ends poisoned by the
+    takeover statement, whose join release counts it like any ended child: the last child's
+    end re-queues the parent, which sees the child's status (not an approval)."""
+    from workers.registry import max_takeovers_of
+
+    parent = admit("doc-review", {"participants": ["ana", "bo"]})
+    run_here(parent)
+    assert run_row(pg, parent)[0] == "waiting"
+    (ana, *_), (bo, *_) = children_of(pg, parent)
+    # ana's worker died, as often as a review-participant may outlive.
+    pg.execute("UPDATE runs SET status = 'running', claimed_by = %s, attempt = 1, "
+               "takeovers = %s WHERE id = %s",
+               [dead_boot(), max_takeovers_of("review-participant", "1"), ana])
+    assert run_here(ana) == "finished"
+    assert run_row(pg, ana)[0] == "poisoned"
+    assert events_of(pg, ana)[-1] == "run.poisoned"
+    assert run_row(pg, parent)[0] == "waiting"  # bo is still out
+    run_here(bo)
+    assert run_row(pg, parent)[0] == "queued"  # the poisoned child counted
+    assert events_of(pg, parent).count("run.joined") == 1
+    run_here(parent)
+    # A poisoned child is no approval: the document goes back to draft, then review again.
+    assert [e[1] for e in entries_of(pg, parent)] == ["draft", "review", "draft", "review"]
+    drive(run_here, pg, parent)
+    status, result, *_ = run_row(pg, parent)
+    assert status == "succeeded"
+    assert result["rounds"][0]["decisions"]["ana"] == "poisoned"
+
+
 # -- Celery tasks as actions, and emit --------------------------------------------------------
 
 def test_an_existing_celery_task_runs_as_an_action_and_emit_writes_one_event(admit, run_here,

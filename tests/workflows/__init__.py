@@ -121,6 +121,17 @@ def crash(ctx, input):
     os._exit(int(input.get("code", 1)))
 
 
+@workflow("poison", version="1", max_takeovers=2)
+def poison(ctx, input):
+    """SIGKILL the pool process that runs it, every time: a poisoned run (a segfault in a
+    native library, an allocation the OOM killer answers). Two takeovers, then poisoned."""
+    import os
+    import signal
+
+    record_effect(ctx.run_id, "start")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @workflow("forker", version="1")
 def forker(ctx, input):
     """Fork (without exec) a grandchild, then work. ``detach``: the grandchild leaves the

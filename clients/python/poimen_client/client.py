@@ -36,7 +36,7 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 log = logging.getLogger("poimen.client")
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "poisoned"})
 # Answers worth another attempt of the same request: the server was away, overloaded or
 # slow. 401/403/404/409/4xx about the request are the caller's to fix: never retried.
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
