@@ -250,6 +250,29 @@ def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None
     return env.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+# -- poisoned runs (workers/registry.py) --------------------------------------------------------
+
+DEFAULT_MAX_TAKEOVERS = 5
+
+
+def max_takeovers_setting(env: Mapping[str, str] | None = None) -> int:
+    """``POIMEN_MAX_TAKEOVERS``: how many lost workers a run may outlive unless its workflow
+    says (``@workflow(max_takeovers=...)``); one more and the run ends ``poisoned``. Read
+    where workflows are declared (worker, beat, web) and for a version the process does
+    not have."""
+    env = _environ(env)
+    raw = env.get("POIMEN_MAX_TAKEOVERS", "").strip()
+    if not raw:
+        return DEFAULT_MAX_TAKEOVERS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"POIMEN_MAX_TAKEOVERS must be a whole number >= 0, not {raw!r}")
+    return value
+
+
 # -- optional tracing and error reporting (app/telemetry.py) ---------------------------------
 
 @dataclass(frozen=True)

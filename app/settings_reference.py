@@ -198,6 +198,11 @@ SETTINGS: tuple[Setting, ...] = (
             "can adopt its run first. Not part of the lease ordering: a dead worker's runs are "
             "taken over only T_c + 1 + 2 seconds after its lock was first seen free, whatever "
             "delivers them (docs/internals/execution.md)."),
+    _celery("POIMEN_MAX_TAKEOVERS", "5", (WORKER, BEAT),
+            "How many lost workers (OOM, segfault, kill -9) a run may outlive where its "
+            "workflow does not set `max_takeovers`; the takeover after that ends it `poisoned` "
+            "(its own status, `run.poisoned` event and `poimen_runs_poisoned_total`). Set the "
+            "same in every worker and in beat; `@workflow(max_takeovers=...)` wins."),
     _celery("POIMEN_BOOT_PROBE_INTERVAL", "2", (WORKER, BEAT, OUTBOX),
             "Seconds between a worker's (and the active outbox relay's) checks that Postgres "
             "still holds its liveness lock; each check renews the lease."),

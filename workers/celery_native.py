@@ -46,7 +46,15 @@ from app.state import runs as state_runs
 from app.task_names import EXECUTE_RUN
 
 from . import boots
-from .registry import REF_PATTERN, Action, InvalidDefinition, Step, Workflow, register
+from .registry import (
+    REF_PATTERN,
+    Action,
+    InvalidDefinition,
+    Step,
+    Workflow,
+    default_max_takeovers,
+    register,
+)
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +321,7 @@ class TaskBody:
 
 
 def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None,
-                       max_takeovers: int = 5, queue: str | None = None,
+                       max_takeovers: int | None = None, queue: str | None = None,
                        time_limit: float | None = None, soft_time_limit: float | None = None,
                        priority: int | None = None) -> Workflow:
     """Register the Celery task ``task`` (a task, or its name) as a one-step workflow.
@@ -336,7 +344,8 @@ def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None
         # Celery's retry() enforces max_retries itself (it raises the task's
         # exception once they are used up), so the workflow does not count.
         max_attempts=2**31 - 1,
-        max_takeovers=max(0, max_takeovers),
+        max_takeovers=max(0, default_max_takeovers() if max_takeovers is None
+                          else max_takeovers),
         retry_on=(Retry,),
         queue=queue,
         time_limit=time_limit if time_limit is not None else getattr(celery_task, "time_limit",

@@ -34,14 +34,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import poimenconfig
+
 BUILTIN_MODULES = ("workers.examples",)
 REF_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_.:-]{1,200})(?:@(?P<version>[A-Za-z0-9_.-]{1,64}))?$")
 # Step ids appear in fan-out dispatch keys, separated by '/': no '/' in them.
 STEP_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 EVENT_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
 MAX_POSITION = 1_000_000
-# How many dead workers a run may outlive; one more and it ends poisoned.
-DEFAULT_MAX_TAKEOVERS = 5
+# How many dead workers a run may outlive; one more and it ends poisoned. The built-in
+# default; POIMEN_MAX_TAKEOVERS sets the process's (``default_max_takeovers``).
+DEFAULT_MAX_TAKEOVERS = poimenconfig.DEFAULT_MAX_TAKEOVERS
 # ctx.outputs of a join entry holds its children's outcomes under this name.
 RESERVED_OUTPUT_NAMES = frozenset({"children"})
 
@@ -184,7 +187,7 @@ class Workflow:
     steps: Sequence[Step]
     max_attempts: int = 1
     # Lost workers (OOM, segfault, kill -9) a run may outlive; one more and it ends poisoned.
-    max_takeovers: int = DEFAULT_MAX_TAKEOVERS
+    max_takeovers: int = field(default_factory=lambda: default_max_takeovers())
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
     retry_on: tuple[type[BaseException], ...] = field(default=(Exception,))
@@ -399,7 +402,7 @@ def workflow(
     version: str = "1",
     *,
     max_attempts: int = 1,
-    max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
+    max_takeovers: int | None = None,
     backoff_seconds: float = 1.0,
     backoff_max_seconds: float = 60.0,
     retry_on: Iterable[type[BaseException]] = (Exception,),
@@ -437,7 +440,8 @@ def workflow(
             version=version,
             steps=[Step("main", actions=[action(fn, position=0)])],
             max_attempts=max(1, max_attempts),
-            max_takeovers=max(0, max_takeovers),
+            max_takeovers=max(0, default_max_takeovers() if max_takeovers is None
+                              else max_takeovers),
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
             retry_on=tuple(retry_on),
@@ -488,12 +492,18 @@ def get(name: str, version: str) -> Workflow:
     return resolve(f"{name}@{version}")
 
 
+def default_max_takeovers() -> int:
+    """The lost workers a run may outlive where its workflow does not say:
+    ``POIMEN_MAX_TAKEOVERS``, else ``DEFAULT_MAX_TAKEOVERS``."""
+    return poimenconfig.max_takeovers_setting()
+
+
 def max_takeovers_of(name: str, version: str) -> int:
     """How many lost workers a run of ``name@version`` may outlive (the default if unknown)."""
     try:
         return get(name, version).max_takeovers
     except UnknownWorkflow:
-        return DEFAULT_MAX_TAKEOVERS
+        return default_max_takeovers()
 
 
 MAX_CONCURRENCY_KEY_LEN = 255

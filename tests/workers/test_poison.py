@@ -85,6 +85,41 @@ def test_a_workflows_own_max_takeovers_is_its_poison_bound(session, admit, boot_
     assert status == "poisoned" and "killed 3 workers (max_takeovers 2)" in error["message"]
 
 
+def test_poimen_max_takeovers_is_the_bound_where_the_workflow_sets_none(
+        session, admit, boot_factory, dead_boot, pg, monkeypatch):
+    """``POIMEN_MAX_TAKEOVERS=1``: a workflow declared without ``max_takeovers`` (and a
+    version the process does not have) outlives one lost worker; the second poisons it. A
+    workflow's own ``max_takeovers`` wins over the setting."""
+    import uuid
+
+    from workers import registry
+
+    monkeypatch.setenv("POIMEN_MAX_TAKEOVERS", "1")
+    name = f"fragile-{uuid.uuid4().hex[:8]}"
+    registry.workflow(name)(lambda: {})
+    registry.workflow(f"{name}-own", max_takeovers=3)(lambda: {})
+    assert registry.get(name, "1").max_takeovers == 1
+    assert registry.get(f"{name}-own", "1").max_takeovers == 3
+    assert registry.max_takeovers_of("not-here", "9") == 1
+
+    run_id = admit(name)
+    hold_as(pg, run_id, dead_boot())
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.TAKEN_OVER
+    pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [dead_boot(), run_id])
+    assert claim(session, run_id, boot_factory().boot_id).outcome == ClaimOutcome.FINISHED
+    status, error, *_ = ended(pg, run_id)
+    assert status == "poisoned" and "killed 2 workers (max_takeovers 1)" in error["message"]
+
+
+@pytest.mark.parametrize("raw", ["-1", "five", "2.5"])
+def test_a_bad_poimen_max_takeovers_is_refused_with_its_name(raw):
+    from poimenconfig import max_takeovers_setting
+
+    with pytest.raises(ValueError, match="POIMEN_MAX_TAKEOVERS"):
+        max_takeovers_setting({"POIMEN_MAX_TAKEOVERS": raw})
+    assert max_takeovers_setting({}) == DEFAULT_MAX_TAKEOVERS
+
+
 def test_a_cancel_requested_wins_over_the_poison_bound(session, admit, boot_factory, dead_boot,
                                                        pg):
     """A run at the bound whose cancel was requested ends cancelled: the caller asked for
