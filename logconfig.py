@@ -16,7 +16,7 @@ SQL parameters must never reach a log line.
 This module is stdlib only and lives at the top level, like
 ``celeryconfig.py``, because ``bridge/`` may import nothing from ``app/`` and
 the relays log the same way as the rest. The Flask and Celery wiring is in
-``app/logs.py``, gunicorn's in ``gunicorn.conf.py``.
+``app/logs.py``, gunicorn's in ``app/gunicorn_conf.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ lease (``lease_settings``), Kafka's client settings and topic names, and the
 relays' settings (``inbox_settings``, ``outbox_settings``). Every other module
 receives values from here; ``tests/test_wiring.py`` fails when one reads the
 environment itself. The framework entry points ``celeryconfig.py``,
-``gunicorn.conf.py`` and ``logconfig.py`` are the exceptions (Celery, gunicorn
+``app/gunicorn_conf.py`` and ``logconfig.py`` are the exceptions (Celery, gunicorn
 and the relays' logging read them before any factory runs).
 
 Nothing is read at import: each function reads ``env`` (``os.environ`` by
@@ -243,7 +243,7 @@ def metrics_port(env: Mapping[str, str] | None = None) -> int | None:
 def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None:
     """prometheus_client's ``PROMETHEUS_MULTIPROC_DIR``, as set now (None: single process).
 
-    Read when asked, not at start: ``gunicorn.conf.py`` and ``workers/metrics.py``
+    Read when asked, not at start: ``app/gunicorn_conf.py`` and ``workers/metrics.py``
     set it for prometheus_client (the only writes to the environment).
     """
     env = _environ(env)

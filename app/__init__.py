@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from flask import Flask
 
 
+def migrations_directory() -> Path:
+    """The Alembic scripts: ``app/migrations/`` in an installed wheel (its build copies
+    them there), else the checkout's ``migrations/`` beside this package."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "migrations"
+    return shipped if shipped.is_dir() else here.parent / "migrations"
+
+
 def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     """Create the Flask app; settings come from the environment, read now."""
     from flask import Flask
@@ -49,7 +57,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
         with app.app_context():
             for engine in db.engines.values():
                 ping_idle_connections(engine, app.config["POIMEN_DB_PING_IDLE_SECONDS"])
-    migrate.init_app(app, db, directory=str(Path(__file__).resolve().parent.parent / "migrations"))
+    migrate.init_app(app, db, directory=str(migrations_directory()))
     celery_init_app(app)
     registry.load_modules(app.config["POIMEN_WORKFLOW_MODULES"])
 

@@ -6,7 +6,7 @@
   ``tenant`` (its token's), ``run_id`` (the URL's, or the run just admitted)
   and ``dispatch_key``, and ``trace_id`` when a valid W3C ``traceparent`` came with
   it; gunicorn's access line carries its ``request_id``,
-  ``tenant`` and ``run_id`` (``gunicorn.conf.py``).
+  ``tenant`` and ``run_id`` (``app/gunicorn_conf.py``).
 * ``init_celery``: the worker, beat and Flower log the same way. Celery's own
   logging setup is replaced through its ``setup_logging`` signal (Celery then
   leaves the loggers alone); ``--loglevel`` is used only when ``LOG_LEVEL`` is
@@ -101,7 +101,7 @@ def init_app(app: Flask) -> None:
         # logs name the same request; gunicorn's access line carries it too.
         response.headers["X-Request-ID"] = request_id()
         # gunicorn writes its access line after the request context is gone: the
-        # fields it names go in the WSGI environ (read by gunicorn.conf.py).
+        # fields it names go in the WSGI environ (read by app/gunicorn_conf.py).
         fields = _request_context()
         request.environ.update({f"{ACCESS_PREFIX}{name}": str(fields[name])
                                 for name in ACCESS_FIELDS if fields.get(name)})

@@ -4,7 +4,7 @@ Every metric and the process that exports it: ``docs/operations/metrics.md``.
 
 * Counters and histograms are per process and add up across processes:
   ``web`` runs gunicorn in prometheus_client's multiprocess mode
-  (``gunicorn.conf.py`` prepares ``PROMETHEUS_MULTIPROC_DIR``), so
+  (``app/gunicorn_conf.py`` prepares ``PROMETHEUS_MULTIPROC_DIR``), so
   ``/metrics`` sums every gunicorn worker; the Celery worker does the same for
   its pool processes (``workers/metrics.py``).
 * Global gauges (runs by status, waiting runs by reason, live worker boots and their probes' age,

@@ -7,7 +7,7 @@ code reads a variable this list does not name, and when the document is stale.
 
 This module only describes settings. ``poimenconfig.py`` reads them, for every
 process, when the process starts (the framework entry points ``celeryconfig.py``,
-``gunicorn.conf.py`` and ``logconfig.py`` read their own); each default is one
+``app/gunicorn_conf.py`` and ``logconfig.py`` read their own); each default is one
 constant there, and the defaults written here must match them.
 """
 
@@ -299,7 +299,7 @@ SETTINGS: tuple[Setting, ...] = (
          "prometheus_client's multiprocess directory for gunicorn's workers; when set it is "
          "emptied at start. The worker always uses a private one."),
     _obs("POIMEN_GUNICORN_METRICS_DIR", "", WEB,
-         "Internal: set by `gunicorn.conf.py` to the directory it made; do not set."),
+         "Internal: set by `app/gunicorn_conf.py` to the directory it made; do not set."),
     _obs("POIMEN_CONSOLE_SECRET", "", WEB,
          "Signs the console's session cookie (`/console`); 32 characters or more, the same in "
          "every `web` process. Unset or shorter: the console answers 503 and the API is "
@@ -369,7 +369,7 @@ def render() -> str:
         "Every environment variable the code reads, the processes that read it, and its",
         "default. Each process reads its settings when it starts (never at import), in one",
         "module, `poimenconfig.py` (plus the framework entry points `celeryconfig.py`,",
-        "`gunicorn.conf.py` and `logconfig.py`); every other module receives values.",
+        "`app/gunicorn_conf.py` and `logconfig.py`); every other module receives values.",
         "`tests/deploy/test_configuration_reference.py` fails when the code reads a variable",
         "that is not listed here, or when one listed here is no longer read.",
         "",

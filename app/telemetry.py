@@ -6,7 +6,7 @@ Each is off, and its package never imported, unless its variable is set
 extra). A variable set without its package installed is one log line, and the
 process runs on without it: telemetry must never stop a run.
 
-* ``init_web`` (gunicorn's ``post_worker_init``, ``gunicorn.conf.py``): Flask
+* ``init_web`` (gunicorn's ``post_worker_init``, ``app/gunicorn_conf.py``): Flask
   instrumentation, service ``poimen-web``.
 * ``connect_celery`` (``workers/celery.py``): Celery instrumentation and
   integration in the worker (``poimen-worker``) and beat (``poimen-beat``),

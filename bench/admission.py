@@ -142,7 +142,8 @@ def start_gunicorn(env: dict[str, str], log_dir: Path, workers: int, threads: in
                    access_log: bool) -> Web:
     """Start gunicorn the way the Procfile does, with the given shape."""
     port = free_port()
-    argv = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+    argv = [str(BIN / "gunicorn"), "-c", "python:app.gunicorn_conf", "--bind",
+            f"127.0.0.1:{port}", "--workers", str(workers),
             "--threads", str(threads), "--graceful-timeout", "5"]
     if access_log:
         argv += ["--access-logfile", "-"]

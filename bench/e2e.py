@@ -6,7 +6,7 @@ Three cases in one invocation, on the same services, each with a worker of
 ``--concurrency 2`` (prefork) on a queue of its own:
 
 * **Poimen** — the platform as the Procfile runs it: gunicorn (2 workers x 4
-  threads, ``gunicorn.conf.py``), ``celery -A workers worker``, ``python -m
+  threads, ``app/gunicorn_conf.py``), ``celery -A workers worker``, ``python -m
   bridge.inbox`` and ``python -m bridge.outbox``. ``--messages`` dispatch
   messages for the built-in ``noop`` workflow, each with its own
   ``dispatch_key``, are produced over ``--partitions`` partitions as fast as the

@@ -14,10 +14,12 @@ installs ``poimen-client`` (``clients/python``) instead.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F403 - every other hook is setuptools' own
+from setuptools.command.build_py import build_py as _build_py
 
 SETTING = "poimen-environment"
 DEDICATED = "dedicated"
@@ -61,3 +63,29 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     return _setuptools.build_wheel(wheel_directory, _dedicated(config_settings),
                                    metadata_directory)
+
+
+# The Alembic scripts, as the checkout keeps them (``migrations/``), and where the
+# wheel carries them: inside the ``app`` package, which ``create_app`` looks in first.
+MIGRATIONS = "migrations"
+SHIPPED_MIGRATIONS = ("app", "migrations")
+
+
+class BuildPy(_build_py):
+    """setuptools' ``build_py``, plus the checkout's ``migrations/`` as ``app/migrations/``.
+
+    The release step (``flask --app app db upgrade``) of an installed wheel has no
+    checkout beside it; Alembic reads its scripts from a directory, so the wheel
+    carries a copy. An editable install copies nothing: the checkout's own are used.
+    """
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib, *SHIPPED_MIGRATIONS)
+        for source in sorted(Path(MIGRATIONS).rglob("*")):
+            if source.is_file() and "__pycache__" not in source.parts and source.suffix != ".pyc":
+                dest = target / source.relative_to(MIGRATIONS)
+                self.mkpath(str(dest.parent))
+                self.copy_file(str(source), str(dest))

@@ -18,6 +18,7 @@ from poimen_dev.platform import procfile_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+GUNICORN_CONFIG = "python:app.gunicorn_conf"  # the Procfile's web: gunicorn -c ...
 
 
 def free_port() -> int:
@@ -144,8 +145,9 @@ def start_web(env: Mapping[str, str], log_dir: Path, port: int | None = None,
     port = port or free_port()
     proc = Process(
         name,
-        [*wrapper, str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
-         "--threads", str(threads), "--access-logfile", "-", "app:create_app()"],
+        [*wrapper, str(BIN / "gunicorn"), "-c", GUNICORN_CONFIG, "--bind", f"127.0.0.1:{port}",
+         "--workers", str(workers), "--threads", str(threads), "--access-logfile", "-",
+         "app:create_app()"],
         env, log_dir,
     ).start()
     url = f"http://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [p for top in ("app", "workers", "bridge") for p in (ROOT / top).rglob("*.py")] + [
-    ROOT / name for name in ("celeryconfig.py", "gunicorn.conf.py", "lease.py", "logconfig.py",
+    ROOT / name for name in ("celeryconfig.py", "lease.py", "logconfig.py",
                              "poimenconfig.py")]
 STATE_TABLES = ("runs", "step_entries", "step_markers", "step_children", "outbox", "worker_boots")
 WRITE = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(" + "|".join(STATE_TABLES) + r")\b")

@@ -142,7 +142,7 @@ def test_the_fast_path_counts_and_logs_as_the_view(client, tenant, flask_calls):
                    outcome="created") == created_before + 1
     assert _sample("poimen_http_request_seconds_count", method="POST",
                    route="/v1/runs") == seconds_before + 2
-    # What gunicorn's access line names (gunicorn.conf.py reads these environ keys).
+    # What gunicorn's access line names (app/gunicorn_conf.py reads these environ keys).
     assert environ["poimen.run_id"] == r.json["id"]
     assert environ["poimen.tenant"] == tenant.name
     assert environ["poimen.request_id"] == headers["X-Request-ID"]

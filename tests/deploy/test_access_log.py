@@ -1,9 +1,9 @@
-"""gunicorn's access line, as ``gunicorn.conf.py`` makes it (issue 25).
+"""gunicorn's access line, as ``app/gunicorn_conf.py`` makes it (issue 25).
 
 ``PoimenLogger`` formats the line from ``LazyAtoms``, which makes only the atoms the
 format names; gunicorn's own ``Logger.atoms`` + ``SafeAtoms`` make all of them. The two
 must agree on every atom and on the line. Checked in a child process: loading
-``gunicorn.conf.py`` sets up logging and a metrics directory, which this process must
+``app/gunicorn_conf.py`` sets up logging and a metrics directory, which this process must
 not inherit. (The request and response are plain objects with the attributes gunicorn's
 logger reads; the real line, from a real gunicorn, is checked in
 ``tests/app/test_request_ids.py``.)
@@ -24,7 +24,7 @@ import datetime, json, runpy, types
 from gunicorn.config import Config
 from gunicorn.glogging import SafeAtoms
 
-conf = runpy.run_path("gunicorn.conf.py")
+conf = runpy.run_path("app/gunicorn_conf.py")
 cfg = Config()
 cfg.set("accesslog", "-")
 cfg.set("access_log_format", conf["access_log_format"])
@@ -52,7 +52,7 @@ print(json.dumps({
 '''
 
 
-@pytest.mark.processes  # a child Python, so gunicorn.conf.py sets up nothing here
+@pytest.mark.processes  # a child Python, so app/gunicorn_conf.py sets up nothing here
 def test_the_lean_atoms_are_gunicorns_atoms():
     out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout

@@ -4,7 +4,7 @@ Every environment variable the code reads must be in ``app/settings_reference.py
 (which generates ``docs/operations/configuration.md``). The product reads the environment in
 one module, ``poimenconfig.py`` (``tests/test_wiring.py`` fails on a read anywhere
 else in ``app/``, ``workers/``, ``bridge/`` or ``lease.py``), plus the framework
-entry points ``celeryconfig.py``, ``gunicorn.conf.py`` and ``logconfig.py``; the dev
+entry points ``celeryconfig.py``, ``app/gunicorn_conf.py`` and ``logconfig.py``; the dev
 tooling (``poimen_dev/``) reads its own. Reads are found there with ``ast``:
 ``os.environ[...]``, ``os.environ.get/pop/setdefault(...)``, ``os.getenv(...)``,
 ``"X" in os.environ``, and the same on ``env`` (the ``Mapping`` parameter each
@@ -27,7 +27,7 @@ import pytest
 from app import settings_reference
 from tests.processes import ROOT
 
-READERS = ("poimenconfig.py", "celeryconfig.py", "logconfig.py", "gunicorn.conf.py")
+READERS = ("poimenconfig.py", "celeryconfig.py", "logconfig.py", "app/gunicorn_conf.py")
 SOURCES = ("poimen_dev",)
 SHELL_FILES = ("Procfile", "bin/docker-entrypoint")
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")

@@ -89,4 +89,5 @@ def test_a_fresh_venv_installs_a_working_project_from_requirements_txt(test_env,
     assert "(head)" in run(str(bin_dir / "flask"), "--app", "app", "db", "current")
     assert "broker_url" in run(str(bin_dir / "celery"), "-A", "workers", "report")
     assert "replay-dlq" in run(str(bin_dir / "flask"), "--app", "app", "topics", "--help")
-    run(str(bin_dir / "gunicorn"), "--check-config", "app:create_app()")
+    run(str(bin_dir / "gunicorn"), "-c", "python:app.gunicorn_conf", "--check-config",
+        "app:create_app()")

@@ -1,6 +1,6 @@
 """LOG_FORMAT=json: every line of every process is one JSON object (issue 14, Verify 3).
 
-The platform runs from the Procfile (web under gunicorn with gunicorn.conf.py,
+The platform runs from the Procfile (web under gunicorn with app/gunicorn_conf.py,
 worker, beat, inbox, outbox). A run comes in over Kafka, one over HTTP fails
 (its workflow raises with the input in its message), one Kafka message names
 a workflow that does not exist (dead-lettered). Every run's input holds a

@@ -1,6 +1,6 @@
 """Metrics that prove the promise (issue 14, Verify 4), over the Procfile's processes.
 
-web runs gunicorn with two workers (gunicorn.conf.py: multiprocess mode), the
+web runs gunicorn with two workers (app/gunicorn_conf.py: multiprocess mode), the
 Celery worker two pool processes; both must report sums, not one process's
 share. A run whose message is lost is re-sent by repair, and the counters say
 so. The global gauges come from beat and from no other process.

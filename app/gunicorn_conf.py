@@ -1,8 +1,8 @@
 """gunicorn settings of ``web``: metrics summed over its workers, and its log format.
 
-The Procfile runs ``gunicorn -c gunicorn.conf.py ...`` (gunicorn also reads this
-file by default when started from the repository root). Command-line flags
-(bind, workers, threads, timeouts) win over anything here.
+The Procfile runs ``gunicorn -c python:app.gunicorn_conf ...``: a module of the
+package, so a checkout and an installed wheel load the same settings. Command-line
+flags (bind, workers, threads, timeouts) win over anything here.
 
 * Metrics: each gunicorn worker is its own process with its own counters; a
   scrape of ``/metrics`` reaches one of them. prometheus_client's multiprocess
