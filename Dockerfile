@@ -16,11 +16,17 @@ COPY requirements.txt ./
 RUN grep -v -e '^\.' requirements.txt > /tmp/pins.txt \
  && pip install -r /tmp/pins.txt \
  && rm /tmp/pins.txt
-COPY . .
-# The client, then the server: the image is Poimen's alone, so its wheel is wanted here
-# (deploy/build_backend.py refuses it without the setting).
-RUN pip install --no-deps ./clients/python \
+# The client's wheel, then the server's: the image is Poimen's alone, so its wheel is
+# wanted here (deploy/build_backend.py refuses it without the setting). Of the checkout
+# the image keeps the Procfile and its entrypoint only: every process runs from the
+# installed wheel, as tests/deploy/test_wheel.py runs this layout without Docker.
+COPY . /tmp/src
+RUN cd /tmp/src \
+ && pip install --no-deps ./clients/python \
  && pip install --no-deps --config-settings poimen-environment=dedicated . \
+ && install -D -m 644 Procfile /app/Procfile \
+ && install -D -m 755 bin/docker-entrypoint /app/bin/docker-entrypoint \
+ && cd /app && rm -rf /tmp/src \
  && useradd --system --uid 10001 --home-dir /app poimen
 
 USER poimen

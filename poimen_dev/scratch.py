@@ -13,12 +13,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def scratch_database(server_url: str, prefix: str, env: Mapping[str, str]) -> Iterator[str]:
+def scratch_database(server_url: str, prefix: str, env: Mapping[str, str],
+                     migrate: bool = True) -> Iterator[str]:
     """Create ``<prefix>_<id>`` on ``server_url``'s server, migrate it, drop it after.
 
     Yields the database's libpq URL. Migrated with ``flask db upgrade`` (the
     real migrations, so the partial unique index really exists), with ``env``
-    plus ``DATABASE_URL`` pointing at the new database.
+    plus ``DATABASE_URL`` pointing at the new database; ``migrate=False`` leaves
+    it empty, for a caller that runs the release step itself.
     """
     import psycopg
     from sqlalchemy.engine import make_url
@@ -32,12 +34,13 @@ def scratch_database(server_url: str, prefix: str, env: Mapping[str, str]) -> It
         conn.execute(f'CREATE DATABASE "{name}"')
     try:
         url = server.set(database=name).render_as_string(hide_password=False)
-        migrate = subprocess.run(
-            [sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
-            env={**env, "DATABASE_URL": url}, cwd=ROOT, capture_output=True, text=True,
-        )
-        if migrate.returncode != 0:
-            raise RuntimeError(f"migration failed:\n{migrate.stdout}{migrate.stderr}")
+        if migrate:
+            upgrade = subprocess.run(
+                [sys.executable, "-m", "flask", "--app", "app", "db", "upgrade"],
+                env={**env, "DATABASE_URL": url}, cwd=ROOT, capture_output=True, text=True,
+            )
+            if upgrade.returncode != 0:
+                raise RuntimeError(f"migration failed:\n{upgrade.stdout}{upgrade.stderr}")
         yield url
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:

@@ -61,13 +61,14 @@ class Process:
     """
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path,
-                 graceful: bool = False):
+                 graceful: bool = False, cwd: Path = ROOT):
         self.name = name
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.graceful = graceful
+        self.cwd = cwd
 
     def start(self) -> Process:
         log = open(self.log_path, "ab")
@@ -76,7 +77,7 @@ class Process:
         tmp = self.log_path.with_name(f"{self.name}-tmp")
         tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=ROOT, stdout=log,
+            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=self.cwd, stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         return self
