@@ -10,6 +10,10 @@ Heroku's slug, the Dockerfile for the image). ``make install`` installs editable
 from the checkout, which puts none of the server's packages into site-packages (an
 editable build is not refused). A team that wants to start runs from its own code
 installs ``poimen-client`` (``clients/python``) instead.
+
+Its ``build_py`` (``BuildPy``, named by setup.cfg's ``cmdclass``) also puts the
+checkout's Alembic migrations into the wheel, so an installed wheel migrates with
+no checkout beside it.
 """
 
 from __future__ import annotations
