@@ -191,6 +191,7 @@ def test_the_wheel_installed_outside_the_checkout_runs_every_process(test_env, b
             "POIMEN_INBOX_METADATA_REFRESH_MS": "1000",
             "WEB_CONCURRENCY": "1",
             "WORKER_CONCURRENCY": "1",
+            "POIMEN_CONSOLE_SECRET": uuid.uuid4().hex * 2,
         })
         procs: list[Process] = []
         try:
@@ -259,6 +260,13 @@ def _run_the_platform(env, bin_dir: Path, run_dir: Path, log_dir: Path,
         program = shutil.which(argv[0], path=env["PATH"]) or argv[0]
         assert Path(program).parent == bin_dir, (proc.name, argv)
         assert Path(f"/proc/{proc.pid}/cwd").resolve() == run_dir.resolve(), proc.name
+
+    # The console's templates and static files are the wheel's.
+    sign_in = requests.get(f"{api}/console/sign-in", timeout=10)
+    assert sign_in.status_code == 200 and "<form" in sign_in.text, sign_in.text[:500]
+    css = requests.get(f"{api}/console/static/console.css", timeout=10)
+    assert css.status_code == 200
+    assert css.content == (ROOT / "app" / "static" / "console" / "console.css").read_bytes()
 
     # -- a run over HTTP, its event through the outbox -----------------------------------------
     headers = {"Authorization": f"Bearer {token}"}
