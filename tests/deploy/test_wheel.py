@@ -51,7 +51,7 @@ MODULES = ("app", "app.state", "app.console", "app.gunicorn_conf", "workers", "b
 WHERE = r'''
 import importlib.util, json, sys, sysconfig
 import app
-found = {name: importlib.util.find_spec(name).origin for name in sys.argv[1:]}
+found = {name: getattr(importlib.util.find_spec(name), "origin", None) for name in sys.argv[1:]}
 print(json.dumps({"site": sysconfig.get_paths()["purelib"], "found": found,
                   "migrations": str(app.migrations_directory())}))
 '''
