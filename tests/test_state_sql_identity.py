@@ -1,0 +1,48 @@
+"""The store's statements, read from app/state/sql/, are the ones the composed Python sent.
+
+A one-off witness of the move from composed SQL to named statements: the reference
+(``tests/state_reference.json``) was written by the composing code before the move.
+No database and no process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import textwrap
+from pathlib import Path
+
+REFERENCE = json.loads((Path(__file__).with_name("state_reference.json")).read_text())
+
+
+def _normalised(sql: str) -> str:
+    """What ``app/state/rendered.py`` made of a statement: dedented, trailing spaces and
+    repeated blank lines dropped."""
+    lines = [line.rstrip() for line in textwrap.dedent(sql.strip("\n")).splitlines()]
+    out: list[str] = []
+    for line in lines:
+        if line or (out and out[-1]):
+            out.append(line)
+    return "\n".join(out).strip()
+
+
+def test_every_statement_is_the_one_postgres_received():
+    for name, ref in REFERENCE["statements"].items():
+        module = importlib.import_module("app.state." + Path(ref["module"]).stem)
+        value = getattr(module, name)
+        sql = getattr(value, "text", value)
+        assert _normalised(sql) == ref["sql"], name
+
+
+def test_every_function_is_the_one_migrations_installed():
+    from app.state.claims import SLOT_FUNCTIONS
+    from app.state.outbox import RELAY_FUNCTION_BODIES, RELAY_FUNCTIONS
+
+    assert [f.name for f in SLOT_FUNCTIONS] == list(REFERENCE["functions"])
+    for function in SLOT_FUNCTIONS:
+        ref = REFERENCE["functions"][function.name]
+        assert function.body == ref["body"], function.name
+        assert function.create == ref["create"], function.name
+        assert function.call.text == ref["call"], function.name
+    assert list(RELAY_FUNCTIONS) == REFERENCE["relay"]["functions"]
+    assert RELAY_FUNCTION_BODIES == REFERENCE["relay"]["bodies"]
