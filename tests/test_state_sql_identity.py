@@ -26,12 +26,21 @@ def _normalised(sql: str) -> str:
     return "\n".join(out).strip()
 
 
+# The statements a slot function runs after its locks: read from the function's body
+# (``Function.query``), whose first line lost its indentation to the composing code's
+# strip(); Postgres receives the body, compared whole below.
+IN_FUNCTIONS = {"CLAIM_SLOT", "FINISH", "FINISH_INSERTED", "FINISH_CLOSED"}
+
+
 def test_every_statement_is_the_one_postgres_received():
     for name, ref in REFERENCE["statements"].items():
         module = importlib.import_module("app.state." + Path(ref["module"]).stem)
         value = getattr(module, name)
         sql = getattr(value, "text", value)
-        assert _normalised(sql) == ref["sql"], name
+        if name in IN_FUNCTIONS:
+            assert sql.split() == ref["sql"].split(), name
+        else:
+            assert _normalised(sql) == ref["sql"], name
 
 
 def test_every_function_is_the_one_migrations_installed():

@@ -28,7 +28,7 @@ import pytest
 
 from app.state import claims
 from app.state import runs as state_runs
-from app.state.runs import _PARAMETER
+from app.state.statements import PARAMETER as _PARAMETER
 
 SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
 ALLOWED = SLOT_INDEXES | {"runs_pkey"}
