@@ -356,7 +356,7 @@ UPDATE runs SET claimed_by = :boot, updated_at = now()
 
 -- name: poimen_finish_slot
 -- FINISH, after the run's slot locks, as one call (README.md, "Slot functions").
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
@@ -450,7 +450,7 @@ $body$;
 
 -- name: poimen_finish_slot_inserted
 -- FINISH_INSERTED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
@@ -554,7 +554,7 @@ $body$;
 
 -- name: poimen_finish_slot_closed
 -- FINISH_CLOSED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
@@ -659,7 +659,7 @@ END
 $body$;
 
 -- name: finish_unlimited
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
@@ -711,7 +711,7 @@ woken_event AS (
 SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- name: finish_inserted_unlimited
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
@@ -772,7 +772,7 @@ woken_event AS (
 SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
 
 -- name: finish_closed_unlimited
--- A run's end, fenced by the claim (``claimed_by = ANY(:boots)``), its last step
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
 -- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
