@@ -168,7 +168,7 @@ def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
     """Claim ``run_id`` of a limited group, or park it ``waiting`` when it has no slot.
 
     One call, ``poimen_claim_slot``: the group's advisory locks, then the claim
-    that counts the group's slots on a snapshot taken after them (``runs.locked``),
+    that counts the group's slots on a snapshot taken after them (``sql/claims.sql``),
     so it may run in autocommit. A run it did not claim or park (a duplicate, a
     dead holder's, a finished one) is decided under the locks in a transaction:
     with ``transaction`` False it comes back as SLOTS for ``decide_slot``. In a

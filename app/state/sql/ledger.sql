@@ -196,7 +196,7 @@ WITH
 -- name: wait
 -- A join releases its worker: the entry waits (only while some child is still
 -- running: its counters are on this row, which every child's end locks too,
--- see compose.JOIN_RELEASE) and the run becomes 'waiting', unclaimed.
+-- README.md, "An end counts for the parent's join") and the run becomes 'waiting', unclaimed.
 WITH entry AS (
     UPDATE step_entries e
        SET status = 'waiting', actions = CAST(:actions AS jsonb),

@@ -42,11 +42,11 @@ SELECT runs.*,
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
 
 -- name: admit_many
--- A batch (``POST /v1/runs/batch``, a parent's fan-out): ``ADMIT``'s rule for many runs in
+-- A batch (``POST /v1/runs/batch``, a parent's fan-out): ``admit``'s rule for many runs in
 -- one statement. The requests come as one jsonb array (``:runs``: one object per run, its
 -- ``ord`` the request's position); each row the index lets in gets its ``run.admitted``
 -- event in the same statement, and a key already held (or taken by an earlier request of
--- the same batch) is skipped, to be read back with ``HOLDERS``. The rows go in ordered by
+-- the same batch) is skipped, to be read back with ``holders``. The rows go in ordered by
 -- key: two batches that share keys take them in one order, so neither can hold a key the
 -- other waits for while it waits for one the other holds (a deadlock).
 WITH  changed AS (
@@ -78,7 +78,7 @@ ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
 
 -- name: holders
 -- A batch's misses: for each request (``:requests``, its ``ord``, key and compared fields)
--- whose key was taken, the run that holds it, compared by Postgres as ``EXISTING`` does.
+-- whose key was taken, the run that holds it, compared by Postgres as ``existing`` does.
 SELECT q.ord AS request_ord, runs.*,
        runs.workflow_ref IS NOT DISTINCT FROM q.workflow_ref AS same_workflow_ref,
        runs.input = q.input AS same_input,
@@ -206,7 +206,7 @@ woken_event AS (
 -- name: end_abandoned
 -- Celery's revoke of a run whose cancel was requested and whose holder is gone
 -- (``app/liveness.py``: its lock first seen free its bound ago, so no body of it
--- runs): it ends cancelled, as a takeover would end it (claims.TAKE_OVER), and its
+-- runs): it ends cancelled, as a takeover would end it (claims.sql, take_over), and its
 -- slot goes to the next run. Conditional on both, so it races a takeover or the
 -- run's own finish safely: one wins.
 WITH  changed AS (
@@ -366,7 +366,7 @@ WITH  changed AS (
 
 -- name: lock_slots
 -- The locks of a run's groups, taken before any statement that claims, ends or
--- parks a run of a limited group (compose.py, "Concurrency slots"): its capped
+-- parks a run of a limited group (README.md, "An end frees a slot"): its capped
 -- tenant first, then its (tenant, workflow, key), in that order everywhere, held
 -- until the transaction ends. Nothing for a run of an unlimited workflow of an
 -- uncapped tenant. The aggregate consumes the ordered rows one by one.
@@ -380,7 +380,7 @@ SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
         ORDER BY ord) AS l;
 
 -- name: mark_holder_dead
--- The holder of one run seen without its lock: stamped as ``boots.MARK_BOOT_DEAD`` does.
+-- The holder of one run seen without its lock: stamped as ``mark_boot_dead`` (boots.sql) does.
 UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
   FROM runs r
  WHERE r.id = :run AND b.boot_id = r.claimed_by AND b.first_seen_dead_at IS NULL
@@ -394,7 +394,7 @@ UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
 -- of sending the same runs twice.
 --
 -- Runs held by a dead boot, first seen so (``app/liveness.py``: its lock free; the
--- repair stamps every such boot just before, ``MARK_DEAD_BOOTS``): re-sent on the
+-- repair stamps every such boot just before, ``mark_dead_boots``): re-sent on the
 -- first tick after the boot was seen dead, i.e. if not re-sent since the claim (a
 -- claim or takeover sets updated_at), and after that only once the repair age has
 -- passed again. Each comes with ``gone_in``: the seconds until its boot is gone (its
@@ -457,7 +457,7 @@ SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 -- boot's lock is gone; a queued run ahead of them was cancelled; a cap was raised or
 -- lifted, or set while runs ran, behind a claim's back), in every group and tenant.
 -- The statement that ends a slot's holder wakes the next run itself, and a cap change
--- wakes its tenant's runs itself (``WAKE_TENANT``).
+-- wakes its tenant's runs itself (``wake_tenant``).
 -- Waking runs that wait for a slot: as many as will pass the claim, oldest first. The
 -- claim (``poimen_claim_slot``'s verdict) lets a run take a slot of its group (a limited
 -- (tenant, workflow, key); a capped tenant) while the slots held by live boots, the queued
@@ -515,7 +515,7 @@ UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
 -- A tenant's cap change: its lock, the cap, then the runs waiting for the tenant's
 -- slots that the new cap frees (every one, if the cap was lifted), in one transaction
 -- (``change_tenant_cap``). The lock is the one every claim of the capped tenant's runs
--- takes first (``LOCK_SLOTS``): a claim that read the old cap and is parking a run
+-- takes first (``lock_slots``): a claim that read the old cap and is parking a run
 -- commits before the wake's snapshot (which sees the run and wakes it), and a claim
 -- that comes after reads the new cap. No run is left waiting for a cap that is gone.
 SELECT pg_advisory_xact_lock(1347373396, CAST(:tenant AS integer));
