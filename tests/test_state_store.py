@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [p for top in ("app", "workers", "bridge") for p in (ROOT / top).rglob("*.py")] + [
     ROOT / name for name in ("celeryconfig.py", "gunicorn.conf.py", "lease.py", "logconfig.py",
@@ -53,10 +55,9 @@ def test_every_statement_is_named_in_its_modules_file():
         assert named.path.stem in MODULES, f"{named.path.name}: no module app/state/{named.path.stem}.py"
         assert name in bound, f"{named.path.name}:{named.line}: {name} is bound to no constant"
         module, attr = bound[name].split(".")
-        assert module == named.path.stem and attr in (name.upper(), name.upper() + "_LOCKED") \
+        assert module == named.path.stem and attr == name.upper() \
             or named.sql.startswith("CREATE OR REPLACE FUNCTION"), (name, bound[name])
-        assert named.doc or named.sql.startswith("CREATE OR REPLACE FUNCTION") \
-            or name in _SELF_EXPLAINING, f"{named.path.name}:{named.line}: {name} says nothing"
+        assert named.doc, f"{named.path.name}:{named.line}: {name} says not what it decides"
     for transition in ("admit", "admit_many", "holders", "claim_queued", "take_over", "adopt",
                        "release", "retry", "poimen_finish_slot", "finish_unlimited", "wait",
                        "cancel", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
@@ -66,12 +67,23 @@ def test_every_statement_is_named_in_its_modules_file():
         assert transition in statements.STATEMENTS, transition
 
 
-# Reads whose name and columns say what they are.
-_SELF_EXPLAINING = {"holder", "children", "history", "try_repair_lock", "wait_repair_lock",
-                    "set_tenant_cap", "insert_event", "claim_queued", "enter", "claim_marker",
-                    "marker_state", "close_entry", "release", "retry", "adopt", "adopt_slot",
-                    "take_over", "take_over_slot", "finish_unlimited",
-                    "finish_inserted_unlimited", "finish_closed_unlimited", "complete_spawn"}
+def test_the_loader_reads_a_statement_as_written_and_refuses_a_malformed_file(tmp_path):
+    from app.state import statements
+
+    (tmp_path / "a.sql").write_text(
+        "-- header, for the reader\n\n-- name: one\n-- decides one thing\n--\n-- and why\n"
+        "SELECT 1\n  FROM t;\n\n-- -- a section ----\n\n-- name: two\n-- two\nSELECT 2;\n")
+    loaded = statements.load(tmp_path)
+    assert list(loaded) == ["one", "two"]
+    assert loaded["one"].sql == "SELECT 1\n  FROM t"
+    assert loaded["one"].doc == "decides one thing\n\nand why"
+    assert loaded["two"].line == 12
+    (tmp_path / "b.sql").write_text("-- name: one\n-- again\nSELECT 3;\n")
+    with pytest.raises(ValueError, match="also named in a.sql:3"):
+        statements.load(tmp_path)
+    (tmp_path / "b.sql").write_text("-- name: three\n-- unended\nSELECT 3\n")
+    with pytest.raises(ValueError, match="ends with ';'"):
+        statements.load(tmp_path)
 
 
 def test_every_parameter_is_bound():
