@@ -55,7 +55,6 @@ class Mutant:
              tuple(range(1, edit.occurrences + 1))) for edit in self.also]
 
 
-CLAIMS = "app/state/claims.py"
 # The store's SQL (app/state/sql/): a rule shared by several statements is written in
 # each, and these parts are written out word for word wherever they are used.
 CLAIMS_SQL = "app/state/sql/claims.sql"
