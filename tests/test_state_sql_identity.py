@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def test_every_statement_is_the_one_postgres_received():
             assert _normalised(sql) == ref["sql"], name
 
 
+def _words(sql: str) -> str:
+    return re.sub(r"\s*([(),])\s*", r"\1", " ".join(sql.split()))
+
+
 def test_every_function_is_the_one_migrations_installed():
     from app.state.claims import SLOT_FUNCTIONS
     from app.state.outbox import RELAY_FUNCTION_BODIES, RELAY_FUNCTIONS
@@ -51,7 +56,8 @@ def test_every_function_is_the_one_migrations_installed():
     for function in SLOT_FUNCTIONS:
         ref = REFERENCE["functions"][function.name]
         assert function.body == ref["body"], function.name
-        assert function.create == ref["create"], function.name
+        # The CREATE's own words may be laid out on lines; its body is kept byte for byte.
+        assert _words(function.create) == _words(ref["create"]), function.name
         assert function.call.text == ref["call"], function.name
     assert list(RELAY_FUNCTIONS) == REFERENCE["relay"]["functions"]
     assert RELAY_FUNCTION_BODIES == REFERENCE["relay"]["bodies"]

@@ -43,7 +43,20 @@ UPDATE runs
 -- (README.md, "Status tests that choose the index"). The count and the claim are one
 -- statement on a snapshot taken after the locks. No slot: the run waits (``waiting``,
 -- ``wait_reason``), unclaimed, holding no worker.
-CREATE OR REPLACE FUNCTION poimen_claim_slot(p_run uuid, p_boot uuid) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE, workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE, input runs.input%TYPE, failures runs.failures%TYPE, cancel_requested runs.cancel_requested%TYPE, concurrency_key runs.concurrency_key%TYPE, concurrency_limit runs.concurrency_limit%TYPE, goal_id runs.goal_id%TYPE, definition_hash runs.definition_hash%TYPE, created_at runs.created_at%TYPE, started_at runs.started_at%TYPE, traceparent runs.traceparent%TYPE, tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE, wait_reason runs.wait_reason%TYPE) LANGUAGE plpgsql VOLATILE AS $body$
+CREATE OR REPLACE FUNCTION poimen_claim_slot(
+    p_run uuid, p_boot uuid
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, goal_id runs.goal_id%TYPE,
+    definition_hash runs.definition_hash%TYPE, created_at runs.created_at%TYPE,
+    started_at runs.started_at%TYPE, traceparent runs.traceparent%TYPE,
+    tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE,
+    wait_reason runs.wait_reason%TYPE
+) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
     PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
@@ -361,7 +374,17 @@ UPDATE runs SET claimed_by = :boot, updated_at = now()
 -- that order, in one INSERT): one statement, one round trip. A child's end counts for its
 -- parent's join and may re-queue the parent (README.md).
 -- No entry to close. The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot(p_status text, p_result text, p_error text, p_failed integer, p_run uuid, p_boots uuid[], p_event_type text, p_event_extra text) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE, workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE, input runs.input%TYPE, failures runs.failures%TYPE, cancel_requested runs.cancel_requested%TYPE, concurrency_key runs.concurrency_key%TYPE, concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+CREATE OR REPLACE FUNCTION poimen_finish_slot(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
     PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
@@ -456,7 +479,19 @@ $body$;
 -- parent's join and may re-queue the parent (README.md).
 -- The last entry needed no row while it ran: it is written now (with its step.entered).
 -- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(p_status text, p_result text, p_error text, p_failed integer, p_run uuid, p_boots uuid[], p_entry_no integer, p_step text, p_entry_status text, p_actions text, p_outputs text, p_entry_error text, p_next_step text, p_events boolean, p_entry_event text, p_event_type text, p_event_extra text) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE, workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE, input runs.input%TYPE, failures runs.failures%TYPE, cancel_requested runs.cancel_requested%TYPE, concurrency_key runs.concurrency_key%TYPE, concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_entry_no integer, p_step text, p_entry_status text,
+    p_actions text, p_outputs text, p_entry_error text, p_next_step text,
+    p_events boolean, p_entry_event text, p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
     PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
@@ -560,7 +595,19 @@ $body$;
 -- parent's join and may re-queue the parent (README.md).
 -- The last entry's row is closed; the run ends only if that entry is still open.
 -- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_closed(p_status text, p_result text, p_error text, p_failed integer, p_run uuid, p_boots uuid[], p_entry bigint, p_entry_status text, p_actions text, p_outputs text, p_entry_error text, p_next_step text, p_entry_event text, p_events boolean, p_event_type text, p_event_extra text) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE, workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE, input runs.input%TYPE, failures runs.failures%TYPE, cancel_requested runs.cancel_requested%TYPE, concurrency_key runs.concurrency_key%TYPE, concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+CREATE OR REPLACE FUNCTION poimen_finish_slot_closed(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_entry bigint, p_entry_status text, p_actions text, p_outputs text,
+    p_entry_error text, p_next_step text, p_entry_event text, p_events boolean,
+    p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
     PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
