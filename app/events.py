@@ -11,7 +11,7 @@ One payload shape for every event, stored in ``outbox.payload``::
 ``run_id`` and ``type`` are always present; the other fields depend on the type
 (``attempt`` on claims and finishes, ``error`` on failures, ``workflow_ref`` /
 ``dispatch_key`` / ``origin`` on admission). The run-state store writes them
-(``app/state/``: ``compose.with_event`` inside the statement of a change,
+(``app/state/``: the ``event`` part of the statement of a change, ``app/state/sql/``,
 ``outbox.record_event`` on its own).
 """
 

@@ -1,4 +1,5 @@
-"""The run-state store (``app/state/``) is the one writer of run state, readable as SQL.
+"""The run-state store (``app/state/``) is the one writer of run state, its SQL in named
+statements (``app/state/sql/*.sql``).
 
 No database and no process: these belong to the fast lane.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [p for top in ("app", "workers", "bridge") for p in (ROOT / top).rglob("*.py")] + [
@@ -19,23 +22,128 @@ ORM_WRITE = re.compile(r"\b(update|delete|insert)\((Run|StepEntry|StepMarker|Ste
                        r"WorkerBoot)\b|session\.(add|delete|merge)\((Run|OutboxEvent)\b")
 
 
-def test_rendered_sql_is_the_statements_postgres_receives():
-    from app.state import rendered
-
-    assert rendered.PATH.read_text() == rendered.render(), (
-        "app/state/rendered.sql drifted from the code: run `python -m app.state.rendered` "
-        "and review the diff")
+MODULES = ("runs", "claims", "ledger", "boots", "outbox")
 
 
-def test_every_statement_is_named_in_the_rendered_file():
-    from app.state import rendered
+def _bound() -> dict[str, str]:
+    """Statement name -> the module constant that binds it (``app.state.<file>.<NAME>``)."""
+    import importlib
 
-    names = [where for where, _ in rendered.statements()]
-    for transition in ("ADMIT", "ADMIT_MANY", "HOLDERS", "CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "RELEASE", "RETRY", "FINISH",
-                       "WAIT", "CANCEL", "DEAD_BOOT_RUNS", "ENTER", "CLAIM_MARKER",
-                       "COMPLETE_MARKER", "CLOSE_ENTRY", "REGISTER_BOOT", "INSERT_EVENT",
-                       "CLAIM_SLOT", "TAKE_OVER_SLOT", "LOCK_SLOTS", "WAKE_WAITING"):
-        assert any(name.endswith(f": {transition}") for name in names), transition
+    from app.state import statements
+
+    bound = {}
+    for module_name in MODULES:
+        module = importlib.import_module(f"app.state.{module_name}")
+        for attr, value in vars(module).items():
+            if not attr.isupper():
+                continue
+            for one in value if isinstance(value, tuple) else (value,):
+                sql = getattr(one, "text", getattr(one, "create", one))
+                for named in statements.STATEMENTS.values():
+                    if named.path.stem == module_name and sql == named.sql:
+                        bound.setdefault(named.name, f"{module_name}.{attr}")
+    return bound
+
+
+def test_every_statement_is_named_in_its_modules_file():
+    """A transition's whole SQL is the block of its name in ``app/state/sql/<module>.sql``,
+    bound to the module's constant of the same name in capitals."""
+    from app.state import statements
+
+    bound = _bound()
+    for name, named in statements.STATEMENTS.items():
+        assert named.path.stem in MODULES, f"{named.path.name}: no module app/state/{named.path.stem}.py"
+        assert name in bound, f"{named.path.name}:{named.line}: {name} is bound to no constant"
+        module, attr = bound[name].split(".")
+        assert module == named.path.stem and attr == name.upper() \
+            or named.sql.startswith("CREATE OR REPLACE FUNCTION"), (name, bound[name])
+        assert named.doc, f"{named.path.name}:{named.line}: {name} says not what it decides"
+    for transition in ("admit", "admit_many", "holders", "claim_queued", "take_over", "adopt",
+                       "release", "retry", "poimen_finish_slot", "finish_unlimited", "wait",
+                       "cancel", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
+                       "close_entry", "register_boot", "insert_event", "poimen_claim_slot",
+                       "take_over_slot", "lock_slots", "wake_waiting",
+                       "poimen_outbox_mark_published", "poimen_outbox_prune"):
+        assert transition in statements.STATEMENTS, transition
+
+
+def test_the_loader_reads_a_statement_as_written_and_refuses_a_malformed_file(tmp_path):
+    from app.state import statements
+
+    (tmp_path / "a.sql").write_text(
+        "-- header, for the reader\n\n-- name: one\n-- decides one thing\n--\n-- and why\n"
+        "SELECT 1\n  FROM t;\n\n-- -- a section ----\n\n-- name: two\n-- two\nSELECT 2;\n")
+    loaded = statements.load(tmp_path)
+    assert list(loaded) == ["one", "two"]
+    assert loaded["one"].sql == "SELECT 1\n  FROM t"
+    assert loaded["one"].doc == "decides one thing\n\nand why"
+    assert loaded["two"].line == 12
+    (tmp_path / "b.sql").write_text("-- name: one\n-- again\nSELECT 3;\n")
+    with pytest.raises(ValueError, match="also named in a.sql:3"):
+        statements.load(tmp_path)
+    (tmp_path / "b.sql").write_text("-- name: three\n-- unended\nSELECT 3\n")
+    with pytest.raises(ValueError, match="ends with ';'"):
+        statements.load(tmp_path)
+
+
+def test_every_parameter_is_bound():
+    """Each ``:name`` of a statement is a bind parameter of it (none hides in a literal or a
+    cast), and a psycopg statement (``%s``) has no ``:name``."""
+    from app.state import statements
+
+    for name, named in statements.STATEMENTS.items():
+        found = set(statements.PARAMETER.findall(named.sql))
+        bound = set(statements.statement(name).compile().params)
+        if "%s" in named.sql:
+            assert not found, name
+        else:
+            assert found == bound, (name, found ^ bound)
+
+
+def test_no_sql_is_assembled_in_the_stores_python():
+    """The store's modules bind statements by name; none writes SQL of its own."""
+    state = ROOT / "app" / "state"
+    offenders = []
+    for path in state.glob("*.py"):
+        if path.name == "statements.py":  # builds a function's call from its block
+            continue
+        for lineno, value in _strings(path):
+            if WRITE.search(value) or re.search(r"\bSELECT\b[\s\S]*\bFROM\b", value):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}")
+    assert not offenders, "SQL outside app/state/sql/:\n" + "\n".join(offenders)
+
+
+def test_the_statements_use_the_one_definition_of_a_live_boot():
+    """A boot's liveness is ``app/liveness.py``'s; the statements write it out. Each place
+    a statement tests a boot's lock or its bound is that definition, word for word."""
+    from app import liveness
+    from app.state import statements
+
+    def words(sql: str) -> str:
+        return " ".join(sql.split())
+
+    text = words("\n".join(n.sql for n in statements.STATEMENTS.values()))
+    checks = {
+        "JOIN pg_locks": words(liveness.LIVE_BOOTS_SQL),
+        "WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared": words(
+            liveness.claimer_live_sql(":boot")),
+        "WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared": words(
+            liveness.claimer_live_sql("p_boot")),
+        "WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared": words(
+            liveness.claimer_live_sql(":claimer")),
+        "g.boot_id = :dead AND g.first_seen_dead_at <=": words(liveness.gone_sql(":dead")),
+        "g.boot_id = runs.claimed_by AND g.first_seen_dead_at <=": words(
+            liveness.gone_sql("runs.claimed_by")),
+        "g.boot_id = r.claimed_by AND g.first_seen_dead_at <=": words(
+            liveness.held_by_sql("r.claimed_by")),
+        "extract(epoch FROM g.": words(liveness.gone_in_sql("g")),
+        "extract(epoch FROM b.": words(liveness.gone_in_sql("b")),
+    }
+    for marker, definition in checks.items():
+        assert text.count(marker) > 0, marker
+        assert text.count(marker) == text.count(definition), (marker, definition)
+    namespace = re.findall(r"pg_try_advisory_xact_lock_shared\((\d+)", text)
+    assert namespace and set(namespace) == {str(liveness.LOCK_NAMESPACE)}
 
 
 def _strings(path: Path) -> list[tuple[int, str]]:

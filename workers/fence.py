@@ -83,7 +83,7 @@ class Fence:
         self.trace = trace  # ... and its W3C Trace Context
         # The run holds a slot of a limited group: every write that ends the hold
         # (finish, retry, release, a join's wait) takes the group's locks first,
-        # so the run it wakes is seen (app/state/compose.py, "Concurrency slots").
+        # so the run it wakes is seen (app/state/sql/README.md, "An end frees a slot").
         self.slots = slots
 
     def _lock_slots(self, session: Session) -> None:

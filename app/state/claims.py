@@ -39,33 +39,17 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Row, text
+from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from app.liveness import boot_alive, claimer_live_sql, gone_in_sql, gone_sql
+from app.liveness import boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
 from .boots import mark_boot_dead
-from .compose import (
-    ENDED,
-    JOIN_RELEASE,
-    LIMITED_WAITS,
-    WITH_WOKEN,
-    due,
-    holds_slot,
-    outbox_rows,
-    same_group,
-    same_tenant,
-    send_woken,
-    slot_release,
-    slot_status_is,
-    status_is,
-    to_json,
-    with_event,
-    with_woken,
-)
-from .ledger import CLOSE_EVENT_FIELDS, ENTRY_EVENT_FIELDS, EntryClose
-from .runs import LockedStatement, finish_requested_cancel, lock_slots, locked
+from .compose import send_woken, to_json
+from .ledger import EntryClose
+from .runs import finish_requested_cancel, lock_slots
+from .statements import Function, function, statement
 
 
 class ClaimOutcome(enum.StrEnum):
@@ -96,7 +80,7 @@ class Claim:
     boot_id: uuid.UUID
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
-    run: Row | None = None  # the claimed run's row (see _RUN_COLUMNS), when claimed
+    run: Row | None = None  # the claimed run's row (what CLAIM_QUEUED returns), when claimed
     # The run is in a limited group: every end of this hold takes the slot locks first.
     slots: bool = False
     wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
@@ -110,309 +94,36 @@ class Claim:
     ended: Row | None = field(default=None, compare=False)
 
 
-# What a claim returns: everything the worker needs to run the workflow, so
-# executing a run costs no extra read.
-_RUN_COLUMN_NAMES = ("id", "tenant_id", "attempt", "workflow_name", "workflow_version", "input",
-                     "failures", "cancel_requested", "concurrency_key", "concurrency_limit")
-_RUN_COLUMNS = ", ".join(_RUN_COLUMN_NAMES)
-_ATTEMPT = "jsonb_build_object('attempt', attempt)"
-# A claim also returns the pinned definition hash and the run's latest step
-# entry (the ledger resumes from it), so starting a run costs no extra read.
-# created_at and started_at give the queue wait (poimen_run_queue_wait_seconds).
-# traceparent and tracestate: the run's trace context, which its fan-out children inherit
-# and its re-sends (a retry, a release) carry.
-_CLAIMED_NAMES = _RUN_COLUMN_NAMES + ("goal_id", "definition_hash", "created_at", "started_at",
-                                       "traceparent", "tracestate")
-_CLAIMED_COLUMNS = ", ".join(_CLAIMED_NAMES) + ", " \
-    "(SELECT to_jsonb(e) FROM step_entries e " \
-    "WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry"
-
-# Liveness is part of every claim: the claiming boot must hold its lock *in
-# the same statement*. A process whose lock vanished (Postgres restarted, its
-# connection was cut) may not know yet; Postgres does, and refuses.
-_CLAIMER_LIVE = claimer_live_sql(":boot")
-
-# The holder a takeover replaces is gone, not only without its lock: a lock that went
-# early (a restart, pg_terminate_backend) leaves its process running the body until
-# its fence, T_c + kill after its last confirmation; the server waits that long (and
-# the margin) from when it first saw the lock free.
-_HOLDER_GONE = gone_sql(":dead")
-
-# The run (found by primary key) is running: ``status_is``, so that no index on status
-# can take the lookup from the primary key.
-_RUNNING = status_is("runs", RunStatus.RUNNING)
-
-CLAIM_QUEUED = with_event(
-    f"""
-    UPDATE runs
-       SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
-           started_at = coalesce(started_at, now()), updated_at = now()
-     WHERE id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT cancel_requested
-       AND (not_before IS NULL OR not_before <= now())
-       AND {_CLAIMER_LIVE}
-       AND concurrency_limit IS NULL
-       AND NOT EXISTS (SELECT 1 FROM tenants t
-                        WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
-    """,
-    _CLAIMED_COLUMNS,
-    "'run.started'",
-    _ATTEMPT,
-)
-
-
-def _verdict(me: str, *, fifo: bool) -> str:
-    """CTE ``verdict``: the slot run ``me`` may not take (``reason``), NULL if it may.
-
-    Its tenant's cap first, then its group's limit. Slots held by live boots
-    count; ``fifo``: so do older runs of the group that want one (queued and
-    due, or waiting for a slot), so a newcomer never overtakes them.
-
-    Each count is a sum over one status at a time (a run has one status, so the
-    parts never overlap): with the status in the slot indexes each part reads only its
-    own rows (the slot holders, the older queued runs, the older waiting ones), never
-    every queued run of a deep backlog. The scopes (``same_group``, ``same_tenant``)
-    and ``slot_status`` are written so that only those indexes can serve the counts
-    (migration 0017), whatever the statistics say.
-    """
-    def counted(scope: str, ahead_waits: str) -> str:
-        def part(condition: str) -> str:
-            return f"(SELECT count(*) FROM runs r WHERE {scope} AND {condition})"
-
-        older = f"(r.created_at, r.id) < ({me}.created_at, {me}.id)"
-        # A takeover's or an adoption's run is not counted against itself: its holder
-        # may still hold its slot (an adoption's lost boot is not gone yet).
-        parts = [part(holds_slot("r") if fifo else f"{holds_slot('r')} AND r.id <> {me}.id")]
-        if fifo:
-            parts += [part(f"{due('r', slot=True)} AND {older}"),
-                      part(f"{slot_status_is('r', RunStatus.WAITING)} "
-                           f"AND r.wait_reason IN {ahead_waits} AND {older}")]
-        return "\n                    + ".join(parts)
-
-    tenant = same_tenant("r", me)
-    group = same_group("r", me)
-    return f"""
-    verdict AS (
-        SELECT CASE
-               WHEN {me}.max_running IS NOT NULL AND (
-                    {counted(tenant, "('tenant_cap')")}) >= {me}.max_running
-               THEN 'tenant_cap'
-               WHEN {me}.concurrency_limit IS NOT NULL AND (
-                    {counted(group, LIMITED_WAITS)}) >= {me}.concurrency_limit
-               THEN 'concurrency'
-               END AS reason
-          FROM {me}
-    ),"""
-
-
-# The claim of a run of a limited group, after ``runs.LOCK_SLOTS`` in the same
-# transaction (so this statement's snapshot sees every claim and end of the
-# group committed before): the count and the claim are one statement. No slot:
-# the run waits, unclaimed, holding no worker.
-CLAIM_SLOT = with_event(
-    f"""
-    UPDATE runs
-       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
-           wait_reason = v.reason,
-           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,
-           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
-           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
-                             ELSE started_at END,
-           updated_at = now()
-      FROM verdict v
-     WHERE runs.id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT runs.cancel_requested
-    """,
-    _CLAIMED_COLUMNS + ", status, wait_reason",
-    "CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END",
-    f"{_ATTEMPT} || CASE WHEN status = 'waiting' "
-    "THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END",
-    before=f"""
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = :run AND {due("r")} AND {_CLAIMER_LIVE}
-    ),{_verdict("me", fifo=True)}""",
-)
-
-
-def _of_runs(*names: str) -> list[tuple[str, str]]:
-    """Result columns of a locked statement that are columns of ``runs``, typed as such."""
-    return [(name, f"runs.{name}%TYPE") for name in names]
-
-
-# CLAIM_SLOT after its locks, in one call (``runs.locked``): a limited run's claim is
-# one round trip, in autocommit, like every other claim.
-CLAIM_SLOT_LOCKED = locked(
-    "poimen_claim_slot", CLAIM_SLOT,
-    _of_runs(*_CLAIMED_NAMES) + [("last_entry", "jsonb")] + _of_runs("status", "wait_reason"))
-
-# Wreckage: the holder is dead. A cancelled run ends cancelled instead of being
-# resumed (a cancel wins over the bound); a run that has already outlived
-# max_takeovers workers ends ``poisoned``: its executions are what kills them (OOM,
-# a segfault, os._exit), so it is not resumed again; else resume it.
-# A run of a limited group (after LOCK_SLOTS, like a claim) resumes only if a
-# slot is free (another run may have taken the dead holder's): else it waits,
-# unclaimed, with the lost worker counted.
-# The run a takeover or an adoption is about, and whether its group has a slot for it.
-_ME_VERDICT = f"""
-    me AS (
-        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-    ),{_verdict("me", fifo=False)}"""
-
-
-def _take_over(slots: bool):
-    park = "\n                         WHEN v.reason IS NOT NULL THEN 'waiting'" if slots else ""
-    parked = " OR v.reason IS NOT NULL" if slots else ""
-    claimer = ("CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers "
-               "THEN CAST(:boot AS uuid) END") if slots else ":boot"
-    reason = """
-           wait_reason = CASE WHEN cancel_requested OR takeovers >= :max_takeovers THEN NULL
-                              ELSE v.reason END,""" if slots else ""
-    verdict = """
-      FROM verdict v""" if slots else ""
-    return with_event(
-        f"""
-    UPDATE runs
-       SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}
-                         ELSE 'running' END,
-           claimed_by = {claimer},
-           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers{parked}
-                                    THEN 0 ELSE 1 END,
-           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                        THEN 0 ELSE 1 END,
-           error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
-                        THEN jsonb_build_object(
-                            'code', 'poisoned', 'type', 'poimen.Poisoned',
-                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
-                                       || '(max_takeovers ' || :max_takeovers || '): '
-                                       || 'poisoned, it is not resumed again',
-                            'traceback', '')
-                        ELSE error END,
-           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                              THEN now() ELSE finished_at END,{reason}
-           updated_at = now(){verdict}
-     WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}
-       AND {_HOLDER_GONE}
-    """,
-        _CLAIMED_COLUMNS + ", status, takeovers, error" + (", wait_reason" if slots else ""),
-        "CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END",
-        f"{_ATTEMPT} || jsonb_build_object('previous_boot', CAST(:dead AS text)) || "
-        "CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END"
-        + (" || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) "
-           "ELSE '{}' END" if slots else ""),
-        before=_ME_VERDICT if slots else "",
-        # A child ended poisoned or cancelled counts for its parent's join; an
-        # ended run of a limited group wakes the next one.
-        then=JOIN_RELEASE + (slot_release(when=f"s.status IN {ENDED}") if slots else ""),
-        select=with_woken(join=True) if slots else WITH_WOKEN,
-    )
-
-
-TAKE_OVER = _take_over(slots=False)
-TAKE_OVER_SLOT = _take_over(slots=True)
-
-# The process that lost its lock is still executing the run and registered a
-# new boot: it moves its own claim over, unless someone took the run over first.
-# A run of a limited group (after LOCK_SLOTS) keeps its slot only if it is still
-# free: while its boot was dead the slot was free, and another run may have it.
-def _adopt(slots: bool):
-    verdict = """
-      FROM verdict v""" if slots else ""
-    has_slot = " AND v.reason IS NULL" if slots else ""
-    return with_event(
-        f"""
-    UPDATE runs SET claimed_by = :boot, updated_at = now(){verdict}
-     WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}{has_slot}
-    """,
-        _RUN_COLUMNS,
-        "'run.adopted'",
-        "jsonb_build_object('previous_boot', CAST(:dead AS text))",
-        before=_ME_VERDICT if slots else "",
-    )
-
-
-ADOPT = _adopt(slots=False)
-ADOPT_SLOT = _adopt(slots=True)
-
-# A run's end, its last step entry's close and their events: one statement, so a
-# run that ends costs one round trip (in autocommit unless the run holds a slot).
-# ``close``: None (no entry to close), "insert" (an entry that needed no row while it
-# ran is written now, with its step.entered event) or "update" (the entry's row is
-# closed; the run ends only if that entry is still open). Events are one INSERT in
-# order: step.entered, step.<status>, run.<status>.
-# ``slots``: the run holds a slot of a limited group (after ``LOCK_SLOTS``, in a
-# transaction): its end re-queues the next run waiting for the slot. A run claimed
-# outside every group leaves slot_release out (its statement costs Postgres a third
-# less to plan); a tenant cap set while it ran is woken by beat (``WAKE_WAITING``).
-def _finish(close: str | None, slots: bool):
-    entry_open = ("\n       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry "
-                  "AND e.run_id = :run\n                   AND e.status IN ('running', 'waiting'))"
-                  if close == "update" else "")
-    ctes = [f"""
-    WITH changed AS (
-    UPDATE runs
-       SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-           finished_at = now(), updated_at = now(), failures = failures + :failed
-     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots){entry_open}
-     RETURNING {_RUN_COLUMNS}, status)"""]
-    events = []
-    if close == "insert":
-        ctes.append("""
-    entry AS (
-        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
-                                  next_step, finished_at)
-        SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
-               CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
-          FROM changed
-        RETURNING id, run_id, entry_no, step_id, next_step, error)""")
-        events.append(f"SELECT 1, 'step.entered', {ENTRY_EVENT_FIELDS} FROM entry "
-                      "WHERE CAST(:events AS boolean)")
-    elif close == "update":
-        ctes.append("""
-    entry AS (
-        UPDATE step_entries e
-           SET status = :entry_status, actions = CAST(:actions AS jsonb),
-               outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
-               next_step = :next_step, finished_at = now()
-          FROM changed
-         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error)""")
-    if close is not None:
-        events.append(f"SELECT 2, CAST(:entry_event AS text), {CLOSE_EVENT_FIELDS} FROM entry "
-                      "WHERE CAST(:events AS boolean)")
-    events.append(f"SELECT 3, CAST(:event_type AS text), {_ATTEMPT} || "
-                  "coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed")
-    union = "\n                 UNION ALL ".join(events)
-    ctes.append(f"""
-    event AS ({outbox_rows(f"changed c, ({union}) AS e(ord, type, fields)", "e.type",
-                           "e.fields", run_id="c.id", tenant_id="c.tenant_id",
-                           order_by="e.ord")})""")
-    # A child's end counts for its parent's join and may re-queue the parent:
-    # decided here, in the finish statement (see app/runs.py); the end of a run of
-    # a limited group re-queues the next run waiting for its slot.
-    then = JOIN_RELEASE + (slot_release() if slots else "")
-    select = with_woken(join=True) if slots else WITH_WOKEN
-    return text(",".join(ctes) + then + f"\n    SELECT {select} FROM changed\n")
-
-
-FINISH = _finish(None, slots=True)
-FINISH_INSERTED = _finish("insert", slots=True)
-FINISH_CLOSED = _finish("update", slots=True)
-FINISH_UNLIMITED = _finish(None, slots=False)
-FINISH_INSERTED_UNLIMITED = _finish("insert", slots=False)
-FINISH_CLOSED_UNLIMITED = _finish("update", slots=False)
-# The end of a run that holds a slot, after its locks, in one call (``runs.locked``):
-# one round trip, in autocommit, like the end of every other run.
-_FINISHED = _of_runs(*_RUN_COLUMN_NAMES, "status") + [("woken", "jsonb")]
-FINISH_LOCKED = locked("poimen_finish_slot", FINISH, _FINISHED)
-FINISH_INSERTED_LOCKED = locked("poimen_finish_slot_inserted", FINISH_INSERTED, _FINISHED)
-FINISH_CLOSED_LOCKED = locked("poimen_finish_slot_closed", FINISH_CLOSED, _FINISHED)
-# Installed by migration 0014 (``CREATE OR REPLACE``): a change to one of these
-# statements needs a migration that runs them again (tests/app/test_slot_functions.py).
-SLOT_FUNCTIONS: tuple[LockedStatement, ...] = (
+# The statements of ``sql/claims.sql``, in its order. What a claim returns is everything
+# the worker needs to run the workflow (the run's columns, its pinned definition hash,
+# its latest step entry, its trace context), so executing a run costs no extra read.
+CLAIM_QUEUED = statement("claim_queued")
+# A limited run's claim after its group's locks, in one call: one round trip, in
+# autocommit, like every other claim (``sql/README.md``, "Slot functions").
+CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
+CLAIM_SLOT = CLAIM_SLOT_LOCKED.query
+TAKE_OVER = statement("take_over")
+TAKE_OVER_SLOT = statement("take_over_slot")
+ADOPT = statement("adopt")
+ADOPT_SLOT = statement("adopt_slot")
+# The end of a run that holds a slot, after its locks, in one call: one round trip, in
+# autocommit, like the end of every other run. ``FINISH`` closes no entry;
+# ``_INSERTED`` writes the last entry, which needed no row while it ran; ``_CLOSED``
+# closes its row. ``_UNLIMITED``: the same ends of a run claimed outside every limited
+# group, without the slot release.
+FINISH_LOCKED = function("poimen_finish_slot")
+FINISH_INSERTED_LOCKED = function("poimen_finish_slot_inserted")
+FINISH_CLOSED_LOCKED = function("poimen_finish_slot_closed")
+FINISH = FINISH_LOCKED.query
+FINISH_INSERTED = FINISH_INSERTED_LOCKED.query
+FINISH_CLOSED = FINISH_CLOSED_LOCKED.query
+FINISH_UNLIMITED = statement("finish_unlimited")
+FINISH_INSERTED_UNLIMITED = statement("finish_inserted_unlimited")
+FINISH_CLOSED_UNLIMITED = statement("finish_closed_unlimited")
+# Installed by migration 0014 (``CREATE OR REPLACE``) and each later one that changes a
+# body: a change to one of these blocks needs a migration that runs them again
+# (tests/app/test_slot_functions.py).
+SLOT_FUNCTIONS: tuple[Function, ...] = (
     CLAIM_SLOT_LOCKED, FINISH_LOCKED, FINISH_INSERTED_LOCKED, FINISH_CLOSED_LOCKED)
 
 _FINISHES = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED_LOCKED.call,
@@ -420,47 +131,11 @@ _FINISHES = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED
              ("insert", False): FINISH_INSERTED_UNLIMITED,
              ("update", False): FINISH_CLOSED_UNLIMITED}
 
-RELEASE = with_event(
-    f"""
-    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
-           attempt = attempt - 1
-     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots)
-    """,
-    _RUN_COLUMNS,
-    "'run.released'",
-    then=slot_release(),
-    select=with_woken(join=False),
-)
-
-RETRY = with_event(
-    f"""
-    UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
-           error = CAST(:error AS jsonb), updated_at = now(),
-           not_before = now() + make_interval(secs => :delay)
-     WHERE id = :run AND {_RUNNING} AND claimed_by = ANY(:boots)
-    """,
-    _RUN_COLUMNS,
-    "'run.retrying'",
-    f"{_ATTEMPT} || jsonb_build_object('delay', CAST(:delay AS float8), "
-    "'error', CAST(:error AS jsonb))",
-    then=slot_release(),
-    select=with_woken(join=False),
-)
-
-
-# A claim that changed nothing reads why: the run's state and the claimer's liveness.
-# ``slots``: the run is in a limited group (its workflow's or its tenant's).
-CLAIM_STATE = text(
-    "SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, "
-    f"{_CLAIMER_LIVE} AS claimer_live, "
-    "(not_before IS NULL OR not_before <= now()) AS due, "
-    "(concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE "
-    "t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots "
-    "FROM runs WHERE id = :run")
-HOLDER = text("SELECT claimed_by, status FROM runs WHERE id = :run")
-# A holder seen dead and not gone yet: how long until it is (NULL: not seen dead).
-GONE_IN = text(f"SELECT {gone_in_sql('b')} FROM worker_boots b WHERE b.boot_id = :boot "
-               "AND b.first_seen_dead_at IS NOT NULL")
+RELEASE = statement("release")
+RETRY = statement("retry")
+CLAIM_STATE = statement("claim_state")
+HOLDER = statement("holder")
+GONE_IN = statement("gone_in")
 
 
 def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
@@ -493,7 +168,7 @@ def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
     """Claim ``run_id`` of a limited group, or park it ``waiting`` when it has no slot.
 
     One call, ``poimen_claim_slot``: the group's advisory locks, then the claim
-    that counts the group's slots on a snapshot taken after them (``runs.locked``),
+    that counts the group's slots on a snapshot taken after them (``sql/claims.sql``),
     so it may run in autocommit. A run it did not claim or park (a duplicate, a
     dead holder's, a finished one) is decided under the locks in a transaction:
     with ``transaction`` False it comes back as SLOTS for ``decide_slot``. In a

@@ -1,9 +1,9 @@
 """The step ledger's writes: entries, marker claims, fan-out links, joins.
 
-Every write is fenced by the run's claim (``FENCE``: ``runs.claimed_by`` is one
-of this process's boots, locked ``FOR SHARE`` in the statement), like every
+Every write is fenced by the run's claim (its ``run`` part: ``runs.claimed_by`` is
+one of this process's boots, locked ``FOR SHARE`` in the statement), like every
 other write a worker makes for a run it holds; a marker claim also requires
-the claimer's boot to be live in the same statement (``LIVE``). Which actions
+the claimer's boot to be live in the same statement (its ``live`` part). Which actions
 run, in what order, and what a claim's outcome means for the entry (the stop
 rule) is the dispatcher's (``workers/ledger.py``); this module records.
 """
@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sqlalchemy import Row, text
+from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from app.liveness import LIVE_BOOTS_SQL, claimer_live_sql
-
-from .compose import ENDED, outbox_rows, send_woken, slot_release, to_json
+from .compose import send_woken, to_json
+from .statements import statement
 
 
 class DeclaredAction(Protocol):
@@ -97,194 +96,21 @@ class MarkerClaim:
     error: dict | None = None
 
 
-# The fence of every ledger write: the run is held by one of this process's
-# boots. FOR SHARE makes a takeover (an UPDATE of this row) wait for this
-# transaction, or this statement see the takeover and write nothing.
-FENCE = """
-    run AS (SELECT id, tenant_id, cancel_requested FROM runs
-             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-"""
-# The claimer's liveness, evaluated in the claim statement itself.
-LIVE = f"live AS (SELECT {claimer_live_sql(':claimer')} AS ok)"
-
-ENTRY_EVENT_FIELDS = ("jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, "
-                 "'entry_id', entry.id)")
-
-ENTER = text(f"""
-    WITH {FENCE},
-    entry AS (
-        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions)
-        SELECT id, :entry_no, :step, 'running', CAST(:actions AS jsonb) FROM run
-        RETURNING id, run_id, entry_no, step_id, children_total, children_done
-    ),
-    event AS ({outbox_rows("entry JOIN run ON run.id = entry.run_id", "'step.entered'",
-                           ENTRY_EVENT_FIELDS, "CAST(:events AS boolean)", run_id="entry.run_id",
-                           tenant_id="run.tenant_id")})
-    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id
-""")
-
-CLAIM_MARKER = text(f"""
-    WITH {FENCE}, {LIVE},
-    claimed AS (
-        INSERT INTO step_markers (entry_id, position, run_id, claimed_by, status)
-        SELECT :entry, :position, run.id, :claimer, 'claimed' FROM run, live WHERE live.ok
-        ON CONFLICT (entry_id, position) DO NOTHING
-        RETURNING claims
-    )
-    SELECT EXISTS (SELECT 1 FROM run) AS held, (SELECT ok FROM live) AS claimer_live,
-           (SELECT claims FROM claimed) AS claims
-""")
-
-MARKER_STATE = text(f"""
-    SELECT m.status, m.claimed_by, m.claims, m.result, m.error,
-           EXISTS ({LIVE_BOOTS_SQL} WHERE b.boot_id = m.claimed_by) AS holder_live
-      FROM step_markers m WHERE m.entry_id = :entry AND m.position = :position
-""")
-
-# Wreckage: the holder is dead (its lock is gone, and a dead boot never comes
-# back). A compare-and-set on its id, so of two rescuers exactly one wins.
-TAKE_OVER_MARKER = text(f"""
-    WITH {FENCE}, {LIVE}
-    UPDATE step_markers m SET claimed_by = :claimer, claims = m.claims + 1, claimed_at = now()
-      FROM run, live
-     WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-       AND m.claimed_by = :dead AND live.ok
-    RETURNING m.claims
-""")
-
-_ACTION_FIELDS = ("jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), "
-                  "'position', done.position, 'action', CAST(:name AS text), "
-                  "'idempotency_key', CAST(:key AS text)) || "
-                  "CASE WHEN done.error IS NULL THEN '{}'::jsonb "
-                  "ELSE jsonb_build_object('error', done.error - 'traceback') END")
-
-
-def _complete_marker_sql(spawned: bool) -> str:
-    # A fan-out links its children to the entry (for the join) in the statement
-    # that completes its marker, in the transaction that admitted them.
-    link = f""",
-    linked AS (
-        INSERT INTO step_children (child_run_id, entry_id, position, ordinal, item_key)
-        SELECT c.child, :entry, :position, c.ordinal, c.item_key
-          FROM done, unnest(CAST(:children AS uuid[]), CAST(:ordinals AS int[]),
-                            CAST(:item_keys AS text[])) AS c(child, ordinal, item_key)
-        ON CONFLICT (child_run_id) DO NOTHING
-        RETURNING child_run_id
-    ),
-    counted AS (
-        UPDATE step_entries e
-           SET children_total = e.children_total + (SELECT count(*) FROM linked),
-               children_done = e.children_done + (
-                   SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
-                    WHERE r.status IN {ENDED})
-         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
-    )""" if spawned else ""
-    return f"""
-    WITH {FENCE},
-    done AS (
-        UPDATE step_markers m
-           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-               finished_at = now()
-          FROM run
-         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-           AND m.claimed_by = ANY(:boots)
-        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
-    ){link},
-    event AS ({outbox_rows("done", "CAST(:event_type AS text)", _ACTION_FIELDS,
-                           run_id="done.run_id")})
-    SELECT count(*) AS completed FROM done
-    """
-
-
-COMPLETE_MARKER = text(_complete_marker_sql(spawned=False))
-COMPLETE_SPAWN = text(_complete_marker_sql(spawned=True))
-
-CLOSE_EVENT_FIELDS = (f"{ENTRY_EVENT_FIELDS} || jsonb_build_object('next_step', entry.next_step) || "
-                 "CASE WHEN entry.error IS NULL THEN '{}'::jsonb "
-                 "ELSE jsonb_build_object('error', entry.error - 'traceback') END")
-
-CLOSE_ENTRY = text(f"""
-    WITH {FENCE},
-    entry AS (
-        UPDATE step_entries e
-           SET status = :status, actions = CAST(:actions AS jsonb),
-               outputs = CAST(:outputs AS jsonb), error = CAST(:error AS jsonb),
-               next_step = :next_step, finished_at = now()
-          FROM run
-         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error, run.tenant_id,
-                  run.cancel_requested
-    ),
-    event AS ({outbox_rows("entry", "CAST(:event_type AS text)", CLOSE_EVENT_FIELDS,
-                           "CAST(:events AS boolean)", run_id="entry.run_id",
-                           tenant_id="entry.tenant_id")})
-    SELECT id, cancel_requested FROM entry
-""")
-
-# An entry that needed no row while it ran is written when it ends (its
-# step.entered and step.<status> events in that order, in one INSERT).
-INSERT_CLOSED = text(f"""
-    WITH {FENCE},
-    entry AS (
-        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
-                                  next_step, finished_at)
-        SELECT id, :entry_no, :step, :status, CAST(:actions AS jsonb), CAST(:outputs AS jsonb),
-               CAST(:error AS jsonb), :next_step, now()
-          FROM run
-        RETURNING id, run_id, entry_no, step_id, next_step, error
-    ),
-    event AS ({outbox_rows(
-        "entry JOIN run ON run.id = entry.run_id, (VALUES (1, 'step.entered'), "
-        "(2, CAST(:event_type AS text))) AS t(ord, type)", "t.type",
-        f"CASE t.ord WHEN 1 THEN {ENTRY_EVENT_FIELDS} ELSE {CLOSE_EVENT_FIELDS} END",
-        "CAST(:events AS boolean)", run_id="entry.run_id", tenant_id="run.tenant_id",
-        order_by="t.ord")})
-    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id
-""")
-
-# A join releases its worker: the entry waits (only while some child is still
-# running: its counters are on this row, which every child's end locks too,
-# see compose.JOIN_RELEASE) and the run becomes 'waiting', unclaimed.
-WAIT = text(f"""
-    WITH entry AS (
-        UPDATE step_entries e
-           SET status = 'waiting', actions = CAST(:actions AS jsonb),
-               outputs = CAST(:outputs AS jsonb)
-         WHERE e.id = :entry AND e.status = 'running' AND e.children_done < e.children_total
-           AND EXISTS (SELECT 1 FROM runs WHERE id = :run AND claimed_by = ANY(:boots))
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
-    ),
-    waited AS (
-        UPDATE runs r SET status = 'waiting', wait_reason = 'join', claimed_by = NULL,
-               updated_at = now()
-          FROM entry
-         WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
-        RETURNING r.id, r.tenant_id, r.attempt, r.workflow_name, r.concurrency_key,
-                  r.concurrency_limit, entry.step_id, entry.entry_no, entry.children_total,
-                  entry.children_done
-    ),
-    event AS ({outbox_rows("waited", "'run.waiting'",
-                           "jsonb_build_object('attempt', attempt, 'reason', 'join', "
-                           "'step', step_id, 'entry', entry_no, 'children', children_total, "
-                           "'children_done', children_done)")}){slot_release("waited")}
-    SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
-           (SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
-                   'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
-              FROM slot_woken w) AS woken
-""")
-
-CHILDREN = text("""
-    SELECT c.child_run_id, c.position, c.item_key, r.status, r.result, r.error, r.dispatch_key
-      FROM step_children c JOIN runs r ON r.id = c.child_run_id
-     WHERE c.entry_id = :entry
-     ORDER BY c.position, c.ordinal
-""")
-
-HISTORY = text("""
-    SELECT id, entry_no, step_id, status, outputs, next_step
-      FROM step_entries WHERE run_id = :run AND entry_no < :entry_no ORDER BY entry_no
-""")
+# The statements of ``sql/ledger.sql``. Every write's first part is the fence:
+# ``run AS (SELECT ... FROM runs WHERE id = :run AND status = 'running' AND claimed_by =
+# ANY(:boots) FOR SHARE)``; FOR SHARE makes a takeover (an UPDATE of that row) wait for
+# the write's transaction, or the write see the takeover and write nothing.
+ENTER = statement("enter")
+CLAIM_MARKER = statement("claim_marker")
+MARKER_STATE = statement("marker_state")
+TAKE_OVER_MARKER = statement("take_over_marker")
+COMPLETE_MARKER = statement("complete_marker")
+COMPLETE_SPAWN = statement("complete_spawn")
+CLOSE_ENTRY = statement("close_entry")
+INSERT_CLOSED = statement("insert_closed")
+WAIT = statement("wait")
+CHILDREN = statement("children")
+HISTORY = statement("history")
 
 
 # -- ledger writes (each in the caller's transaction) -------------------------------------------

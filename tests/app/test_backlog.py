@@ -12,7 +12,7 @@ import re
 import pytest
 
 from app.backlog import BACKLOG, TENANT_BACKLOG, metric_families, read_backlog
-from app.state.runs import _PARAMETER
+from app.state.statements import PARAMETER as _PARAMETER
 from tests.ops.promlint import lint, parse_openmetrics
 
 _ROW = ("INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, "

@@ -1,7 +1,7 @@
 """A limited group's claim and end are store statements installed as database functions.
 
-Each function (``app/state/runs.py``, ``locked``) takes the run's slot locks, then runs
-the store's statement on a snapshot taken after them: one round trip. The rule's
+Each function (its block in ``app/state/sql/claims.sql``) takes the run's slot locks, then
+runs the store's statement on a snapshot taken after them: one round trip. The rule's
 witnesses are in ``tests/workers/test_concurrency.py``; here, that what is installed is
 what the store says.
 """

@@ -1,9 +1,9 @@
 """A limited run's slot counts read only the slot indexes, whatever the statistics say.
 
-The counts (``claims._verdict``) and the wake-ups (``compose.slot_release``) name a
-run's group, tenant and status as expressions (``compose.same_group``, ``same_tenant``,
-``slot_status``) that only ``ix_runs_slot_group`` and ``ix_runs_tenant_slots`` are built
-on (migration 0017). Written with a plain ``status = 'queued'``, the planner was free to
+The counts (a claim's ``verdict``) and the wake-ups (``slot_woken``, ``wake_waiting``)
+name a run's group, tenant and status as expressions (``app/state/sql/README.md``, "Status
+tests that choose the index") that only ``ix_runs_slot_group`` and ``ix_runs_tenant_slots``
+are built on (migration 0017). Written with a plain ``status = 'queued'``, the planner was free to
 read ``ix_runs_queued_last_sent`` (every queued run of every tenant) and filter it, and
 it did whenever the statistics said few runs were queued, as they do after a quiet
 spell: under a burst, each claim then read the whole backlog (seen with auto_explain in
@@ -13,8 +13,8 @@ a database function caches) must still read ``runs`` only through the primary ke
 the slot indexes.
 
 And the other way round: no lookup of one run by id may have an index to read but the
-primary key. ``status_is`` (a lookup's status) and ``slot_status`` (the slot indexes'
-status) are different expressions for that reason: with one expression, the slot
+primary key. ``(status || '')`` (a lookup's status) and ``('' || status)`` (the slot
+indexes' status) are different expressions for that reason: with one expression, the slot
 indexes' predicates held for every lookup by id, and a generic plan made when those
 partial indexes looked empty found each run by scanning a whole slot index, dead
 entries and all (seen with pgbench, 3-5 ms a claim and growing).
@@ -28,7 +28,7 @@ import pytest
 
 from app.state import claims
 from app.state import runs as state_runs
-from app.state.runs import _PARAMETER
+from app.state.statements import PARAMETER as _PARAMETER
 
 SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
 ALLOWED = SLOT_INDEXES | {"runs_pkey"}

@@ -44,16 +44,22 @@ def copy_tree(dest: Path, files: list[str]) -> None:
 
 
 def apply(mutant: Mutant, dest: Path) -> str | None:
-    """Apply the edit; return why it could not be applied (a stale mutant), or None."""
-    path = dest / mutant.path
-    text = path.read_text()
-    count = text.count(mutant.find)
-    if count != mutant.occurrences:
-        return f"expected {mutant.occurrences} occurrence(s) in {mutant.path}, found {count}"
-    start = -1
-    for _ in range(mutant.nth):
-        start = text.index(mutant.find, start + 1)
-    path.write_text(text[:start] + mutant.replace + text[start + len(mutant.find):])
+    """Apply the edits; return why one could not be applied (a stale mutant), or None."""
+    for rel, find, replace, occurrences, chosen in mutant.edits():
+        path = dest / rel
+        text = path.read_text()
+        starts, at = [], text.find(find)
+        while at != -1:
+            starts.append(at)
+            at = text.find(find, at + len(find))
+        if len(starts) != occurrences or not chosen or not set(chosen) <= set(
+                range(1, occurrences + 1)):
+            return (f"expected {occurrences} occurrence(s) in {rel}, found {len(starts)}: "
+                    f"{find[:60]!r}")
+        for nth in sorted(chosen, reverse=True):
+            start = starts[nth - 1]
+            text = text[:start] + replace + text[start + len(find):]
+        path.write_text(text)
     return None
 
 

@@ -1,15 +1,33 @@
 """The catalogue: one entry per core rule, broken on purpose in the smallest way.
 
 Each mutant is an exact edit (``find`` must occur exactly ``occurrences`` times;
-the ``nth`` one, 1-based, is replaced) and the pytest selection that must fail
-on it. A ``find`` that no longer matches is a stale mutant and fails the gate:
-when a rule's code moves, its mutant moves with it. A new core rule lands with
-its mutant here.
+the ``nth`` one, 1-based, is replaced, or with ``nth=0`` every one) and the pytest
+selection that must fail on it. A ``find`` that no longer matches is a stale mutant
+and fails the gate: when a rule's code moves, its mutant moves with it. A new core
+rule lands with its mutant here.
+
+Most rules of the run-state store live in its SQL (``app/state/sql/*.sql``), where a
+variant is a statement of its own: a rule several variants share is written in each,
+so its mutant breaks every one (``nth=0``, or a tuple of the ones that hold it), and
+``also`` holds further edits where the variants differ in words (a slot function names
+its parameters ``p_run`` where a statement has ``:run``) or the rule is written in
+several files.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One more find/replace of a mutant: every one of ``occurrences`` replaced, in ``path``
+    (None: the mutant's own)."""
+
+    find: str
+    replace: str
+    occurrences: int = 1
+    path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -20,12 +38,51 @@ class Mutant:
     find: str
     replace: str
     tests: tuple[str, ...]
-    nth: int = 1
+    # Which occurrence(s) to replace, 1-based: one, several (a tuple), or 0 for every one.
+    nth: int | tuple[int, ...] = 1
     occurrences: int = 1
     ci: bool = True  # part of the subset .ci/run runs
+    # Further edits, applied in order after the first: each replaces every occurrence.
+    also: tuple[Edit, ...] = ()
+
+    def edits(self) -> list[tuple[str, str, str, int, tuple[int, ...]]]:
+        """Every edit: (path, find, replace, occurrences, the occurrences to replace)."""
+        first = (self.nth,) if isinstance(self.nth, int) else self.nth
+        every = tuple(range(1, self.occurrences + 1))
+        return [(self.path, self.find, self.replace, self.occurrences,
+                 every if first == (0,) else first)] + [
+            (edit.path or self.path, edit.find, edit.replace, edit.occurrences,
+             tuple(range(1, edit.occurrences + 1))) for edit in self.also]
 
 
-CLAIMS = "app/state/claims.py"
+# The store's SQL (app/state/sql/): a rule shared by several statements is written in
+# each, and these parts are written out word for word wherever they are used.
+CLAIMS_SQL = "app/state/sql/claims.sql"
+RUNS_SQL = "app/state/sql/runs.sql"
+LEDGER_SQL = "app/state/sql/ledger.sql"
+# The claiming boot holds its lock (app/liveness.py, claimer_live_sql(":boot")).
+_CLAIMER_LIVE = ("EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT "
+                 "pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))")
+# The holder a takeover replaces is gone (app/liveness.py, gone_sql(":dead")).
+_HOLDER_GONE = ("EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND "
+                "g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))")
+# A run holds its slot while its boot is not gone (held_by_sql("r.claimed_by")); broken:
+# only while its boot's lock is held.
+_HELD = ("NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND "
+         "g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))")
+_HELD_BY_LOCK = ("r.claimed_by IN (SELECT b.boot_id FROM worker_boots b "
+                 "WHERE NOT pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))")
+# A slot function's locks, taken before its statement (sql/README.md, "Slot functions").
+_SLOT_LOCKS = (
+    "    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (\n"
+    "           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key\n"
+    "             FROM runs r JOIN tenants t ON t.id = r.tenant_id\n"
+    "            WHERE r.id = p_run AND t.max_running IS NOT NULL\n"
+    "           UNION ALL\n"
+    "           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' "
+    "|| r.workflow_name || '|' || coalesce(r.concurrency_key, '')))\n"
+    "             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL\n"
+    "            ORDER BY ord) AS l;\n")
 CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
@@ -59,20 +116,16 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "admission_check_then_insert",
         "the index decides a key: admission never reads before it inserts",
-        "app/state/runs.py",
-        "    VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
-        "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, :definition_hash,\n"
-        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit)\n"
-        "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
-        "    SELECT :id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,\n"
-        "            CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,\n"
-        "            :origin_detail, :parent_run_id, {_ROOT_OF_PARENT}, :definition_hash,\n"
-        "            :traceparent, :tracestate, :concurrency_key, :concurrency_limit\n"
-        "     WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
-        "                          AND dispatch_key = CAST(:dispatch_key AS varchar))\n",
+        RUNS_SQL,
+        "VALUES (:id, :tenant_id,",
+        "SELECT :id, :tenant_id,",
         ("tests/app/test_idempotent_admission.py::"
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
+        also=(Edit(":concurrency_limit)\n"
+                   "ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING",
+                   ":concurrency_limit\n"
+                   " WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
+                   "                      AND dispatch_key = CAST(:dispatch_key AS varchar))"),),
     ),
     Mutant(
         "derived_key_released_by_key_reuse",
@@ -114,7 +167,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "replay_input_compared_loosely",
         "a replay is the same request as stored (jsonb equality, decided by Postgres)",
-        "app/state/runs.py",
+        RUNS_SQL,
         "input = CAST(:input AS jsonb) AS same_input",
         "input::text::numeric IS NULL OR true AS same_input",
         ("tests/app/test_hostile_input.py::test_true_and_1_under_one_key_are_a_conflict",),
@@ -123,21 +176,21 @@ MUTANTS: list[Mutant] = [
         "batch_check_then_insert",
         "a batch's keys are decided by the index too: it never reads which keys exist, "
         "then inserts the missing ones",
-        "app/state/runs.py",
-        "     ORDER BY r.dispatch_key, r.ord\n"
-        "    ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING\n",
-        "     WHERE NOT EXISTS (SELECT 1 FROM runs x WHERE x.tenant_id = :tenant_id\n"
-        "                          AND x.dispatch_key = r.dispatch_key)\n"
-        "     ORDER BY r.dispatch_key, r.ord\n",
+        RUNS_SQL,
+        " ORDER BY r.dispatch_key, r.ord\n"
+        "ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING",
+        " WHERE NOT EXISTS (SELECT 1 FROM runs x WHERE x.tenant_id = :tenant_id\n"
+        "                      AND x.dispatch_key = r.dispatch_key)\n"
+        " ORDER BY r.dispatch_key, r.ord",
         ("tests/app/test_batch_admission.py::"
          "test_the_index_decides_a_key_held_by_an_uncommitted_batch",),
     ),
     Mutant(
         "batch_insert_in_request_order",
         "a batch inserts its rows in key order, so two batches sharing keys cannot deadlock",
-        "app/state/runs.py",
-        "     ORDER BY r.dispatch_key, r.ord\n",
-        "     ORDER BY r.ord\n",
+        RUNS_SQL,
+        " ORDER BY r.dispatch_key, r.ord\n",
+        " ORDER BY r.ord\n",
         ("tests/app/test_batch_admission.py::"
          "test_batches_with_overlapping_keys_in_reverse_order_do_not_deadlock",),
     ),
@@ -145,9 +198,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "claim_without_claimer_liveness",
         "a boot without its lock claims nothing (liveness is part of the claim statement)",
-        CLAIMS,
-        "       AND (not_before IS NULL OR not_before <= now())\n       AND {_CLAIMER_LIVE}",
-        "       AND (not_before IS NULL OR not_before <= now())",
+        CLAIMS_SQL,
+        "   AND (not_before IS NULL OR not_before <= now())\n   AND " + _CLAIMER_LIVE + "\n",
+        "   AND (not_before IS NULL OR not_before <= now())\n",
         (f"{CLAIM_TESTS}::test_a_boot_cut_off_server_side_claims_nothing",),
     ),
     Mutant(
@@ -157,45 +210,51 @@ MUTANTS: list[Mutant] = [
         "       AND l.mode = 'ExclusiveLock'\n",
         "",
         (f"{CLAIM_TESTS}::test_a_claimers_check_of_a_dead_boot_never_makes_it_look_live",),
+        # The store's statements write the definition out (tests/test_state_store.py).
+        also=(Edit("AND l.mode = 'ExclusiveLock'\n", "\n", 2, "app/state/sql/boots.sql"),
+              Edit("AND l.mode = 'ExclusiveLock'\n", "\n", 1, LEDGER_SQL)),
     ),
     Mutant(
         "takeover_without_claimer_liveness",
         "a boot without its lock takes nothing over",
-        CLAIMS,
-        "claimed_by = :dead AND {_CLAIMER_LIVE}",
+        CLAIMS_SQL,
+        "claimed_by = :dead AND " + _CLAIMER_LIVE,
         "claimed_by = :dead",
         (f"{CLAIM_TESTS}::test_a_cut_off_boot_cannot_take_over_wreckage",
          f"{CLAIM_TESTS}::test_the_takeover_statement_itself_requires_the_claimers_lock"),
-        nth=1, occurrences=2,
+        occurrences=4, nth=(1, 2),  # take_over, take_over_slot (not adopt, adopt_slot)
     ),
     Mutant(
         "takeover_at_early_lock_loss",
         "a run is taken over only once its holder is gone: its lock first seen free T_c + "
         "kill + margin ago (a lock lost early leaves the body running until the fence)",
-        CLAIMS,
-        "       AND {_HOLDER_GONE}\n",
-        "",
+        CLAIMS_SQL,
+        "AND " + _HOLDER_GONE,
+        "AND true",
         (f"{CLAIM_TESTS}::test_a_boot_whose_lock_connection_closed_is_gone_only_after_its_bound",
          f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
          f"{EARLY_LOSS_TESTS}::test_a_lock_cut_then_runs_redrive_never_runs_two_bodies_at_once"),
+        occurrences=2, nth=0,
     ),
     Mutant(
         "slot_freed_at_early_lock_loss",
         "a run's slot stays held until its holder is gone, not only until its lock goes",
-        "app/state/compose.py",
-        "AND {held_by_sql(f'{r}.claimed_by')}\"",
-        "AND {r}.claimed_by IN (SELECT b.boot_id FROM worker_boots b WHERE NOT "
-        "pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))\"",
+        CLAIMS_SQL,
+        _HELD,
+        _HELD_BY_LOCK,
         (f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
          f"{EARLY_LOSS_TESTS}::"
          "test_a_lock_cut_then_a_second_run_of_the_key_never_runs_two_bodies_at_once"),
+        occurrences=6, nth=0,
+        also=(Edit(_HELD, _HELD_BY_LOCK, 4, RUNS_SQL),),
     ),
     Mutant(
         "repair_resend_before_gone",
         "repair re-sends a lost boot's run to be delivered when the boot is gone, not before",
-        "app/state/runs.py",
-        "      FROM (SELECT r.id, {gone_in_sql(\"g\")} AS gone_in\n",
-        "      FROM (SELECT r.id, 0 AS gone_in\n",
+        RUNS_SQL,
+        "FROM (SELECT r.id, GREATEST(0, CAST(extract(epoch FROM g.first_seen_dead_at "
+        "+ make_interval(secs => g.dead_after_seconds) - now()) AS float8)) AS gone_in",
+        "FROM (SELECT r.id, 0 AS gone_in",
         (f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",),
     ),
     Mutant(
@@ -213,26 +272,28 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoke_ends_before_gone",
         "a revoke ends a dead holder's run (and hands its slot on) only once the holder is gone",
-        "app/state/runs.py",
-        "       AND {gone_sql(\"runs.claimed_by\")}\n",
-        "",
+        RUNS_SQL,
+        "AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = runs.claimed_by "
+        "AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))",
+        "AND true",
         (f"{EARLY_LOSS_TESTS}::test_a_revoke_ends_a_lost_boots_run_only_once_the_boot_is_gone",),
     ),
     Mutant(
         "adoption_counts_its_own_slot",
         "a process adopting its run after an early lock loss keeps that run's slot: the slot "
         "its lost boot still holds is not counted against it",
-        CLAIMS,
-        "parts = [part(holds_slot(\"r\") if fifo else f\"{holds_slot('r')} AND r.id <> {me}.id\")]",
-        "parts = [part(holds_slot(\"r\"))]",
+        CLAIMS_SQL,
+        " AND r.id <> me.id",
+        "",
         (f"{EARLY_LOSS_TESTS}::"
          "test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_holds",),
+        occurrences=4, nth=0,  # take_over_slot, adopt_slot: their tenant and group counts
     ),
     Mutant(
         "claim_check_then_update",
         "a claim is one conditional UPDATE, not a read then a write",
-        CLAIMS,
-        "WHERE id = :run AND {status_is('runs', RunStatus.QUEUED)} AND NOT cancel_requested",
+        CLAIMS_SQL,
+        "WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested",
         "WHERE id = :run AND (SELECT r2.status FROM runs r2 WHERE r2.id = :run) = 'queued' "
         "AND NOT cancel_requested",
         (f"{CLAIM_TESTS}::test_a_claim_waiting_on_an_uncommitted_claim_does_not_claim_again",),
@@ -240,82 +301,101 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "takeover_without_compare_and_set",
         "wreckage is taken over with a compare-and-set on the dead boot id",
-        CLAIMS,
-        "WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}",
-        "WHERE id = :run AND {_RUNNING} AND {_CLAIMER_LIVE}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = :dead AND EXISTS",
+        "= 'running' AND EXISTS",
         (f"{CLAIM_TESTS}::test_two_rescuers_of_one_dead_boots_run_take_it_over_once",),
-        nth=1, occurrences=2,
+        occurrences=4, nth=(1, 2),  # take_over, take_over_slot
     ),
     Mutant(
         "adoption_without_compare_and_set",
         "a process that lost its boot keeps a run only if nobody took it over",
-        CLAIMS,
-        "WHERE id = :run AND {_RUNNING} AND claimed_by = :dead AND {_CLAIMER_LIVE}",
-        "WHERE id = :run AND {_RUNNING} AND {_CLAIMER_LIVE}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = :dead AND EXISTS",
+        "= 'running' AND EXISTS",
         (f"{CLAIM_TESTS}::test_adoption_after_a_takeover_is_refused",),
-        nth=2, occurrences=2,
+        occurrences=4, nth=(3, 4),  # adopt, adopt_slot
     ),
     Mutant(
         "finish_unfenced",
         "finishing is fenced by the claim",
-        CLAIMS, "AND {_RUNNING} AND claimed_by = ANY(:boots)",
-        "AND {_RUNNING}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        nth=1, occurrences=3,
+        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
+        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
+        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
     ),
     Mutant(
         "release_unfenced",
         "releasing is fenced by the claim",
-        CLAIMS, "AND {_RUNNING} AND claimed_by = ANY(:boots)",
-        "AND {_RUNNING}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        nth=2, occurrences=3,
+        occurrences=5, nth=4,  # release
     ),
     Mutant(
         "retry_unfenced",
         "scheduling a retry is fenced by the claim",
-        CLAIMS, "AND {_RUNNING} AND claimed_by = ANY(:boots)",
-        "AND {_RUNNING}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        nth=3, occurrences=3,
+        occurrences=5, nth=5,  # retry
     ),
     Mutant(
         "takeover_ignores_cancel",
         "a cancelled run whose worker died ends cancelled, never resumed",
-        CLAIMS, "SET status = CASE WHEN cancel_requested THEN 'cancelled'\n",
-        "SET status = CASE WHEN false THEN 'cancelled'\n",
+        CLAIMS_SQL,
+        "SET status = CASE WHEN cancel_requested THEN 'cancelled'",
+        "SET status = CASE WHEN false THEN 'cancelled'",
         (f"{CLAIM_TESTS}::test_taking_over_a_cancelled_run_ends_it_cancelled",),
+        occurrences=2, nth=0,
     ),
     Mutant(
         "takeovers_unbounded",
         "a run that keeps killing workers ends poisoned after max_takeovers",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
-        "                         {park}\n",
+        CLAIMS_SQL,
+        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "",
         (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_ends_poisoned",),
+        occurrences=2, nth=0,
     ),
     Mutant(
         "poison_bound_off_by_one",
         "the takeover at max_takeovers - 1 resumes the run; the one at max_takeovers poisons it",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
-        "                         WHEN takeovers >= :max_takeovers - 1 THEN 'poisoned'{park}\n",
+        CLAIMS_SQL,
+        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "WHEN takeovers >= :max_takeovers - 1 THEN 'poisoned'",
         (f"{POISON_TESTS}::test_the_claim_at_one_below_the_bound_resumes",),
+        occurrences=2, nth=0,
     ),
     Mutant(
         "poisoned_ends_failed",
         "a poisoned run ends with its own status and event, not as failed",
-        CLAIMS, "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'{park}\n",
-        "                         WHEN takeovers >= :max_takeovers THEN 'failed'{park}\n",
+        CLAIMS_SQL,
+        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "WHEN takeovers >= :max_takeovers THEN 'failed'",
         (f"{POISON_TESTS}::"
          "test_a_run_whose_holders_keep_dying_resumes_up_to_the_bound_then_is_poisoned",),
+        occurrences=2, nth=0,
     ),
     Mutant(
         "poison_beats_cancel",
         "a cancel requested wins over the poison bound",
-        CLAIMS, "    UPDATE runs\n       SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
-        "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'",
-        "    UPDATE runs\n       SET status = CASE WHEN takeovers >= :max_takeovers THEN "
-        "'poisoned'\n                         WHEN cancel_requested THEN 'cancelled'",
+        CLAIMS_SQL,
+        "SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
+        "                     WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "SET status = CASE WHEN takeovers >= :max_takeovers THEN 'poisoned'\n"
+        "                     WHEN cancel_requested THEN 'cancelled'",
         (f"{POISON_TESTS}::test_a_cancel_requested_wins_over_the_poison_bound",),
+        # take_over_slot: the same, indented further.
+        also=(Edit("SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
+                   "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+                   "SET status = CASE WHEN takeovers >= :max_takeovers THEN 'poisoned'\n"
+                   "                         WHEN cancel_requested THEN 'cancelled'"),),
     ),
     # -- boots --------------------------------------------------------------------------------
     Mutant(
@@ -339,95 +419,111 @@ MUTANTS: list[Mutant] = [
         "concurrency_check_then_claim",
         "a limited group's claim counts its slots in the claim statement, after the group's "
         "lock: never a count its snapshot took before another claim committed",
-        "app/state/runs.py",
-        "    take_locks = f\"    PERFORM",
-        "    take_locks = \"\" if name == \"poimen_claim_slot\" else f\"    PERFORM",
+        CLAIMS_SQL,
+        _SLOT_LOCKS,
+        "",
         ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
+        occurrences=4, nth=1,  # poimen_claim_slot
     ),
     Mutant(
         "slot_count_before_lock",
         "a limited group's claim counts on a snapshot taken after the group's lock (a count "
         "from before the lock misses a takeover committed while it waited)",
-        "app/state/runs.py",
-        "    body = (f\"\\n#variable_conflict use_column\\nBEGIN\\n{take_locks}\"\n"
-        "            f\"    RETURN QUERY {to_argument(sql).strip()};\\nEND\\n\")\n",
-        "    body = (f\"\\n#variable_conflict use_column\\nBEGIN\\n\"\n"
-        "            f\"    RETURN QUERY {to_argument(sql).strip()};\\n{take_locks}END\\n\")\n",
+        CLAIMS_SQL,
+        _SLOT_LOCKS,
+        "",
         ("tests/workers/test_concurrency.py::"
          "test_a_claim_racing_a_takeover_counts_after_the_lock",),
+        occurrences=4, nth=0,
+        # ... and take them after the statement, in every slot function.
+        also=(Edit(";\nEND\n$body$", ";\n" + _SLOT_LOCKS + "END\n$body$", 4),),
     ),
     Mutant(
         "slot_count_by_plain_status",
         "a limited group's counts read only the slot indexes: with a plain status, a plan "
         "made on quiet statistics reads every queued run of every tenant per claim",
-        "app/state/compose.py",
-        "    queued = slot_status_is(r, RunStatus.QUEUED) if slot else",
-        "    queued = f\"{r}.status = '{RunStatus.QUEUED}'\" if slot else",
+        CLAIMS_SQL,
+        "('' || r.status) = 'queued' AND NOT r.cancel_requested",
+        "r.status = 'queued' AND NOT r.cancel_requested",
         ("tests/app/test_slot_plans.py::"
          "test_a_slot_statement_reads_runs_only_by_key_and_through_the_slot_indexes",),
+        occurrences=2, nth=0,  # poimen_claim_slot's counts; wake_waiting's, wake_tenant's:
+        also=(Edit("('' || r.status) = 'queued' AND NOT r.cancel_requested",
+                   "r.status = 'queued' AND NOT r.cancel_requested", 4, RUNS_SQL),),
     ),
     Mutant(
         "lookup_by_id_through_slot_index",
         "a statement about one run finds it by primary key only: with the slot indexes' "
         "status expression, a lookup by id may scan a whole slot index",
-        "app/state/compose.py",
-        "    return f\"({r}.status || '') = '{status}'\"",
-        "    return f\"('' || {r}.status) = '{status}'\"",
+        CLAIMS_SQL,
+        "(runs.status || '')",
+        "('' || runs.status)",
         ("tests/app/test_slot_plans.py::"
          "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
+        occurrences=14, nth=0,
+        # Every lookup of a run by id, in every file.
+        also=(Edit("(r.status || '')", "('' || r.status)", 1),
+              Edit("(w.status || '')", "('' || w.status)", 6),
+              Edit("(runs.status || '')", "('' || runs.status)", 2, RUNS_SQL),
+              Edit("(w.status || '')", "('' || w.status)", 2, RUNS_SQL),
+              Edit("(w.status || '')", "('' || w.status)", 1, LEDGER_SQL)),
     ),
     Mutant(
         "slot_end_without_lock",
         "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
         "that went waiting a moment before (no lost wake-up)",
-        "app/state/runs.py",
-        "    take_locks = f\"    PERFORM",
-        "    take_locks = \"\" if name.startswith(\"poimen_finish_slot\") else f\"    PERFORM",
+        CLAIMS_SQL,
+        _SLOT_LOCKS,
+        "",
         ("tests/workers/test_concurrency.py::"
          "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
+        occurrences=4, nth=(2, 3, 4),  # poimen_finish_slot, _inserted, _closed
     ),
     Mutant(
         "cap_lift_wakes_none",
         "a tenant cap lifted frees every slot it held back: every run waiting for it is woken "
         "(by the cap change, and by repair if one is left), never left waiting for good",
-        "app/state/runs.py",
-        "                       WHEN t.max_running IS NULL THEN true\n",
-        "                       WHEN t.max_running IS NULL THEN false\n",
+        RUNS_SQL,
+        "WHEN t.max_running IS NULL THEN true",
+        "WHEN t.max_running IS NULL THEN false",
         ("tests/workers/test_concurrency.py::test_lifting_a_cap_wakes_every_run_waiting_for_it",
          "tests/workers/test_concurrency.py::"
          "test_repair_wakes_runs_left_waiting_for_a_cap_that_is_gone"),
+        occurrences=2, nth=0,  # wake_waiting, wake_tenant
     ),
     Mutant(
         "cap_raise_wakes_one",
         "a tenant cap raised wakes as many runs waiting for it as it freed, at once (not one "
         "per repair tick)",
-        "app/state/runs.py",
-        "                       ELSE w.tenant_place <= t.max_running\n",
-        "                       ELSE w.tenant_place <= 1\n",
+        RUNS_SQL,
+        "ELSE w.tenant_place <= t.max_running",
+        "ELSE w.tenant_place <= 1",
         ("tests/workers/test_concurrency.py::"
          "test_raising_a_cap_wakes_as_many_runs_as_it_freed_oldest_first",
          "tests/workers/test_concurrency.py::test_repair_wakes_as_many_as_a_raised_cap_frees"),
+        occurrences=2, nth=0,  # wake_waiting, wake_tenant
     ),
     Mutant(
         "wake_counts_newer_queued_runs",
         "a wake-up counts only the queued runs older than a waiter as taking a slot first (a "
         "newer one stands behind it in the claim): a backlog does not swallow a raised cap",
-        "app/state/runs.py",
-        "                f\"                                    AND {due('r', slot=True)} AND {older})\")",
-        "                f\"                                    AND {due('r', slot=True)})\")",
+        RUNS_SQL,
+        " AND (r.created_at, r.id) < (w.created_at, w.id)",
+        "",
         ("tests/workers/test_concurrency.py::"
          "test_raising_a_cap_wakes_as_many_runs_as_it_freed_oldest_first",),
+        occurrences=4, nth=0,  # wake_waiting, wake_tenant: a group's and a tenant's count
     ),
     Mutant(
         "wake_line_without_cap_waiters",
         "a limited group's line, for a wake-up, holds its runs waiting for the tenant's cap "
         "too (the claim counts them ahead): a newer run is not woken to park again behind one",
-        "app/state/runs.py",
-        "               row_number() OVER (PARTITION BY {group_scope(\"w\")}, "
-        "w.concurrency_limit IS NULL\n",
-        "               row_number() OVER (PARTITION BY {group_scope(\"w\")}, w.wait_reason\n",
+        RUNS_SQL,
+        ", w.concurrency_limit IS NULL\n",
+        ", w.wait_reason\n",
         ("tests/workers/test_concurrency.py::"
          "test_a_run_left_waiting_for_a_gone_cap_does_not_block_its_group",),
+        occurrences=2, nth=0,  # wake_waiting, wake_tenant
     ),
     Mutant(
         "cap_change_without_lock",
@@ -618,9 +714,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "time_limit_fenced_by_host_and_pid",
         "the hard-time-limit write applies only to the run held by this worker's pool process",
-        "app/state/runs.py",
-        "                           WHERE node = :node AND pid = :pid)\n",
-        "                           WHERE pid = :pid)\n",
+        RUNS_SQL,
+        "WHERE node = :node AND pid = :pid)",
+        "WHERE pid = :pid)",
         ("tests/workers/test_time_limit_fence.py",),
     ),
     # -- the step-entry ledger ----------------------------------------------------------------
@@ -636,7 +732,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "marker_claim_without_claimer_liveness",
         "a marker is claimed only by a live boot",
-        "app/state/ledger.py",
+        LEDGER_SQL,
         "FROM run, live WHERE live.ok",
         "FROM run, live",
         ("tests/workers/test_step_entry_dispatch.py::"
@@ -645,9 +741,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "marker_takeover_without_compare_and_set",
         "a dead boot's marker is taken over with a compare-and-set on the dead boot id",
-        "app/state/ledger.py",
-        "       AND m.claimed_by = :dead AND live.ok",
-        "       AND live.ok",
+        LEDGER_SQL,
+        "   AND m.claimed_by = :dead AND live.ok",
+        "   AND live.ok",
         ("tests/workers/test_step_entry_dispatch.py::"
          "test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set",),
     ),
@@ -655,9 +751,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cancel_misses_a_requeued_run",
         "cancel is one statement: a run requeued under it is still cancelled",
-        "app/state/runs.py",
-        "AND status IN ('{RunStatus.QUEUED}', '{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
-        "AND status IN ('{RunStatus.RUNNING}', '{RunStatus.WAITING}')",
+        RUNS_SQL,
+        "   AND status IN ('queued', 'running', 'waiting')",
+        "   AND status IN ('running', 'waiting')",
         ("tests/app/test_runs.py::test_cancel_racing_a_release_still_cancels",),
     ),
     Mutant(
@@ -674,9 +770,9 @@ MUTANTS: list[Mutant] = [
         "key_reuse_decided_before_the_release",
         "a key is released only by the statement that sees its run ended (never by a read "
         "before it): a live run's key is never taken",
-        "app/state/runs.py",
-        "       AND status = ANY(CAST(:reusable AS text[]))\n",
-        "       AND true\n",
+        RUNS_SQL,
+        "   AND status = ANY(CAST(:reusable AS text[]))\n",
+        "   AND true\n",
         ("tests/app/test_key_reuse.py::test_after_failure_keeps_a_key_whose_run_did_not_fail",),
     ),
     Mutant(
@@ -933,27 +1029,30 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "model_group_limit_off_by_one",
         "at most concurrency_limit runs of a group run at once (model rule limits)",
-        CLAIMS,
-        "{counted(group, LIMITED_WAITS)}) >= {me}.concurrency_limit",
-        "{counted(group, LIMITED_WAITS)}) > {me}.concurrency_limit",
+        CLAIMS_SQL,
+        ") >= me.concurrency_limit",
+        ") > me.concurrency_limit",
         (MODEL_TEST,),
+        occurrences=3, nth=0,  # poimen_claim_slot, take_over_slot, adopt_slot
     ),
     Mutant(
         "model_tenant_cap_off_by_one",
         "at most max_running runs of a capped tenant start (model rule limits)",
-        CLAIMS,
-        "{counted(tenant, \"('tenant_cap')\")}) >= {me}.max_running",
-        "{counted(tenant, \"('tenant_cap')\")}) > {me}.max_running",
+        CLAIMS_SQL,
+        ") >= me.max_running",
+        ") > me.max_running",
         (MODEL_TEST,),
+        occurrences=3, nth=0,  # poimen_claim_slot, take_over_slot, adopt_slot
     ),
     Mutant(
         "model_repair_never_wakes_a_tenant",
         "a run waiting for its tenant's cap is woken by repair once the cap has room (a "
         "holder's death, a cap raised, an end that handed no slot on) (model rule waiting)",
-        "app/state/runs.py",
-        "                                <= t.max_running\n",
-        "                                <= 0\n",
+        RUNS_SQL,
+        "\n                            <= t.max_running\n",
+        "\n                            <= 0\n",
         (MODEL_TEST,),
+        occurrences=2, nth=0,  # wake_waiting, wake_tenant
     ),
     Mutant(
         "model_every_key_reusable",
@@ -978,17 +1077,20 @@ MUTANTS: list[Mutant] = [
         "model_slot_claim_without_holder",
         "a claimed run is running under the boot that claimed it: never lost to every boot "
         "(model rule no_run_lost)",
-        CLAIMS,
-        "           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(:boot AS uuid) END,\n",
-        "           claimed_by = NULL,\n",
+        CLAIMS_SQL,
+        "claimed_by = CASE WHEN v.reason IS NULL THEN CAST(p_boot AS uuid) END,",
+        "claimed_by = NULL,",
         (MODEL_TEST,),
     ),
     Mutant(
         "model_finish_unfenced",
         "a boot's write after it lost its claim is refused (model rule fenced)",
-        CLAIMS, "AND {_RUNNING} AND claimed_by = ANY(:boots)",
-        "AND {_RUNNING}",
+        CLAIMS_SQL,
+        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running'",
         (MODEL_TEST,),
-        nth=1, occurrences=3,
+        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
+        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
+        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
     ),
 ]

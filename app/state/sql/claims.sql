@@ -1,0 +1,995 @@
+-- The statements of app/state/claims.py, each bound to the constant of its name in capitals
+-- (``-- name: admit`` is ``ADMIT``). The parts many statements share: README.md.
+
+-- name: claim_queued
+-- The one-statement claim: ``queued`` -> ``running`` under this boot, with its
+-- ``run.started`` event, if the run is due and not cancelled. Liveness is part of it: the
+-- claiming boot must hold its lock *in the same statement* (a process whose lock vanished
+-- may not know yet; Postgres does, and refuses). A run of a limited group (its workflow's
+-- limit, its tenant's cap) is refused here and claimed with ``poimen_claim_slot``.
+-- Returns everything the worker needs to run the workflow (the run's columns, its pinned
+-- definition hash, its latest step entry, created_at and started_at for the queue wait,
+-- its trace context), so executing a run costs no extra read.
+WITH  changed AS (
+UPDATE runs
+   SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
+       started_at = coalesce(started_at, now()), updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
+   AND (not_before IS NULL OR not_before <= now())
+   AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND concurrency_limit IS NULL
+   AND NOT EXISTS (SELECT 1 FROM tenants t
+                    WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.started',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.started') || jsonb_build_object('attempt', attempt)
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: poimen_claim_slot
+-- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Slot functions").
+-- The claim of a run of a limited group: its ``me`` part is the run (due, the claimer
+-- live), ``verdict`` the slot it may not take (``reason``, NULL if it may): its tenant's
+-- cap first, then its group's limit. Slots held by live boots count, and so do older runs
+-- of the group that want one (queued and due, or waiting for a slot), so a newcomer never
+-- overtakes them. Each count is a sum over one status at a time (a run has one status, so
+-- the parts never overlap), each reading only its own rows through the slot indexes
+-- (README.md, "Status tests that choose the index"). The count and the claim are one
+-- statement on a snapshot taken after the locks. No slot: the run waits (``waiting``,
+-- ``wait_reason``), unclaimed, holding no worker.
+CREATE OR REPLACE FUNCTION poimen_claim_slot(
+    p_run uuid, p_boot uuid
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, goal_id runs.goal_id%TYPE,
+    definition_hash runs.definition_hash%TYPE, created_at runs.created_at%TYPE,
+    started_at runs.started_at%TYPE, traceparent runs.traceparent%TYPE,
+    tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE,
+    wait_reason runs.wait_reason%TYPE
+) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+BEGIN
+    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = p_run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l;
+    RETURN QUERY WITH 
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id
+         WHERE r.id = p_run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (me.created_at, me.id))
+                    + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting' AND r.wait_reason IN ('concurrency', 'tenant_cap') AND (r.created_at, r.id) < (me.created_at, me.id))) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs
+       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
+           wait_reason = v.reason,
+           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(p_boot AS uuid) END,
+           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
+           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
+                             ELSE started_at END,
+           updated_at = now()
+      FROM verdict v
+     WHERE runs.id = p_run AND (runs.status || '') = 'queued' AND NOT runs.cancel_requested
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+          FROM changed
+         WHERE true
+         
+    )
+        
+        SELECT * FROM changed;
+END
+$body$;
+
+-- name: take_over
+-- Wreckage: the holder is dead. A compare-and-set on the dead boot (``claimed_by =
+-- :dead``), by a live claimer, once the holder is *gone* (``app/liveness.py``: its lock
+-- first seen free its bound ago, so its body has stopped). A cancelled run ends cancelled
+-- instead of being resumed (a cancel wins over the bound); a run that has already outlived
+-- ``:max_takeovers`` workers ends ``poisoned`` (its executions are what kills them: OOM, a
+-- segfault, os._exit), not resumed again; else it resumes (``run.resumed``, the attempt and
+-- the lost worker counted). A run it ends counts for its parent's join (README.md).
+-- A run of no limited group; ``take_over_slot`` for one.
+WITH  changed AS (
+UPDATE runs
+   SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                     WHEN takeovers >= :max_takeovers THEN 'poisoned'
+                     ELSE 'running' END,
+       claimed_by = :boot,
+       attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                THEN 0 ELSE 1 END,
+       takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                    THEN 0 ELSE 1 END,
+       error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
+                    THEN jsonb_build_object(
+                        'code', 'poisoned', 'type', 'poimen.Poisoned',
+                        'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                   || '(max_takeovers ' || :max_takeovers || '): '
+                                   || 'poisoned, it is not resumed again',
+                        'traceback', '')
+                    ELSE error END,
+       finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                          THEN now() ELSE finished_at END,
+       updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
+           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END
+      FROM changed
+     WHERE true
+
+)
+    ,
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: take_over_slot
+-- Wreckage: the holder is dead. A compare-and-set on the dead boot (``claimed_by =
+-- :dead``), by a live claimer, once the holder is *gone* (``app/liveness.py``: its lock
+-- first seen free its bound ago, so its body has stopped). A cancelled run ends cancelled
+-- instead of being resumed (a cancel wins over the bound); a run that has already outlived
+-- ``:max_takeovers`` workers ends ``poisoned`` (its executions are what kills them: OOM, a
+-- segfault, os._exit), not resumed again; else it resumes (``run.resumed``, the attempt and
+-- the lost worker counted). A run it ends counts for its parent's join (README.md).
+-- ``take_over`` of a run of a limited group, after ``lock_slots``: it resumes only if a
+-- slot is free (another run may have taken the dead holder's; its own holder's slot is not
+-- counted against it): else it waits, unclaimed (``waiting``), with the lost worker counted.
+-- A run it ends wakes the next one waiting for its slot.
+WITH
+    me AS (
+        SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+               r.created_at, t.max_running
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+    ),
+    verdict AS (
+        SELECT CASE
+               WHEN me.max_running IS NOT NULL AND (
+                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
+               THEN 'tenant_cap'
+               WHEN me.concurrency_limit IS NOT NULL AND (
+                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
+               THEN 'concurrency'
+               END AS reason
+          FROM me
+    ), changed AS (
+    UPDATE runs
+       SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                         WHEN takeovers >= :max_takeovers THEN 'poisoned'
+                         WHEN v.reason IS NOT NULL THEN 'waiting'
+                         ELSE 'running' END,
+           claimed_by = CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers THEN CAST(:boot AS uuid) END,
+           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers OR v.reason IS NOT NULL
+                                    THEN 0 ELSE 1 END,
+           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                                        THEN 0 ELSE 1 END,
+           error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
+                        THEN jsonb_build_object(
+                            'code', 'poisoned', 'type', 'poimen.Poisoned',
+                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                       || '(max_takeovers ' || :max_takeovers || '): '
+                                       || 'poisoned, it is not resumed again',
+                            'traceback', '')
+                        ELSE error END,
+           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
+                              THEN now() ELSE finished_at END,
+           wait_reason = CASE WHEN cancel_requested OR takeovers >= :max_takeovers THEN NULL
+                              ELSE v.reason END,
+           updated_at = now()
+      FROM verdict v
+     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+          FROM changed
+         WHERE true
+
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+
+-- name: adopt
+-- The process that lost its lock is still executing the run and registered a new
+-- boot: it moves its own claim over (``run.adopted``), a compare-and-set on the dead boot,
+-- for a live new boot, unless someone took the run over first.
+WITH  changed AS (
+UPDATE runs SET claimed_by = :boot, updated_at = now()
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.adopted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: adopt_slot
+-- The process that lost its lock is still executing the run and registered a new
+-- boot: it moves its own claim over (``run.adopted``), a compare-and-set on the dead boot,
+-- for a live new boot, unless someone took the run over first.
+-- A run of a limited group (after ``lock_slots``) keeps its slot only if it is still free:
+-- while its boot was dead the slot was free, and another run may have it.
+WITH
+me AS (
+    SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
+           r.created_at, t.max_running
+      FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
+),
+verdict AS (
+    SELECT CASE
+           WHEN me.max_running IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
+           THEN 'tenant_cap'
+           WHEN me.concurrency_limit IS NOT NULL AND (
+                (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
+           THEN 'concurrency'
+           END AS reason
+      FROM me
+), changed AS (
+UPDATE runs SET claimed_by = :boot, updated_at = now()
+  FROM verdict v
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AND v.reason IS NULL
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.adopted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: poimen_finish_slot
+-- FINISH, after the run's slot locks, as one call (README.md, "Slot functions").
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- No entry to close. The end re-queues the next run waiting for the run's slot.
+CREATE OR REPLACE FUNCTION poimen_finish_slot(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+BEGIN
+    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = p_run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l;
+    RETURN QUERY WITH changed AS (
+    UPDATE runs
+       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + p_failed
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c, (SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         WHERE true
+         ORDER BY e.ord
+    ),
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+         
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+         
+    )
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+END
+$body$;
+
+-- name: poimen_finish_slot_inserted
+-- FINISH_INSERTED, after the run's slot locks, as one call.
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- The last entry needed no row while it ran: it is written now (with its step.entered).
+-- The end re-queues the next run waiting for the run's slot.
+CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_entry_no integer, p_step text, p_entry_status text,
+    p_actions text, p_outputs text, p_entry_error text, p_next_step text,
+    p_events boolean, p_entry_event text, p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+BEGIN
+    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = p_run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l;
+    RETURN QUERY WITH changed AS (
+    UPDATE runs
+       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + p_failed
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+    entry AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                                  next_step, finished_at)
+        SELECT id, p_entry_no, p_step, p_entry_status, CAST(p_actions AS jsonb),
+               CAST(p_outputs AS jsonb), CAST(p_entry_error AS jsonb), p_next_step, now()
+          FROM changed
+        RETURNING id, run_id, entry_no, step_id, next_step, error),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(p_events AS boolean)
+                 UNION ALL SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
+                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         WHERE true
+         ORDER BY e.ord
+    ),
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+         
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+         
+    )
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+END
+$body$;
+
+-- name: poimen_finish_slot_closed
+-- FINISH_CLOSED, after the run's slot locks, as one call.
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- The last entry's row is closed; the run ends only if that entry is still open.
+-- The end re-queues the next run waiting for the run's slot.
+CREATE OR REPLACE FUNCTION poimen_finish_slot_closed(
+    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
+    p_boots uuid[], p_entry bigint, p_entry_status text, p_actions text, p_outputs text,
+    p_entry_error text, p_next_step text, p_entry_event text, p_events boolean,
+    p_event_type text, p_event_extra text
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+BEGIN
+    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = p_run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l;
+    RETURN QUERY WITH changed AS (
+    UPDATE runs
+       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
+           finished_at = now(), updated_at = now(), failures = failures + p_failed
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = p_entry AND e.run_id = p_run
+                   AND e.status IN ('running', 'waiting'))
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+    entry AS (
+        UPDATE step_entries e
+           SET status = p_entry_status, actions = CAST(p_actions AS jsonb),
+               outputs = CAST(p_outputs AS jsonb), error = CAST(p_entry_error AS jsonb),
+               next_step = p_next_step, finished_at = now()
+          FROM changed
+         WHERE e.id = p_entry AND e.status IN ('running', 'waiting')
+        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT c.tenant_id, c.id, e.type,
+               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+          FROM changed c, (SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
+                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+         WHERE true
+         ORDER BY e.ord
+    ),
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+         
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+         
+    )
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+END
+$body$;
+
+-- name: finish_unlimited
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- No entry to close.
+-- A run claimed outside every limited group: no slot release (the statement costs Postgres
+-- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c, (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     WHERE true
+     ORDER BY e.ord
+),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: finish_inserted_unlimited
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- The last entry needed no row while it ran: it is written now (with its step.entered).
+-- A run claimed outside every limited group: no slot release (the statement costs Postgres
+-- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+entry AS (
+    INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                              next_step, finished_at)
+    SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
+           CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
+      FROM changed
+    RETURNING id, run_id, entry_no, step_id, next_step, error),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     WHERE true
+     ORDER BY e.ord
+),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: finish_closed_unlimited
+-- A run's end, fenced by the claim (held by one of ``:boots``), its last step
+-- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
+-- that order, in one INSERT): one statement, one round trip. A child's end counts for its
+-- parent's join and may re-queue the parent (README.md).
+-- The last entry's row is closed; the run ends only if that entry is still open.
+-- A run claimed outside every limited group: no slot release (the statement costs Postgres
+-- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
+WITH changed AS (
+UPDATE runs
+   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+       finished_at = now(), updated_at = now(), failures = failures + :failed
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
+   AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
+               AND e.status IN ('running', 'waiting'))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
+entry AS (
+    UPDATE step_entries e
+       SET status = :entry_status, actions = CAST(:actions AS jsonb),
+           outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
+           next_step = :next_step, finished_at = now()
+      FROM changed
+     WHERE e.id = :entry AND e.status IN ('running', 'waiting')
+    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT c.tenant_id, c.id, e.type,
+           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
+      FROM changed c, (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
+             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
+     WHERE true
+     ORDER BY e.ord
+),
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: release
+-- A run this boot claimed goes back to ``queued`` (a failure before user code started),
+-- fenced by the claim: if it was taken over meanwhile, this changes nothing. No user code
+-- ran, so the claim's attempt is given back. Its slot goes to the next run waiting.
+WITH  changed AS (
+UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
+       attempt = attempt - 1
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.released',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.released') || '{}'::jsonb
+      FROM changed
+     WHERE true
+
+)
+    ,
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'concurrency'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
+
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+
+-- name: retry
+-- A failed attempt goes back to ``queued``, due again in ``:delay`` seconds, fenced by the
+-- claim. Its slot goes to the next run waiting.
+WITH  changed AS (
+UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
+       error = CAST(:error AS jsonb), updated_at = now(),
+       not_before = now() + make_interval(secs => :delay)
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.retrying',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', attempt) || jsonb_build_object('delay', CAST(:delay AS float8), 'error', CAST(:error AS jsonb))
+      FROM changed
+     WHERE true
+
+)
+    ,
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'concurrency'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM changed s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
+
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+
+-- name: claim_state
+-- A claim that changed nothing reads why: the run's state and the claimer's liveness.
+-- ``slots``: the run is in a limited group (its workflow's or its tenant's).
+SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
+
+-- name: holder
+-- Who holds a run (an adoption that changed nothing reads why).
+SELECT claimed_by, status FROM runs WHERE id = :run;
+
+-- name: gone_in
+-- A holder seen dead and not gone yet: how long until it is (NULL: not seen dead).
+SELECT GREATEST(0, CAST(extract(epoch FROM b.first_seen_dead_at + make_interval(secs => b.dead_after_seconds) - now()) AS float8)) FROM worker_boots b WHERE b.boot_id = :boot AND b.first_seen_dead_at IS NOT NULL;

@@ -1,0 +1,271 @@
+-- The statements of app/state/ledger.py, each bound to the constant of its name in capitals
+-- (``-- name: admit`` is ``ADMIT``). The parts many statements share: README.md.
+
+-- name: enter
+-- A new entry into a step (``step.entered`` if ``:events``), fenced: the ``run`` part is
+-- the fence of every ledger write, the run held by one of this process's boots
+-- (``claimed_by = ANY(:boots)``), locked FOR SHARE so a takeover (an UPDATE of that row)
+-- waits for this transaction, or this statement sees the takeover and writes nothing.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+,
+    entry AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions)
+        SELECT id, :entry_no, :step, 'running', CAST(:actions AS jsonb) FROM run
+        RETURNING id, run_id, entry_no, step_id, children_total, children_done
+    ),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT run.tenant_id, entry.run_id, 'step.entered',
+               jsonb_build_object('run_id', (entry.run_id)::text, 'type', 'step.entered') || jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id)
+          FROM entry JOIN run ON run.id = entry.run_id
+         WHERE CAST(:events AS boolean)
+
+    )
+    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id;
+
+-- name: claim_marker
+-- A marker's claim: inserted for ``:claimer`` unless the marker exists (ON CONFLICT DO
+-- NOTHING), fenced, and only while the claimer's boot is live, evaluated in the claim
+-- statement itself (``live``). Returns whether the run is held, the claimer live, and the
+-- claim count when it claimed.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+, live AS (SELECT EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS ok),
+    claimed AS (
+        INSERT INTO step_markers (entry_id, position, run_id, claimed_by, status)
+        SELECT :entry, :position, run.id, :claimer, 'claimed' FROM run, live WHERE live.ok
+        ON CONFLICT (entry_id, position) DO NOTHING
+        RETURNING claims
+    )
+    SELECT EXISTS (SELECT 1 FROM run) AS held, (SELECT ok FROM live) AS claimer_live,
+           (SELECT claims FROM claimed) AS claims;
+
+-- name: marker_state
+-- A marker's state after a claim that inserted nothing, and whether its holder is live.
+SELECT m.status, m.claimed_by, m.claims, m.result, m.error,
+          EXISTS (
+   SELECT b.boot_id
+     FROM worker_boots b
+     JOIN pg_locks l
+       ON l.locktype = 'advisory'
+      AND l.classid = CAST(1347373389 AS oid)
+      AND l.objid = CAST(b.lock_key AS oid)
+      AND l.objsubid = 2
+      AND l.granted
+      AND l.mode = 'ExclusiveLock'
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+WHERE b.boot_id = m.claimed_by) AS holder_live
+     FROM step_markers m WHERE m.entry_id = :entry AND m.position = :position;
+
+-- name: take_over_marker
+-- Wreckage: the holder is dead (its lock is gone, and a dead boot never comes
+-- back). A compare-and-set on its id, so of two rescuers exactly one wins.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+, live AS (SELECT EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS ok)
+    UPDATE step_markers m SET claimed_by = :claimer, claims = m.claims + 1, claimed_at = now()
+      FROM run, live
+     WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
+       AND m.claimed_by = :dead AND live.ok
+    RETURNING m.claims;
+
+-- name: complete_marker
+-- A marker this process holds completes (or fails), fenced, with its ``action.<status>``
+-- event.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+,
+    done AS (
+        UPDATE step_markers m
+           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+               finished_at = now()
+          FROM run
+         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
+           AND m.claimed_by = ANY(:boots)
+        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
+    ),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, done.run_id, CAST(:event_type AS text),
+               jsonb_build_object('run_id', (done.run_id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), 'position', done.position, 'action', CAST(:name AS text), 'idempotency_key', CAST(:key AS text)) || CASE WHEN done.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', done.error - 'traceback') END
+          FROM done
+         WHERE true
+
+    )
+    SELECT count(*) AS completed FROM done;
+
+-- name: complete_spawn
+-- ``complete_marker`` of a fan-out: it links its children to the entry (for the join) in
+-- the statement that completes its marker, in the transaction that admitted them, and counts
+-- the children that already ended.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+,
+    done AS (
+        UPDATE step_markers m
+           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
+               finished_at = now()
+          FROM run
+         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
+           AND m.claimed_by = ANY(:boots)
+        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
+    ),
+    linked AS (
+        INSERT INTO step_children (child_run_id, entry_id, position, ordinal, item_key)
+        SELECT c.child, :entry, :position, c.ordinal, c.item_key
+          FROM done, unnest(CAST(:children AS uuid[]), CAST(:ordinals AS int[]),
+                            CAST(:item_keys AS text[])) AS c(child, ordinal, item_key)
+        ON CONFLICT (child_run_id) DO NOTHING
+        RETURNING child_run_id
+    ),
+    counted AS (
+        UPDATE step_entries e
+           SET children_total = e.children_total + (SELECT count(*) FROM linked),
+               children_done = e.children_done + (
+                   SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
+                    WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
+         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
+    ),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, done.run_id, CAST(:event_type AS text),
+               jsonb_build_object('run_id', (done.run_id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), 'position', done.position, 'action', CAST(:name AS text), 'idempotency_key', CAST(:key AS text)) || CASE WHEN done.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', done.error - 'traceback') END
+          FROM done
+         WHERE true
+
+    )
+    SELECT count(*) AS completed FROM done;
+
+-- name: close_entry
+-- An entry ends (fenced) with its actions' outcomes and its ``step.<status>`` event.
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+,
+    entry AS (
+        UPDATE step_entries e
+           SET status = :status, actions = CAST(:actions AS jsonb),
+               outputs = CAST(:outputs AS jsonb), error = CAST(:error AS jsonb),
+               next_step = :next_step, finished_at = now()
+          FROM run
+         WHERE e.id = :entry AND e.status IN ('running', 'waiting')
+        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error, run.tenant_id,
+                  run.cancel_requested
+    ),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT entry.tenant_id, entry.run_id, CAST(:event_type AS text),
+               jsonb_build_object('run_id', (entry.run_id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END
+          FROM entry
+         WHERE CAST(:events AS boolean)
+
+    )
+    SELECT id, cancel_requested FROM entry;
+
+-- name: insert_closed
+-- An entry that needed no row while it ran is written when it ends (its
+-- step.entered and step.<status> events in that order, in one INSERT).
+WITH
+    run AS (SELECT id, tenant_id, cancel_requested FROM runs
+             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
+,
+    entry AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                                  next_step, finished_at)
+        SELECT id, :entry_no, :step, :status, CAST(:actions AS jsonb), CAST(:outputs AS jsonb),
+               CAST(:error AS jsonb), :next_step, now()
+          FROM run
+        RETURNING id, run_id, entry_no, step_id, next_step, error
+    ),
+    event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT run.tenant_id, entry.run_id, t.type,
+               jsonb_build_object('run_id', (entry.run_id)::text, 'type', t.type) || CASE t.ord WHEN 1 THEN jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) ELSE jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END END
+          FROM entry JOIN run ON run.id = entry.run_id, (VALUES (1, 'step.entered'), (2, CAST(:event_type AS text))) AS t(ord, type)
+         WHERE CAST(:events AS boolean)
+         ORDER BY t.ord
+    )
+    SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id;
+
+-- name: wait
+-- A join releases its worker: the entry waits (only while some child is still
+-- running: its counters are on this row, which every child's end locks too,
+-- README.md, "An end counts for the parent's join") and the run becomes 'waiting', unclaimed.
+WITH entry AS (
+    UPDATE step_entries e
+       SET status = 'waiting', actions = CAST(:actions AS jsonb),
+           outputs = CAST(:outputs AS jsonb)
+     WHERE e.id = :entry AND e.status = 'running' AND e.children_done < e.children_total
+       AND EXISTS (SELECT 1 FROM runs WHERE id = :run AND claimed_by = ANY(:boots))
+    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
+),
+waited AS (
+    UPDATE runs r SET status = 'waiting', wait_reason = 'join', claimed_by = NULL,
+           updated_at = now()
+      FROM entry
+     WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
+    RETURNING r.id, r.tenant_id, r.attempt, r.workflow_name, r.concurrency_key,
+              r.concurrency_limit, entry.step_id, entry.entry_no, entry.children_total,
+              entry.children_done
+),
+event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.waiting',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', attempt, 'reason', 'join', 'step', step_id, 'entry', entry_no, 'children', children_total, 'children_done', children_done)
+      FROM waited
+     WHERE true
+
+),
+slot_woken AS (
+    UPDATE runs w
+       SET status = 'queued', wait_reason = NULL, updated_at = now(),
+           last_sent_at = now()
+     WHERE w.id IN (
+           SELECT (SELECT r.id FROM runs r
+                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'concurrency'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM waited s WHERE s.concurrency_limit IS NOT NULL AND true
+           UNION
+           SELECT (SELECT r.id FROM runs r
+                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                      AND r.wait_reason = 'tenant_cap'
+                    ORDER BY r.created_at, r.id LIMIT 1)
+             FROM waited s JOIN tenants t ON t.id = s.tenant_id
+            WHERE t.max_running IS NOT NULL AND true)
+       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+),
+slot_woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM slot_woken
+     WHERE true
+
+)
+
+SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
+       (SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
+               'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
+          FROM slot_woken w) AS woken;
+
+-- name: children
+-- The child runs an entry spawned, in position and item order.
+SELECT c.child_run_id, c.position, c.item_key, r.status, r.result, r.error, r.dispatch_key
+  FROM step_children c JOIN runs r ON r.id = c.child_run_id
+ WHERE c.entry_id = :entry
+ ORDER BY c.position, c.ordinal;
+
+-- name: history
+-- A run's entries before one, oldest first.
+SELECT id, entry_no, step_id, status, outputs, next_step
+  FROM step_entries WHERE run_id = :run AND entry_no < :entry_no ORDER BY entry_no;

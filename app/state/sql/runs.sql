@@ -1,0 +1,577 @@
+-- The statements of app/state/runs.py, each bound to the constant of its name in capitals
+-- (``-- name: admit`` is ``ADMIT``). The parts many statements share: README.md.
+
+-- name: admit
+-- A run is admitted unless its ``(tenant_id, dispatch_key)`` is taken, decided by the
+-- partial unique index (ON CONFLICT DO NOTHING), never by a read first; with its
+-- ``run.admitted`` event. A miss reads the holder with ``existing``. A fan-out child's
+-- root_run_id is its parent's root, or its parent: one lookup of the parent, made only for
+-- a child (the subquery is an InitPlan, run when the CASE first needs it).
+WITH  changed AS (
+INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
+                  goal_id, dispatch_key, status, attempt, failures, cancel_requested,
+                  origin, origin_detail, parent_run_id, root_run_id, definition_hash,
+                  traceparent, tracestate, concurrency_key, concurrency_limit)
+VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
+        CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
+        :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, :definition_hash,
+        :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
+ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+ RETURNING *),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.admitted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.admitted') || CAST(:event AS jsonb)
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: existing
+-- A miss: the row that holds the key, and whether it was admitted with this very
+-- request, decided by Postgres on the stored values: jsonb equality compares
+-- numbers as numbers (1e23 = 100000000000000000000000) and never equates true
+-- with 1, which Python's == does and a float round trip cannot get right.
+SELECT runs.*,
+       workflow_ref IS NOT DISTINCT FROM :workflow_ref AS same_workflow_ref,
+       input = CAST(:input AS jsonb) AS same_input,
+       goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
+  FROM runs
+ WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
+
+-- name: admit_many
+-- A batch (``POST /v1/runs/batch``, a parent's fan-out): ``admit``'s rule for many runs in
+-- one statement. The requests come as one jsonb array (``:runs``: one object per run, its
+-- ``ord`` the request's position); each row the index lets in gets its ``run.admitted``
+-- event in the same statement, and a key already held (or taken by an earlier request of
+-- the same batch) is skipped, to be read back with ``holders``. The rows go in ordered by
+-- key: two batches that share keys take them in one order, so neither can hold a key the
+-- other waits for while it waits for one the other holds (a deadlock).
+WITH  changed AS (
+INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
+                  goal_id, dispatch_key, status, attempt, failures, cancel_requested,
+                  origin, origin_detail, parent_run_id, root_run_id, definition_hash,
+                  traceparent, tracestate, concurrency_key, concurrency_limit)
+SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
+       r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
+       :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, r.definition_hash,
+       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
+  FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
+       ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
+       input jsonb, goal_id text, dispatch_key text, definition_hash text,
+       traceparent text, tracestate text, concurrency_key text, concurrency_limit int)
+ ORDER BY r.dispatch_key, r.ord
+ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+ RETURNING *),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.admitted',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.admitted') || jsonb_build_object('workflow_ref', workflow_name || '@' || workflow_version, 'goal_id', goal_id, 'dispatch_key', dispatch_key, 'origin', origin)
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: holders
+-- A batch's misses: for each request (``:requests``, its ``ord``, key and compared fields)
+-- whose key was taken, the run that holds it, compared by Postgres as ``existing`` does.
+SELECT q.ord AS request_ord, runs.*,
+       runs.workflow_ref IS NOT DISTINCT FROM q.workflow_ref AS same_workflow_ref,
+       runs.input = q.input AS same_input,
+       runs.goal_id IS NOT DISTINCT FROM q.goal_id AS same_goal_id
+  FROM jsonb_to_recordset(CAST(:requests AS jsonb)) AS q(
+       ord int, dispatch_key text, workflow_ref text, input jsonb, goal_id text)
+  JOIN runs ON runs.tenant_id = :tenant_id AND runs.dispatch_key = q.dispatch_key
+           AND runs.dispatch_key IS NOT NULL;
+
+-- name: release_key
+-- Key reuse: move the key off the run that holds it, if that run ended in a status the
+-- policy names (and, with a ttl, long enough ago), so the next insert can take it. The
+-- status is checked here, in the statement that takes the row lock, never by an earlier
+-- read: of N racing re-admissions one releases the ended run and inserts; the others
+-- find the key held by that new run (not ended) and replay it.
+UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = now()
+ WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key
+   AND workflow_name = :workflow_name
+   AND status = ANY(CAST(:reusable AS text[]))
+   AND finished_at <= now() - make_interval(secs => :ttl)
+RETURNING id;
+
+-- name: cancel
+-- One statement, so no interleaving can slip between "cancel if queued" and
+-- "flag if running": a run that moves running -> queued (a retry, a release)
+-- while we wait on its row lock is re-checked on its new version by Postgres
+-- and cancelled outright.
+-- A waiting run (a join) holds no worker: it is cancelled outright, like a queued one.
+WITH  changed AS (
+UPDATE runs
+   SET status = CASE WHEN status IN ('queued', 'waiting')
+                     THEN 'cancelled' ELSE status END,
+       finished_at = CASE WHEN status IN ('queued', 'waiting')
+                          THEN now() ELSE finished_at END,
+       wait_reason = CASE WHEN status = 'waiting' THEN NULL
+                          ELSE wait_reason END,
+       cancel_requested = true, updated_at = now()
+ WHERE id = :run AND tenant_id = :tenant
+   AND status IN ('queued', 'running', 'waiting')
+ RETURNING *),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.cancelled',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || '{}'::jsonb
+      FROM changed
+     WHERE status = 'cancelled'
+
+)
+    ,
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: cancel_queued
+-- A delivery found a queued run whose cancellation was requested.
+WITH  changed AS (
+UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
+ WHERE id = :run AND status = 'queued' AND cancel_requested
+ RETURNING id, tenant_id, status),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.cancelled',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || '{}'::jsonb
+      FROM changed
+     WHERE true
+
+)
+    ,
+joined AS (
+    UPDATE step_entries e SET children_done = e.children_done + 1
+      FROM step_children c JOIN changed s ON s.id = c.child_run_id
+     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+),
+woken AS (
+    UPDATE runs p
+       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                         ELSE p.status END,
+           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                              ELSE p.wait_reason END,
+           updated_at = now(), last_sent_at = now()
+      FROM joined j
+     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+),
+woken_event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.joined',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+      FROM woken
+     WHERE status = 'queued'
+
+)
+
+    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
+
+-- name: end_abandoned
+-- Celery's revoke of a run whose cancel was requested and whose holder is gone
+-- (``app/liveness.py``: its lock first seen free its bound ago, so no body of it
+-- runs): it ends cancelled, as a takeover would end it (claims.sql, take_over), and its
+-- slot goes to the next run. Conditional on both, so it races a takeover or the
+-- run's own finish safely: one wins.
+WITH  changed AS (
+    UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
+     WHERE id = :run AND status = 'running' AND cancel_requested
+       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = runs.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
+     RETURNING id, tenant_id, status, attempt, workflow_name, workflow_version, concurrency_key, concurrency_limit),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.cancelled',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', attempt)
+          FROM changed
+         WHERE true
+
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+
+-- name: time_limit
+-- Celery's hard time limit: only the run held by the very pool process Celery
+-- is about to kill: its boots are this worker's (node: the main process's own
+-- id) with its pid, and only while it runs there. Another container's process
+-- with the same hostname and pid is another node.
+WITH  changed AS (
+    UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
+           failures = failures + 1, finished_at = now(), updated_at = now()
+     WHERE id = :run AND status = 'running'
+       AND claimed_by IN (SELECT boot_id FROM worker_boots
+                           WHERE node = :node AND pid = :pid)
+     RETURNING id, tenant_id, status, attempt, error, workflow_name, workflow_version, concurrency_key, concurrency_limit),
+        event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.failed',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', attempt, 'error', error)
+          FROM changed
+         WHERE true
+
+    )
+        ,
+    joined AS (
+        UPDATE step_entries e SET children_done = e.children_done + 1
+          FROM step_children c JOIN changed s ON s.id = c.child_run_id
+         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
+    ),
+    woken AS (
+        UPDATE runs p
+           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
+                             ELSE p.status END,
+               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
+                                  ELSE p.wait_reason END,
+               updated_at = now(), last_sent_at = now()
+          FROM joined j
+         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
+                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
+    ),
+    woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.joined',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
+          FROM woken
+         WHERE status = 'queued'
+
+    )
+,
+    slot_woken AS (
+        UPDATE runs w
+           SET status = 'queued', wait_reason = NULL, updated_at = now(),
+               last_sent_at = now()
+         WHERE w.id IN (
+               SELECT (SELECT r.id FROM runs r
+                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'concurrency'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+               UNION
+               SELECT (SELECT r.id FROM runs r
+                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
+                          AND r.wait_reason = 'tenant_cap'
+                        ORDER BY r.created_at, r.id LIMIT 1)
+                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
+                WHERE t.max_running IS NOT NULL AND true)
+           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+    ),
+    slot_woken_event AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT tenant_id, id, 'run.woken',
+               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+          FROM slot_woken
+         WHERE true
+
+    )
+
+        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+
+-- name: lock_slots
+-- The locks of a run's groups, taken before any statement that claims, ends or
+-- parks a run of a limited group (README.md, "An end frees a slot"): its capped
+-- tenant first, then its (tenant, workflow, key), in that order everywhere, held
+-- until the transaction ends. Nothing for a run of an unlimited workflow of an
+-- uncapped tenant. The aggregate consumes the ordered rows one by one.
+SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
+       SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+         FROM runs r JOIN tenants t ON t.id = r.tenant_id
+        WHERE r.id = :run AND t.max_running IS NOT NULL
+       UNION ALL
+       SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+         FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
+        ORDER BY ord) AS l;
+
+-- name: mark_holder_dead
+-- The holder of one run seen without its lock: stamped as ``mark_boot_dead`` (boots.sql) does.
+UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
+  FROM runs r
+ WHERE r.id = :run AND b.boot_id = r.claimed_by AND b.first_seen_dead_at IS NULL
+   AND pg_try_advisory_xact_lock_shared(1347373389, b.lock_key);
+
+-- name: dead_boot_runs
+-- Repair: two statements, so neither kind of stranded run waits behind the other.
+-- Each marks what it returns as sent (``last_sent_at = now()``) in the same
+-- statement; the sends follow the commit. ``FOR UPDATE SKIP LOCKED`` lets two
+-- repairs (two beats by mistake, beat and an operator) split the work instead
+-- of sending the same runs twice.
+--
+-- Runs held by a dead boot, first seen so (``app/liveness.py``: its lock free; the
+-- repair stamps every such boot just before, ``mark_dead_boots``): re-sent on the
+-- first tick after the boot was seen dead, i.e. if not re-sent since the claim (a
+-- claim or takeover sets updated_at), and after that only once the repair age has
+-- passed again. Each comes with ``gone_in``: the seconds until its boot is gone (its
+-- stamp T_c + kill + margin old), which the message waits out (``app/runs.py``): a
+-- boot whose lock went early may run its bodies until then, and a delivery before it
+-- takes nothing over (the claim decides; this only saves a repair tick).
+UPDATE runs SET last_sent_at = now()
+  FROM (SELECT r.id, GREATEST(0, CAST(extract(epoch FROM g.first_seen_dead_at + make_interval(secs => g.dead_after_seconds) - now()) AS float8)) AS gone_in
+          FROM runs r JOIN worker_boots g ON g.boot_id = r.claimed_by
+         WHERE r.status = 'running'
+           AND g.first_seen_dead_at IS NOT NULL
+           AND (r.last_sent_at <= r.updated_at
+                OR r.last_sent_at <= now() - make_interval(secs => :min_age))
+         ORDER BY r.updated_at
+         LIMIT :limit
+           FOR UPDATE OF r SKIP LOCKED) AS dead
+ WHERE runs.id = dead.id
+RETURNING runs.id, workflow_name, workflow_version, traceparent, tracestate, dead.gone_in,
+          attempt, parent_run_id, root_run_id;
+
+-- name: queued_runs
+-- Queued runs whose last send is older than the repair age (a retry's delayed
+-- message counts as sent at not_before), oldest send first: each tick takes
+-- the next page instead of the same oldest runs again.
+UPDATE runs SET last_sent_at = now()
+ WHERE id IN (
+       SELECT r.id FROM runs r
+        WHERE r.status = 'queued'
+          AND r.last_sent_at <= now() - make_interval(secs => :min_age)
+          AND (r.not_before IS NULL
+               OR r.not_before <= now() - make_interval(secs => :min_age))
+          AND (r.workflow_name, r.workflow_version) IN (
+               SELECT unnest(CAST(:names AS text[])), unnest(CAST(:versions AS text[])))
+        ORDER BY r.last_sent_at
+        LIMIT :limit
+          FOR UPDATE OF r SKIP LOCKED)
+RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
+          parent_run_id, root_run_id;
+
+-- name: queued_workflows
+-- The workflows (name, version) that have queued runs due for a re-send: repair
+-- budgets each Celery queue by its own depth, and a workflow's queue is its
+-- definition's (``@workflow(queue=...)``), known to the registry, not the row.
+SELECT DISTINCT r.workflow_name, r.workflow_version FROM runs r
+ WHERE r.status = 'queued'
+   AND r.last_sent_at <= now() - make_interval(secs => :min_age)
+   AND (r.not_before IS NULL
+        OR r.not_before <= now() - make_interval(secs => :min_age));
+
+-- name: try_repair_lock
+-- One repair at a time (``runs.repair_lock``): the lock, if free.
+SELECT pg_try_advisory_xact_lock(:namespace, 0);
+
+-- name: wait_repair_lock
+-- One repair at a time: the lock, waited for.
+SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
+
+-- name: wake_waiting
+-- Beat's backstop: runs waiting for a slot that is free (a slot's holder died: its
+-- boot's lock is gone; a queued run ahead of them was cancelled; a cap was raised or
+-- lifted, or set while runs ran, behind a claim's back), in every group and tenant.
+-- The statement that ends a slot's holder wakes the next run itself, and a cap change
+-- wakes its tenant's runs itself (``wake_tenant``).
+-- Waking runs that wait for a slot: as many as will pass the claim, oldest first. The
+-- claim (``poimen_claim_slot``'s verdict) lets a run take a slot of its group (a limited
+-- (tenant, workflow, key); a capped tenant) while the slots held by live boots, the queued
+-- due runs older than it and the older runs waiting for that slot number fewer than the
+-- limit. So the waiter at ``place`` in its group's line (1: the oldest) is woken when
+-- place + held + older queued <= limit: as many as the slots free, never one that would park
+-- again behind an older one. A tenant whose cap is gone (NULL) holds no run back: every run
+-- that waited for its cap is woken. In a group's line, runs that wait for the tenant's cap
+-- stand too (the claim counts them ahead of the group's newer runs). The woken runs go back
+-- to ``queued`` (``run.woken``), marked sent; each claims again under its group's locks.
+WITH
+waiters AS (
+    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+           w.wait_reason, w.created_at,
+           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                              ORDER BY w.created_at, w.id) AS group_place,
+           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                              ORDER BY w.created_at, w.id) AS tenant_place
+      FROM runs w
+     WHERE w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
+), changed AS (
+UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+       last_sent_at = now()
+ WHERE id IN (
+       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+        WHERE CASE WHEN w.wait_reason = 'concurrency'
+                   THEN w.group_place <= w.concurrency_limit
+                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= w.concurrency_limit
+                   WHEN t.max_running IS NULL THEN true
+                   ELSE w.tenant_place <= t.max_running
+                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= t.max_running
+              END
+        ORDER BY w.created_at, w.id
+        LIMIT :limit)
+   AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: lock_tenant
+-- A tenant's cap change: its lock, the cap, then the runs waiting for the tenant's
+-- slots that the new cap frees (every one, if the cap was lifted), in one transaction
+-- (``change_tenant_cap``). The lock is the one every claim of the capped tenant's runs
+-- takes first (``lock_slots``): a claim that read the old cap and is parking a run
+-- commits before the wake's snapshot (which sees the run and wakes it), and a claim
+-- that comes after reads the new cap. No run is left waiting for a cap that is gone.
+SELECT pg_advisory_xact_lock(1347373396, CAST(:tenant AS integer));
+
+-- name: set_tenant_cap
+-- A tenant's cap (NULL: none), after ``lock_tenant``; ``wake_tenant`` follows.
+UPDATE tenants SET max_running = :max_running WHERE id = :tenant;
+
+-- name: wake_tenant
+-- ``wake_waiting`` for a tenant's cap change (``change_tenant_cap``, after ``lock_tenant``
+-- and ``set_tenant_cap``): the runs waiting for the tenant's slots that the new cap frees,
+-- every one if it was lifted, oldest first.
+WITH
+waiters AS (
+    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
+           w.wait_reason, w.created_at,
+           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
+                              ORDER BY w.created_at, w.id) AS group_place,
+           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
+                              ORDER BY w.created_at, w.id) AS tenant_place
+      FROM runs w
+     WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
+), changed AS (
+UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
+       last_sent_at = now()
+ WHERE id IN (
+       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
+        WHERE CASE WHEN w.wait_reason = 'concurrency'
+                   THEN w.group_place <= w.concurrency_limit
+                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= w.concurrency_limit
+                   WHEN t.max_running IS NULL THEN true
+                   ELSE w.tenant_place <= t.max_running
+                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                            <= t.max_running
+              END
+        ORDER BY w.created_at, w.id
+        LIMIT :limit)
+   AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
+ RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
+    event AS (
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT tenant_id, id, 'run.woken',
+           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
+      FROM changed
+     WHERE true
+
+)
+
+    SELECT * FROM changed;
+
+-- name: waiting_by_reason
+-- What waiting runs wait for, for the poimen_runs_waiting{reason} gauge.
+SELECT coalesce(wait_reason, 'join') AS reason, count(*) AS runs
+  FROM runs WHERE status = 'waiting' GROUP BY 1;
