@@ -11,10 +11,10 @@ The worker's main process checks the path it would use for liveness locks
 every ``POIMEN_BOOT_PROBE_INTERVAL`` seconds, with the lease's probe deadline
 (``lease.probe_lock``), on a thread of its own; the consumer's timer (the
 event loop's thread, where Celery allows it) cancels the task queues when the
-check fails and adds them back when it succeeds. Messages already reserved
-stay with the worker (Celery gives them back at shutdown); the pool processes'
-own boots and the kernel fence (``workers/boots.py``) still decide who may
-execute.
+check fails and adds them back when it succeeds, and logs each change only once
+it is made. Messages already reserved stay with the worker (Celery gives them
+back at shutdown); the pool processes' own boots and the kernel fence
+(``workers/boots.py``) still decide who may execute.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class DatabaseGate(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.reachable = True
         self.closed: list[str] = []
+        self.waited = 0.0
         self._stop = threading.Event()
         self._timer = None
 
@@ -77,12 +78,8 @@ class DatabaseGate(bootsteps.StartStopStep):
             if not ok and conn is not None:
                 conn.close()
                 conn = None
-            if ok != self.reachable:
-                if ok:
-                    log.warning("Postgres answers again: taking runs")
-                else:
-                    log.error("Postgres did not answer within %.1fs: taking no runs until it "
-                              "does", time.monotonic() - started)
+            if not ok and self.reachable:
+                self.waited = time.monotonic() - started
             self.reachable = ok
         if conn is not None:
             conn.close()
@@ -91,11 +88,16 @@ class DatabaseGate(bootsteps.StartStopStep):
         consumer = c.task_consumer
         if consumer is None:
             return
+        # The lines are logged here, after the queues change, so that a reader of the log
+        # (an operator, tests/workers/test_gate.py) never sees a state the consumer is not in.
         if not self.reachable and not self.closed:
             self.closed = [queue.name for queue in consumer.queues]
             for name in self.closed:
                 c.cancel_task_queue(name)
+            log.error("Postgres did not answer within %.1fs: taking no runs until it does",
+                      self.waited)
         elif self.reachable and self.closed:
             for name in self.closed:
                 c.add_task_queue(name)
             self.closed = []
+            log.warning("Postgres answers again: taking runs")
