@@ -669,9 +669,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "prepared_statements_behind_a_pooler",
         "the app's pooled connections prepare no statements (a transaction pooler mixes them)",
-        "poimenconfig.py",
-        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto")',
-        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "5")',
+        "settings_table.py",
+        '_db("POIMEN_DB_PREPARE_THRESHOLD", str, "auto",',
+        '_db("POIMEN_DB_PREPARE_THRESHOLD", str, "5",',
         ("tests/chaos/test_pooler.py::"
          "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error",),
     ),
