@@ -107,9 +107,10 @@ MUTANTS: list[Mutant] = [
         "an admission answered in front of Flask runs once: a refusal is answered, "
         "never handed to Flask to run again",
         "app/fastpath.py",
-        "                return self._flask_answer(environ, start_response, err, principal, rid,\n"
-        "                                          started)\n",
-        "                return self.flask_wsgi(environ, start_response)\n",
+        "        headers = [(\"Content-Type\", JSON), (\"Content-Length\", str(len(answer.body))),\n",
+        "        if answer.run_id is None:\n"
+        "            return self.flask_wsgi(environ, start_response)\n"
+        "        headers = [(\"Content-Type\", JSON), (\"Content-Length\", str(len(answer.body))),\n",
         ("tests/app/test_fast_admission.py::"
          "test_a_conflict_is_answered_once_and_admits_nothing",),
     ),
@@ -151,8 +152,8 @@ MUTANTS: list[Mutant] = [
         "admission_in_a_transaction",
         "an admission is one round trip: its one statement runs in autocommit (issue 10)",
         "app/api.py",
-        "                          single_statements(db.session, send_pending), note=logs.note)\n",
-        "                          db.session, note=logs.note)\n",
+        "                           single_statements(db.session, send_pending),\n",
+        "                           db.session,\n",
         ("tests/app/test_hot_path.py::test_an_admission_is_one_statement_in_autocommit",),
     ),
     Mutant(
