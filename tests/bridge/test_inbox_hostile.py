@@ -312,7 +312,7 @@ def recreate_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
 
 
 def test_keyless_messages_of_a_recreated_topic_are_new_runs(setup, pg):
-    """Issue 43, item 7: a re-created topic starts its offsets at 0 again; its keyless
+    """A re-created topic starts its offsets at 0 again; its keyless
     messages are new messages, never a replay of (or a conflict with) the old topic's."""
     setup.declare()
     same = request(input={"n": "same"})

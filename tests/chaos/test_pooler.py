@@ -1,4 +1,4 @@
-"""Verify 4 of the fault issue: liveness locks refuse a transaction-mode pooler.
+"""Liveness locks refuse a transaction-mode pooler.
 
 A real PgBouncer (Debian's ``pgbouncer``; installed when missing and we are
 root) in ``pool_mode = transaction`` in front of the private Postgres. A

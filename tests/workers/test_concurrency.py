@@ -1,4 +1,4 @@
-"""Concurrency keys and tenant caps, decided in the claim (issue 26): deterministic rule tests.
+"""Concurrency keys and tenant caps, decided in the claim: deterministic rule tests.
 
 Real Postgres, real boots (advisory locks), explicit order; no worker processes
 (those are in ``test_concurrency_processes.py``).
@@ -486,7 +486,7 @@ def test_adoption_keeps_the_slot_only_if_no_run_took_it_while_the_boot_was_dead(
     assert state(pg, alone)[:3] == ("running", None, new.boot_id)
 
 
-# -- a cap change wakes the runs it frees (issue 43, item 2) ------------------------------------
+# -- a cap change wakes the runs it frees ---------------------------------------------------------
 #
 # On the savepoint fixture (``db_session``): the runs, claims and the cap change live in one
 # transaction the test rolls back; the boots are real (their locks on their own
