@@ -117,8 +117,7 @@ FAMILIES = {
 }
 # Families that fail on this code, and why: xfail, and not shrunk (a failure is reported
 # within make test's budget). Not strict: a random search may miss a known bug in one run.
-# Empty since the fixes of derived keys, cap changes and early lock loss landed; a family
-# put here stops guarding its rule.
+# Empty: every family guards its rule, and a family put here stops guarding it.
 KNOWN_BROKEN: dict[str, str] = {}
 
 

@@ -61,7 +61,7 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
     declare_topics(bootstrap, prefix, [tenant.name], 1)
     started = []
     try:
-        # Before the fix: a web process that does not know late_flow, a relay with a bug.
+        # The broken deploy: a web process that does not know late_flow, a relay with a bug.
         web, api = start_web(env, tmp_path, workers=1, threads=4, name="web-before")
         started.append(web)
         relay, relay_metrics = start_inbox({**env, "POIMEN_API_URL": api,
