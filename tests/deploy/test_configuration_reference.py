@@ -1,4 +1,4 @@
-"""The configuration reference is complete and current (issue 14, Verify 6).
+"""The configuration reference is complete and current.
 
 Every environment variable the code reads must be in ``app/settings_reference.py``
 (which generates ``docs/operations/configuration.md``). The product reads the environment in
