@@ -10,8 +10,8 @@ metrics all use this one definition: the boot's lock held *exclusively*
 
 A claim asks it of one boot, its own, once per run: ``claimer_live_sql``
 asks the lock manager for that one key instead of reading ``pg_locks``, which
-copies every lock of every backend on each read (measured: 107 us of server
-CPU against 23 us, with 22 sessions holding a lock).
+copies every lock of every backend on each read: several times the server CPU of
+the one key's probe (bench/RESULTS.md, "the claim's liveness check").
 
 A lock can vanish *early*: a Postgres restart, a failover or
 ``pg_terminate_backend`` drops it at once, while the boot's process still runs

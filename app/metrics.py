@@ -9,8 +9,8 @@ Every metric and the process that exports it: ``docs/operations/metrics.md``.
   its pool processes (``workers/metrics.py``).
 * Global gauges (runs by status, waiting runs by reason, live worker boots and their probes' age,
   outbox lag, queue depth, the backlog by tenant and queue) are facts of the
-  database and the broker, not of a process. Exported by every web and worker instance they were counted once
-  per instance; now only ``beat`` exports them (there is exactly one beat),
+  database and the broker, not of a process: only ``beat`` exports them (there is
+  exactly one beat), so each is counted once, not once per web and worker instance,
   read at scrape time at most once per ``POIMEN_METRICS_CACHE_SECONDS``.
 
 ``/metrics`` shares the public web port with the API and shows every tenant's
@@ -123,8 +123,8 @@ log = logging.getLogger(__name__)
 class GaugeCache:
     """A value re-read at most once per ``ttl`` seconds.
 
-    A scrape used to count the runs table and the outbox every time; anyone
-    polling could make the database do that in a loop. The lock makes
+    Without it a scrape would count the runs table and the outbox every time, and
+    anyone polling could make the database do that in a loop. The lock makes
     concurrent scrapes wait for one read instead of each doing their own.
     """
 

@@ -18,7 +18,7 @@ Cases, each ~10 s at 16 connections:
   batch    ``POST /v1/runs/batch`` with ``BATCH_ITEMS`` new keys per request from
            ``BATCH_CONNECTIONS`` connections; its rate is runs admitted per second
            (counted in the database, each with its run.admitted event), printed as
-           ``batch admission / raw insert`` (issue 25's target: >= 1.5)
+           ``batch admission / raw insert`` (target: >= 1.5)
 
 Run it with ``make bench`` or, with the services' environment loaded,
 ``.venv/bin/python bench/admission.py [--duration 10] [--record bench/RESULTS.md]``.
@@ -62,9 +62,9 @@ from bench._common import (  # noqa: E402
 from tests.processes import BIN, Process, free_port, wait_until  # noqa: E402
 
 TARGET_RATE = 1500.0  # admissions/s
-TARGET_RATIO = 0.25  # of the raw insert rate (issue 10)
+TARGET_RATIO = 0.25  # of the raw insert rate
 TARGET_P99_MS = 50.0
-TARGET_BATCH_RATIO = 1.5  # batch admissions / raw single-row inserts (issue 25)
+TARGET_BATCH_RATIO = 1.5  # batch admissions / raw single-row inserts
 BATCH_ITEMS = 200
 BATCH_CONNECTIONS = 4
 

@@ -27,9 +27,9 @@ Three cases in one invocation, on the same services, each with a worker of
   execution. Clock from the first produce until the counter reaches the count.
 
 Printed: rates, Poimen's p50/p99 message-to-succeeded latency (burst and
-paced), ratios (targets, issue 25: Poimen >= 0.5x plain Celery, >= 0.7x the naive bridge,
+paced), ratios (targets: Poimen >= 0.5x plain Celery, >= 0.7x the naive bridge,
 p99 <= 2 s at the paced load, zero duplicates), CPU per message by process for
-each of the three (issue 25: Poimen's beside plain Celery's), and duplicates: for Poimen,
+each of the three (Poimen's beside plain Celery's), and duplicates: for Poimen,
 runs beyond one per message plus executions beyond one per run (``run.started``
 events); for the others, executions beyond the count. Load average is printed
 before and after. The result is appended to bench/RESULTS.md under "End to

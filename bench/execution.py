@@ -94,11 +94,11 @@ from bench._common import (  # noqa: E402
 )
 from tests.processes import BIN, Process, start_web, start_worker  # noqa: E402
 
-TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate (issue 10)
+TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate
 TARGET_LATENCY_P50_MS = 20.0  # admit -> running at low load
 # Finished runs in ``runs`` before each case, as a production table holds (``reset_runs``).
 HISTORY = 20_000
-TARGET_KEYED_COST = 0.10  # a key limit's cost per run, of the unlimited case's (issue 26)
+TARGET_KEYED_COST = 0.10  # a key limit's cost per run, of the unlimited case's
 
 
 # -- results ------------------------------------------------------------------

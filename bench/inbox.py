@@ -3,7 +3,7 @@
 10,000 dispatch messages are pre-published across 4 partitions; the clock runs
 from starting ``python -m bridge.inbox`` until all 10,000 runs are admitted.
 The baseline is the same number of ``POST /v1/runs`` from 16 threads with
-keep-alive sessions. Target: relay throughput >= 0.9 of direct admission (issue 10).
+keep-alive sessions. Target: relay throughput >= 0.9 of direct admission.
 The relay posts each partition's messages in batches (``POST /v1/runs/batch``, up to
 ``POIMEN_INBOX_BATCH_MAX``); the run prints how many calls it made and their mean size,
 and fails if it made none (the batch path was not exercised).

@@ -498,7 +498,7 @@ class Inbox:
         self._deadline: float | None = None  # monotonic: when shutdown must be complete
         self._works: dict[tuple[str, int], PartitionWork] = {}
         # One keep-alive connection per delivery thread, shared thread-safely (urllib3:
-        # a fraction of requests' CPU per call, issue 10 item 4).
+        # a fraction of requests' CPU per call).
         self._api = Transport(config.api_url, config.api_token, user_agent=USER_AGENT,
                               connect_timeout=5.0, read_timeout=config.http_timeout,
                               maxsize=config.concurrency)

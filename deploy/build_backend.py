@@ -2,8 +2,8 @@
 
 Poimen's server installs top-level packages named ``app``, ``workers`` and ``bridge``
 and modules ``celeryconfig``, ``lease`` and ``logconfig`` (renaming them is out of
-scope). Installed as a wheel into a team's own environment, that overwrote the
-team's ``app/`` package, and ``pip uninstall poimen`` deleted it (issue 29). So a
+scope). Installed as a wheel into a team's own environment, they would overwrite the
+team's ``app/`` package, and ``pip uninstall poimen`` would delete it. So a
 wheel is built only for an environment that is Poimen's own, said in so many words:
 ``--config-settings poimen-environment=dedicated`` (requirements.txt says it for
 Heroku's slug, the Dockerfile for the image). ``make install`` installs editable,

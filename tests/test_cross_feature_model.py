@@ -1,4 +1,4 @@
-"""The cross-feature model test (issue 43, build item 2): every rule, when features meet.
+"""The cross-feature model test: every rule, when features meet.
 
 A Hypothesis ``RuleBasedStateMachine`` drives the store's real statements on the
 session's real Postgres through random interleavings of admission (caller keys
@@ -101,7 +101,7 @@ BEAT_OFFSETS = (7.25, 41.5)  # where in a period each beat's clock is: they neve
 
 @dataclass(frozen=True)
 class Family:
-    """Which rule groups run: each switches on a way issue 43 found features to meet."""
+    """Which rule groups run: each switches on a way features meet."""
 
     derived_reuse: bool = False  # derived keys of workflows whose key_reuse is not never
     cap_lift: bool = False       # caps lifted; a cap change wakes all it freed at once
@@ -117,8 +117,7 @@ FAMILIES = {
 }
 # Families that fail on this code, and why: xfail, and not shrunk (a failure is reported
 # within make test's budget). Not strict: a random search may miss a known bug in one run.
-# Empty since the fixes of derived keys, cap changes and early lock loss landed; a family
-# put here stops guarding its rule.
+# Empty: every family guards its rule, and a family put here stops guarding it.
 KNOWN_BROKEN: dict[str, str] = {}
 
 

@@ -55,7 +55,7 @@ def test_the_default_lease_keeps_its_ordering():
     # No stranded run: the server lets go within T_s, beat's repair sees the lock free on
     # its next tick (10 s), and the rescuer's delivery comes once the boot is gone (T_c +
     # kill + margin after that, plus a second's slack; at least POIMEN_TAKEOVER_DELAY):
-    # under 60 s (issue 22).
+    # under 60 s.
     from app.liveness import GONE_SLACK
     from lease import dead_after
 
@@ -89,7 +89,7 @@ def test_settings_that_break_the_ordering_are_refused_naming_them(env, named):
 def test_the_takeover_delay_does_not_count_toward_the_ordering():
     """T_s = 8, T_c = 10, delay 6: T_c + kill + margin (13) <= T_s + delay (14), but a lock
     Postgres drops early, or a re-drive sent with no delay, comes without the delay: the
-    server's bound must cover the client's on its own (issue 43)."""
+    server's bound must cover the client's on its own."""
     settings = lease_settings({"POIMEN_LEASE_SERVER_SECONDS": "8",
                                "POIMEN_LEASE_CLIENT_SECONDS": "10",
                                "POIMEN_TAKEOVER_DELAY": "6"})
@@ -121,7 +121,7 @@ def test_a_process_refuses_to_start_with_settings_that_break_the_ordering(
         pytest.fail(f"started with settings that break the lease ordering:\n{proc.log()[-3000:]}")
     assert proc.proc.returncode != 0
     assert "refuses to start" in proc.log() and "POIMEN_LEASE_CLIENT_SECONDS (25)" in proc.log()
-    # Under LOG_FORMAT=json the refusal is a record like every other line (issue 29).
+    # Under LOG_FORMAT=json the refusal is a record like every other line.
     lines = [line for line in proc.log().splitlines() if line.strip()]
     assert lines and all(line.startswith("{") and json.loads(line) for line in lines), \
         [line for line in lines if not line.startswith("{")][:3]

@@ -22,7 +22,7 @@ own handler by then, and replaces any installed earlier):
   worker takes it over. A finish is one fenced transaction, so nothing is ever
   finished twice or half;
 * a SIGTERM while idle (no task, nothing to protect) ends the process at once,
-  as before, so an idle pool never delays a shutdown.
+  so an idle pool never delays a shutdown.
 
 A pool process leads a process group of its own (``workers/proctree.py``:
 the fence ends a body's children with it), so a SIGTERM to the worker's group

@@ -4,9 +4,8 @@ A statement that is whole on its own (a claim, a run's end: one round trip each)
 runs in autocommit. Through a ``Session`` it still pays the session's machinery
 around it: a transaction object, a connection checked out and characterised as
 ``AUTOCOMMIT`` and reset again, the result's metadata built column by column, the
-commit hooks. Measured in one worker process (``execute`` of one statement of a
-run's columns, prepared, 2,000 times): 0.30-0.33 ms of CPU through the session,
-0.12-0.13 ms here, with the same pool checkout (its liveness check included).
+commit hooks: more than twice the CPU of the statement run here, with the same pool
+checkout (bench/RESULTS.md, "single statements on psycopg directly").
 
 :func:`single_statements` gives the store's functions an object that has what they
 use of a session, ``execute`` and ``info``: each statement is a transaction of its

@@ -1,5 +1,6 @@
 """the outbox relay's two writes as database functions, whose bodies are the run-state
-store's statements (app/state/outbox.py): the relay calls them and imports nothing of app/
+store's statements (app/state/sql/outbox.sql: poimen_outbox_mark_published and
+poimen_outbox_prune): the relay calls them and imports nothing of app/
 
 Revision ID: 0013
 Revises: 0012
@@ -18,7 +19,7 @@ depends_on = None
 
 def upgrade():
     # CREATE OR REPLACE: a later change to a body is a new migration that runs these again
-    # (tests/test_state_store.py fails while an installed body differs from the store's).
+    # (tests/app/test_relay_functions.py fails while an installed body differs from the file's).
     for statement in RELAY_FUNCTIONS:
         op.execute(statement)
 

@@ -1,5 +1,6 @@
 """a limited group's claim and end as database functions that take the group's locks and
-then decide on a fresh snapshot (app/state/runs.py, ``locked``): one round trip each
+then decide on a fresh snapshot (app/state/sql/claims.sql: poimen_claim_slot and the
+poimen_finish_slot functions; app/state/sql/README.md, "Slot functions"): one round trip each
 
 Revision ID: 0014
 Revises: 0013

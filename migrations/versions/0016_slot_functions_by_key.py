@@ -1,5 +1,6 @@
 """the slot functions again: a limited claim finds its run by primary key only
-(compose.status_is), never through a partial index on status
+(its status tested as ``(r.status || '') = 'queued'``, app/state/sql/README.md, "Status
+tests that choose the index"), never through a partial index on status
 
 Revision ID: 0016
 Revises: 0015

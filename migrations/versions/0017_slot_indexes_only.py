@@ -1,6 +1,6 @@
 """slot indexes that only the slot statements can use, and that only they need:
-the counts name a run's group, tenant and status as expressions (compose.same_group,
-same_tenant, slot_status) that these indexes are built on and no other index is
+the counts name a run's group, tenant and status as expressions (app/state/sql/README.md,
+"Status tests that choose the index") that these indexes are built on and no other index is
 
 Revision ID: 0017
 Revises: 0016
@@ -16,8 +16,9 @@ down_revision = '0016'
 branch_labels = None
 depends_on = None
 
-# compose.group_scope, tenant_scope, slot_status and UNFINISHED, written out: a migration
-# is history, and the planner matches an index's expressions to a statement's as written.
+# The slot statements' group, tenant and status expressions (app/state/sql/claims.sql and
+# runs.sql), written out here: a migration is history, and the planner matches an index's
+# expressions to a statement's as written.
 _GROUP = ("(CAST(tenant_id AS text) || '|' || workflow_name || '|' "
           "|| coalesce(concurrency_key, ''))")
 _TENANT = "(CAST(tenant_id AS text))"
@@ -26,10 +27,10 @@ _UNFINISHED = f"{_STATUS} IN ('queued', 'running', 'waiting')"
 
 
 def upgrade():
-    # Before: (tenant_id, ..., status, ...) keyed indexes, which the counts' plain
-    # `status = 'queued'` could leave for ix_runs_queued_last_sent (every queued run)
-    # when the statistics said few runs were queued: under a backlog, each claim of a
-    # limited run read the whole backlog (auto_explain, bench/execution.py).
+    # These replace (tenant_id, ..., status, ...) keyed indexes, which the counts' plain
+    # `status = 'queued'` can leave for ix_runs_queued_last_sent (every queued run) when
+    # the statistics say few runs are queued: under a backlog, each claim of a limited
+    # run would read the whole backlog (auto_explain, bench/execution.py).
     op.execute("CREATE INDEX ix_runs_slot_group ON runs "
                f"({_GROUP}, {_STATUS}, created_at, id) "
                f"WHERE concurrency_limit IS NOT NULL AND {_UNFINISHED}")

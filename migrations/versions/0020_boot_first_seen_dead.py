@@ -1,7 +1,8 @@
 """worker_boots.first_seen_dead_at and dead_after_seconds: a boot whose lock goes early
 (a restart, a failover, pg_terminate_backend) is gone only once the server first saw its
-lock free T_c + kill + margin ago; the slot functions again, since their slot count now
-asks that of each holder (app.liveness.held_by_sql)
+lock free T_c + kill + margin ago; the slot functions again, since from this revision
+their slot count asks that of each holder (app.liveness.held_by_sql, written out in
+app/state/sql/claims.sql)
 
 Revision ID: 0020
 Revises: 0018

@@ -1,6 +1,7 @@
 """runs.status 'poisoned': a run whose executions killed max_takeovers + 1 workers ends
-poisoned (no longer failed worker_lost); the slot functions again, since a finish's join
-release and slot release count 'poisoned' among the ended statuses (app.state.compose.ENDED)
+poisoned (rather than failed worker_lost); the slot functions again, since a finish's join
+release and slot release count 'poisoned' among the ended statuses (app/state/sql/README.md,
+"An end counts for the parent's join")
 
 Revision ID: 0022
 Revises: 0021

@@ -1,4 +1,4 @@
-"""Issue 25, item 1: ``POST /v1/runs/batch`` and ``admit_many``, the same rule as one admission."""
+"""``POST /v1/runs/batch`` and ``admit_many``, the same rule as one admission."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ A schedule's tick (``schedule:<workflow>:<tick>``), an inbox message's place in 
 (``kafka:<topic>:<partition>:<offset>``, and so every DLQ replay of it) and a fan-out
 child's key (admitted with origin ``fanout``) each stand for one intended run. A workflow
 declaring ``key_reuse="after_end"`` must not turn a beat's re-admission of its latest tick,
-a redelivered message or a resumed fan-out into a second run (issue 43, item 1).
+a redelivered message or a resumed fan-out into a second run.
 
-And one admission ends on a run even when the key changes hands between its statements
-(item 8): on the single-request path each statement commits on its own, so another
+And one admission ends on a run even when the key changes hands between its statements:
+on the single-request path each statement commits on its own, so another
 request's release of an ended holder can land between this one's insert and its read.
 """
 
@@ -93,7 +93,7 @@ def test_http_and_batch_replay_an_ended_run_of_a_derived_key(client, db_session,
 
 
 def test_a_key_released_between_the_insert_and_the_read_ends_on_a_run(app, tenant, pg):
-    """Deterministic (item 8): on the single-request path, request A's insert finds the
+    """Deterministic: on the single-request path, request A's insert finds the
     key held by a failed run; before A's own release runs, request B releases it (and
     has not inserted yet). A's release then finds nothing and its read finds no holder:
     A must go round (the index decides again), not fail."""

@@ -1,4 +1,4 @@
-"""``POST /v1/runs`` in front of Flask (``app/fastpath.py``, issue 25).
+"""``POST /v1/runs`` in front of Flask (``app/fastpath.py``).
 
 A plain request (JSON with a length, a token this process has cached) is answered
 without Flask's dispatch; its answer must be the one Flask's view gives, byte for

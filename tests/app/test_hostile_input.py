@@ -1,4 +1,4 @@
-"""Issue 9, Verify 5: admission under hostile input.
+"""Admission under hostile input.
 
 A replay is "the same request" when it is the same as what was stored, decided
 by Postgres (jsonb equality), not by Python's ``==`` on a float round trip;

@@ -1,4 +1,4 @@
-"""Issue 10: the round trips an admission and a claim cost, and when a pooled connection is pinged.
+"""The round trips an admission and a claim cost, and when a pooled connection is pinged.
 
 Deterministic witnesses of the lean hot path (the benchmarks measure its speed):
 

@@ -1,4 +1,4 @@
-"""Issue 9, Verify 6: least privilege.
+"""Least privilege.
 
 An ``admit``-scoped token (the Kafka inbox's) can create runs and nothing else;
 ``/metrics`` on the web port is not reachable without its token.
@@ -104,7 +104,7 @@ def test_make_run_gives_the_inbox_an_admit_scoped_token(app, db_session, tmp_pat
 
     with app.app_context():
         path = tmp_path / "service-token"
-        old = create_token(None, True, "make run inbox")  # unscoped, as before this change
+        old = create_token(None, True, "make run inbox")  # unscoped, as tokens made before scopes are
         path.write_text(old + "\n")
         token = _ensure_token(path, None, True, "make run inbox", scope="admit")
         assert token != old and path.read_text().strip() == token
@@ -150,7 +150,7 @@ def test_metrics_need_their_own_token(client, db_session, tx_tenant, admit_only,
 
 def test_global_gauges_are_read_at_most_once_per_cache_period(
         app, client, db_session, tx_tenant, monkeypatch):
-    # beat serves them (workers/metrics.py); the web's /metrics no longer does.
+    # beat serves them (workers/metrics.py); the web's /metrics does not.
     from app.metrics import GlobalGauges
 
     gauges = GlobalGauges(app)
@@ -198,8 +198,8 @@ def console_client(token: str):
 
 def test_only_an_admin_scoped_token_replays_dead_letters_from_the_console(app, make_tenant,
                                                                            test_env):
-    """Issue 43, item 6: any tenant token could start a replay of the tenant's whole DLQ.
-    A replay is an operator's action: a token with the admin scope; others get a 403."""
+    """A replay of a tenant's whole DLQ is an operator's action: a token with the admin
+    scope starts it; any other tenant token gets a 403."""
     from confluent_kafka import Producer
 
     from app.tenants import create_token, find_tenant

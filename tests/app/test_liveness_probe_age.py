@@ -1,4 +1,4 @@
-"""Issue 22, item 5: the age of each live boot's last probe, as Postgres saw it.
+"""The age of each live boot's last probe, as Postgres saw it.
 
 Read from ``pg_stat_activity.state_change`` of the backend holding the boot's
 lock (``app/liveness.py: boot_probe_ages``); workers write nothing for it. The

@@ -1,4 +1,4 @@
-"""Issue 2: the OpenAPI document at /v1/openapi.json matches what the API does, and no
+"""The OpenAPI document at /v1/openapi.json matches what the API does, and no
 input, however bad, gets a 500.
 
 Three layers, all against the real app over the real test database:
@@ -332,7 +332,7 @@ def test_an_unsupported_method_is_a_405_naming_the_allowed_ones(client, tenant, 
 
 
 def test_the_trace_context_headers_and_field_are_documented():
-    """Issue 29, item 2: ``traceparent``/``tracestate`` on POST /v1/runs, ``traceparent`` on runs."""
+    """``traceparent``/``tracestate`` on POST /v1/runs, ``traceparent`` on runs."""
     document = openapi_document()
     params = {p["name"] for p in document["paths"]["/v1/runs"]["post"]["parameters"]}
     assert {"traceparent", "tracestate"} <= params
@@ -341,7 +341,7 @@ def test_the_trace_context_headers_and_field_are_documented():
 
 
 def test_batch_answers_conform(api, app, monkeypatch):
-    """Issue 25: POST /v1/runs/batch's answers, each item's included, are the documented ones."""
+    """POST /v1/runs/batch's answers, each item's included, are the documented ones."""
     def batch(body, **kwargs):
         return api.send("POST", "/v1/runs/batch", json=body, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Issue 9: logs never carry run inputs or secrets.
+"""Logs never carry run inputs or secrets.
 
 SQLAlchemy puts statement parameters (whole run inputs) into exception messages,
 and Postgres quotes the values it refuses (``Failing row contains (...)``), so

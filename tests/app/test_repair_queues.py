@@ -1,10 +1,10 @@
-"""Repair is bounded on every Celery queue (issue 23, item 3).
+"""Repair is bounded on every Celery queue.
 
 Beat's repair re-sends queued runs only as far as *their* queue has room below
-one page. A workflow may name its own queue (``@workflow(queue=...)``); before
-this rule the room was read off the default queue only, so 50 runs on a queue
-no worker consumed grew it by 50 messages a tick without bound, and a backlog
-on the default queue stopped every re-send elsewhere. In-process ticks against
+one page. A workflow may name its own queue (``@workflow(queue=...)``); were the
+room read off the default queue only, 50 runs on a queue no worker consumes would
+grow it by 50 messages a tick without bound, and a backlog on the default queue
+would stop every re-send elsewhere. In-process ticks against
 the real Postgres and Redis; no worker runs, so only repair moves the queues.
 """
 

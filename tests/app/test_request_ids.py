@@ -1,4 +1,4 @@
-"""X-Request-ID (issue 29, item 2): echoed or made on every answer, on every log line of
+"""X-Request-ID: echoed or made on every answer, on every log line of
 the request, and on gunicorn's access line."""
 
 from __future__ import annotations

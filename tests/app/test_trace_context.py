@@ -1,4 +1,4 @@
-"""W3C Trace Context on runs (issue 29, item 2): a ``traceparent`` on ``POST /v1/runs`` is
+"""W3C Trace Context on runs: a ``traceparent`` on ``POST /v1/runs`` is
 kept on the run and travels in every Celery message of the run (read here off the real
 Redis queue). Events and the Kafka inbox: tests/e2e/test_trace_context.py."""
 

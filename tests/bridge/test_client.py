@@ -170,7 +170,7 @@ def rows(pg, tenant_id: int) -> list[tuple]:
                       [tenant_id]).fetchall()
 
 
-# -- Verify item 6: one run per logical call under a failing network ---------------------------
+# -- one run per logical call under a failing network ------------------------------------------
 
 
 def test_twenty_threads_through_a_dropping_proxy_admit_exactly_one_run_per_call(
@@ -235,7 +235,7 @@ def test_wait_times_out_with_the_run_as_last_seen(live_api, tenant):
     assert err.value.run.id == run.id and err.value.run.status == "queued"
 
 
-# -- batches (issue 25) ------------------------------------------------------------------------
+# -- batches -----------------------------------------------------------------------------------
 
 
 def test_admit_many_answers_each_item_in_order_with_runs_or_errors(live_api, tenant, pg):

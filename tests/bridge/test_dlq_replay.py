@@ -1,4 +1,4 @@
-"""DLQ replay over real processes (issue 14, Verify 5).
+"""DLQ replay over real processes.
 
 A real broker, gunicorn serving the API, ``python -m bridge.inbox`` and the
 operator's command ``flask --app app topics replay-dlq`` as subprocesses. Three
@@ -61,7 +61,7 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
     declare_topics(bootstrap, prefix, [tenant.name], 1)
     started = []
     try:
-        # Before the fix: a web process that does not know late_flow, a relay with a bug.
+        # The broken deploy: a web process that does not know late_flow, a relay with a bug.
         web, api = start_web(env, tmp_path, workers=1, threads=4, name="web-before")
         started.append(web)
         relay, relay_metrics = start_inbox({**env, "POIMEN_API_URL": api,
@@ -145,9 +145,9 @@ def test_dead_letters_replayed_become_one_run_each_and_a_second_replay_adds_none
 
 def test_replaying_letters_that_keep_failing_three_times_leaves_at_most_twice_as_many(
         test_env, make_tenant, pg, tmp_path):
-    """Issue 43, item 6: each replay read the whole DLQ from the start and its copies that
-    failed again were dead-lettered again: N -> 2N -> 4N -> 8N. Now a dead letter is
-    replayed once; re-reading is on purpose (--from-start), still once per message."""
+    """A dead letter is replayed once: a replay that read the whole DLQ from the start,
+    with its copies that fail again dead-lettered again, would grow it N -> 2N -> 4N -> 8N.
+    Re-reading is on purpose (--from-start), still once per message."""
     from tests.bridge.test_inbox_relay import read_topic, topic_size
 
     service, tenant = make_tenant(service=True), make_tenant()

@@ -273,7 +273,7 @@ def test_keyless_messages_stay_one_run_each_after_redelivery(setup, pg):
     assert sorted(r["dispatch_key"] for r in got) == sorted(keys)
     assert run_with_key(pg, setup.tenant, keys[1])[0]["input"] == {"s": "\U0001F600" * 100_000}
     # The runs are in Postgres once the API commits; the relay counts them when the
-    # answer reaches it, a moment later (the CI run of 2026-12-02 read 0 in between).
+    # answer reaches it, a moment later (a read in between can see 0).
     wait_until(lambda: metric(url, "poimen_inbox_derived_keys_total") == 2, timeout=10,
                what="both derived keys counted")
     setup.wait_committed([2], timeout=10, what="both offsets committed")
@@ -312,7 +312,7 @@ def recreate_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
 
 
 def test_keyless_messages_of_a_recreated_topic_are_new_runs(setup, pg):
-    """Issue 43, item 7: a re-created topic starts its offsets at 0 again; its keyless
+    """A re-created topic starts its offsets at 0 again; its keyless
     messages are new messages, never a replay of (or a conflict with) the old topic's."""
     setup.declare()
     same = request(input={"n": "same"})

@@ -236,7 +236,7 @@ def headers(msg) -> dict[str, str]:
     return {k: v.decode() for k, v in (msg.headers() or [])}
 
 
-# -- Verify 1: one message, one run, through HTTP ---------------------------------------------
+# -- one message, one run, through HTTP -------------------------------------------------------
 
 
 def test_one_message_becomes_one_run_via_post(setup, pg, web):
@@ -259,7 +259,7 @@ def test_one_message_becomes_one_run_via_post(setup, pg, web):
     assert len(runs(pg, setup.tenant)) == 1
 
 
-# -- Verify 2: redelivery is absorbed by admission -----------------------------------------------
+# -- redelivery is absorbed by admission ---------------------------------------------------------
 
 
 def test_redelivered_message_is_replayed_not_duplicated(setup, pg):
@@ -291,7 +291,7 @@ def test_redelivered_message_is_replayed_not_duplicated(setup, pg):
     setup.wait_committed([2], timeout=10, what="offsets committed again")
 
 
-# -- Verify 3: broker down and back, no message lost ---------------------------------------------
+# -- broker down and back, no message lost -------------------------------------------------------
 
 
 def test_broker_outage_loses_no_message(setup, pg, tmp_path):
@@ -331,7 +331,7 @@ def test_broker_outage_loses_no_message(setup, pg, tmp_path):
         broker.stop()
 
 
-# -- Verify 4: malformed messages are dead-lettered, the rest still flows ------------------------
+# -- malformed messages are dead-lettered, the rest still flows ----------------------------------
 
 
 def test_malformed_messages_are_dead_lettered_and_draining_continues(setup, pg):
@@ -367,7 +367,7 @@ def test_malformed_messages_are_dead_lettered_and_draining_continues(setup, pg):
                          what="offsets committed past the dead-lettered messages")
 
 
-# -- Verify 5: no bypass of the HTTP layer -------------------------------------------------------
+# -- no bypass of the HTTP layer -----------------------------------------------------------------
 
 
 def test_relay_only_admits_through_http(setup, pg):
@@ -393,7 +393,7 @@ def test_bridge_imports_nothing_from_app_or_workers():
     # What every module of bridge/ may import of app/: tests/test_wiring.py.
 
 
-# -- Verify 6: lag is a metric, and drains to zero -----------------------------------------------
+# -- lag is a metric, and drains to zero ---------------------------------------------------------
 
 
 def test_lag_metric_reports_backlog_and_drains_to_zero(setup, pg, test_env, tmp_path):
@@ -420,7 +420,7 @@ def test_lag_metric_reports_backlog_and_drains_to_zero(setup, pg, test_env, tmp_
         web_proc.stop()
 
 
-# -- Verify 7: API down: nothing committed or dead-lettered, nothing lost ------------------------
+# -- aPI down: nothing committed or dead-lettered, nothing lost ----------------------------------
 
 
 def test_api_down_commits_nothing_and_loses_nothing(setup, pg, test_env, tmp_path):
@@ -503,7 +503,7 @@ def test_api_5xx_is_retried_not_dead_lettered(setup, pg, make_tenant):
     assert topic_size(setup.bootstrap, setup.dlq) == 0
 
 
-# -- Verify 8: a key conflict is dead-lettered with its 409 --------------------------------------
+# -- a key conflict is dead-lettered with its 409 ------------------------------------------------
 
 
 def test_conflicting_dispatch_key_is_dead_lettered_with_409(setup, pg):

@@ -306,7 +306,7 @@ def assert_per_run_order(messages: list) -> None:
         assert len(partitions[key]) == 1, f"{key} spread over partitions {partitions[key]}"
 
 
-# -- Verify 1: a run's events, in order, keyed, with ce_id ---------------------------------------
+# -- a run's events, in order, keyed, with ce_id -------------------------------------------------
 
 
 def test_a_succeeding_run_publishes_its_events_in_order(world, api, make_tenant):
@@ -350,7 +350,7 @@ def test_a_succeeding_run_publishes_its_events_in_order(world, api, make_tenant)
     assert relay.published == len(rows)
 
 
-# -- Verify 2: broker down, events pile up, none lost --------------------------------------------
+# -- broker down, events pile up, none lost ------------------------------------------------------
 
 
 def test_broker_outage_piles_events_up_and_loses_none(world, api, make_tenant, tmp_path):
@@ -402,7 +402,7 @@ def test_broker_outage_piles_events_up_and_loses_none(world, api, make_tenant, t
         broker.stop()
 
 
-# -- Verify 3: transactions that commit out of id order ------------------------------------------
+# -- transactions that commit out of id order ----------------------------------------------------
 
 
 def test_a_lower_id_committed_late_is_still_published(world):
@@ -461,7 +461,7 @@ def test_rows_of_younger_transactions_wait_for_an_older_open_one(world):
     assert [int(headers(m)["ce_id"]) for m in reader.messages] == [id_a, id_b]
 
 
-# -- Verify 4: kill -9 between produce and mark --------------------------------------------------
+# -- kill -9 between produce and mark ------------------------------------------------------------
 
 
 def test_kill_between_produce_and_mark_repeats_events_but_loses_none(world):
@@ -543,7 +543,7 @@ def test_a_trickle_is_published_in_batches_a_linger_apart(world):
     assert set(reader.ce_ids()) == ids | more == world.table_ids()
 
 
-# -- Verify 5: one active relay ------------------------------------------------------------------
+# -- one active relay ----------------------------------------------------------------------------
 
 
 def test_two_relays_one_publishes_and_the_standby_takes_over(world):
@@ -678,7 +678,7 @@ def test_a_relay_whose_lock_connection_is_cut_stops_within_one_batch(world):
     assert set(reader.ce_ids()) == set(fed) == world.table_ids()
 
 
-# -- Verify 6: the bridge stands alone -----------------------------------------------------------
+# -- the bridge stands alone ---------------------------------------------------------------------
 
 
 def test_the_bridge_imports_nothing_from_app_or_workers():
@@ -788,10 +788,10 @@ def test_the_linger_is_read_in_milliseconds_and_never_negative():
         outbox_settings({**env, "POIMEN_OUTBOX_BATCH_LINGER_MS": "-5"})
 
 
-# -- oversized events (issue 43, item 5) ---------------------------------------------------------
+# -- oversized events ----------------------------------------------------------------------------
 #
-# A 1.2 MB error once made a run.failed event the producer refused (MSG_SIZE_TOO_LARGE) on every
-# try: never published, never dead-lettered, and every try put the relay into its backoff.
+# Unbounded, a 1.2 MB error makes a run.failed event the producer refuses (MSG_SIZE_TOO_LARGE) on
+# every try: never published, never dead-lettered, and every try puts the relay into its backoff.
 
 
 def utf8_size(text: str) -> int:

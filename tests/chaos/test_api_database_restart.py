@@ -1,4 +1,4 @@
-"""Verify 9: the API through a Postgres restart (issue 8).
+"""The API through a Postgres restart.
 
 gunicorn, started as the Procfile's ``web``, serves the private Postgres of
 ``tests/chaos/conftest.py``. While clients keep calling every endpoint, the

@@ -1,4 +1,4 @@
-"""Verify 2 of issue 22: a hung middlebox between a worker and Postgres.
+"""A hung middlebox between a worker and Postgres.
 
 The victim worker reaches the private Postgres only through a proxy
 (``tests/proxy.py``) that stops forwarding with its sockets open: TCP on both

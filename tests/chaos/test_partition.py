@@ -1,4 +1,4 @@
-"""A silent partition never runs one run twice at once, and never strands it (issue 22).
+"""A silent partition never runs one run twice at once, and never strands it.
 
 A second host on this machine (``tests/chaos/netns.py``: a network namespace
 behind a veth pair) runs the *victim*: a real Celery worker, or the active
@@ -36,7 +36,7 @@ RUN_SECONDS = 30
 # Long enough that, without the fence, the cut-off body would still run when the
 # rescuer starts (~35 s after the cut): an overlap the tests would see.
 LONG_RUN_SECONDS = 75
-TAKEOVER_BOUND = 60  # issue 22: started elsewhere within 60 s with default settings
+TAKEOVER_BOUND = 60  # started elsewhere within 60 s with default settings
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def wait_for_rescue(path: Path, victim_pid: int, cut: float) -> tuple[float, flo
 
 def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
-    """Verify 1: no overlap; started elsewhere within 60 s; after the heal, one success."""
+    """No overlap; started elsewhere within 60 s; after the heal, one success."""
     run_id, path, victim_pid, cut = cut_off_victim_mid_run(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, LONG_RUN_SECONDS)
     last_victim, first_rescuer = wait_for_rescue(path, victim_pid, cut)
@@ -217,7 +217,7 @@ def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
 
 def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
-    """Verify 3: the victim's path goes silent and its whole process group is SIGKILLed (a
+    """The victim's path goes silent and its whole process group is SIGKILLed (a
     host that died): nothing tells Postgres; its lease ends the session, the run restarts."""
     run_id, path, victim_pid, cut = cut_off_victim_mid_run(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path)
@@ -236,7 +236,7 @@ def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
 
 def test_a_black_holed_active_outbox_relay_is_replaced_within_a_minute_losing_nothing(
         net, net_pg, net_env, net_tenant, processes, tmp_path):
-    """Verify 4: the active relay (on the guest) goes silent; the standby here publishes
+    """The active relay (on the guest) goes silent; the standby here publishes
     within 60 s and every event reaches the topic."""
     from confluent_kafka import Consumer, TopicPartition
 

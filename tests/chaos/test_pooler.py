@@ -1,4 +1,4 @@
-"""Verify 4 of the fault issue: liveness locks refuse a transaction-mode pooler.
+"""Liveness locks refuse a transaction-mode pooler.
 
 A real PgBouncer (Debian's ``pgbouncer``; installed when missing and we are
 root) in ``pool_mode = transaction`` in front of the private Postgres. A
@@ -133,9 +133,9 @@ def test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_er
         pgbouncer, private_postgres, chaos_env, chaos_tenant, chaos_redis, processes, tmp_path):
     """Heroku's connection pooling: web's and the workers' DATABASE_URL through PgBouncer in
     transaction mode, the lock URL direct. 2,000 POSTs over 16 threads, a third of them
-    replaying an earlier key: every answer 2xx, every run executed and succeeded (before
-    the fix: 1,054 x 500 and 405 x 503; psycopg's prepared statements ran on the wrong
-    server connection)."""
+    replaying an earlier key: every answer 2xx, every run executed and succeeded (with
+    psycopg's prepared statements on, they run on the wrong server connection: hundreds of
+    500 and 503 answers)."""
     import collections
     import time
     from concurrent.futures import ThreadPoolExecutor

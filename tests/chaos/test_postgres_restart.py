@@ -1,4 +1,4 @@
-"""Verify 1 of the fault issue: restart Postgres under a steady stream of runs.
+"""Restart Postgres under a steady stream of runs.
 
 Two worker processes execute 3-second runs admitted one every second; Postgres
 (a private server: ``tests/chaos/conftest.py``) is restarted in the middle.

@@ -1,4 +1,4 @@
-"""Issue 43, item 4: the fence ends a body's whole process tree, not the pool process alone.
+"""The fence ends a body's whole process tree, not the pool process alone.
 
 The ``spawner`` workflow starts a shell loop as a child (it writes
 ``<unix time> <its pid>`` to a file every 0.2 s and ignores SIGTERM, as a child

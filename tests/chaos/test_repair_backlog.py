@@ -1,4 +1,4 @@
-"""Verify 8: beat's repair under a backlog of 5,000 queued runs and no workers (issue 8).
+"""Beat's repair under a backlog of 5,000 queued runs and no workers.
 
 The repair function (what beat's ``runs.repair`` task and ``flask runs
 redrive`` call) runs in-process, one call per tick, against the private

@@ -1,4 +1,4 @@
-"""Verify 5: Heroku-grade shutdown (issue 8).
+"""Heroku-grade shutdown.
 
 Heroku sends SIGTERM to every process of a dyno and SIGKILL 30 s later. Here
 the worker is the Procfile's own ``worker`` command, started in a process

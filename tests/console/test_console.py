@@ -1,6 +1,6 @@
-"""The runs console (issue 15), verified in a real browser against real processes.
+"""The runs console, verified in a real browser against real processes.
 
-One test (or group) per item of the issue's "Verify":
+One test (or group) per promise of the console:
 
 1. sign in with a tenant token; the list shows a run created through the API;
    the status filter works;

@@ -1,4 +1,4 @@
-"""gunicorn's access line, as ``app/gunicorn_conf.py`` makes it (issue 25).
+"""gunicorn's access line, as ``app/gunicorn_conf.py`` makes it .
 
 ``PoimenLogger`` formats the line from ``LazyAtoms``, which makes only the atoms the
 format names; gunicorn's own ``Logger.atoms`` + ``SafeAtoms`` make all of them. The two

@@ -1,9 +1,9 @@
-"""The Python client is a distribution of its own (issue 29, item 3).
+"""The Python client is a distribution of its own.
 
-``pip install poimen`` put ``app``, ``workers``, ``bridge`` and ``celeryconfig.py`` at
-the top of a team's site-packages (it overwrote the team's own ``app/``, and
-``pip uninstall poimen`` deleted it) and pulled 45 packages for a client that needs
-urllib3. The slow tests do what the team did, with the real pip in a fresh venv:
+``pip install poimen`` would put ``app``, ``workers``, ``bridge`` and ``celeryconfig.py``
+at the top of a team's site-packages (overwriting the team's own ``app/``, which
+``pip uninstall poimen`` would then delete) and pull 45 packages for a client that needs
+urllib3. The slow tests do what a team does, with the real pip in a fresh venv:
 install ``clients/python`` alone next to a package named ``app`` and use it against
 the real API; and ask pip for a wheel of the server, which is refused.
 """

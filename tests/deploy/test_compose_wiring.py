@@ -1,4 +1,4 @@
-"""The container path is wired to the Procfile (issue 14, Verify for item 2).
+"""The container path is wired to the Procfile .
 
 No image is built here (no Docker on the test machines). What is checked is what
 would make the image run something other than the Procfile: every Procfile entry

@@ -5,8 +5,8 @@ Every environment variable the code reads must be in ``settings_table.py`` (from
 entry must be read. The settings readers (``poimenconfig.py``, ``celeryconfig.py``,
 ``logconfig.py``) read only through the table's accessors (``get_str(env, "NAME")`` and
 the like), so a default or a parsing is written once; no read anywhere passes a default
-of its own; the Procfile's ``${NAME:-default}`` states the table's default. The product reads the environment in
-one module, ``poimenconfig.py`` (``tests/test_wiring.py`` fails on a read anywhere
+of its own; the Procfile's ``${NAME:-default}`` states the table's default. The product
+reads the environment in one module, ``poimenconfig.py`` (``tests/test_wiring.py`` fails on a read anywhere
 else in ``app/``, ``workers/``, ``bridge/`` or ``lease.py``), plus the framework
 entry points ``celeryconfig.py``, ``app/gunicorn_conf.py`` and ``logconfig.py``; the dev
 tooling (``poimen_dev/``) reads its own. Reads are found there with ``ast``:

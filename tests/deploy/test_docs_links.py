@@ -1,7 +1,7 @@
-"""Every relative link in the docs leads somewhere (issue 24, item 5).
+"""Every relative link in the docs leads somewhere.
 
-The docs moved into ``docs/guide/``, ``docs/operations/`` and ``docs/internals/``;
-a page that is moved or split again must take its links along. This reads
+The docs live in ``docs/guide/``, ``docs/operations/`` and ``docs/internals/``;
+a page that is moved or split must take its links along. This reads
 ``README.md``, every ``docs/**/*.md`` and ``bench/RESULTS.md``, and checks that each
 relative markdown link (``[text](path)``, ``![alt](path)``, ``[text](path#anchor)``,
 ``[text](#anchor)``) names an existing file, and that an anchor into a markdown

@@ -1,4 +1,4 @@
-"""What Heroku's Python buildpack builds from (issue 14, Verify 1).
+"""What Heroku's Python buildpack builds from.
 
 The buildpack reads ``.python-version`` and runs ``pip install -r
 requirements.txt`` in a checkout. The slow test does the same in a fresh venv

@@ -1,4 +1,4 @@
-"""Heroku's settings translated (issue 14, Verify 2).
+"""Heroku's settings translated.
 
 * ``rediss://``: the TLS options reach Celery (``broker_use_ssl``) and redis-py,
   shown against the real Redis behind a real TLS terminator with a self-signed

@@ -1,4 +1,4 @@
-"""Derived keys and key reuse over real processes (issue 43, items 1 and 8).
+"""Derived keys and key reuse over real processes.
 
 * A scheduled workflow with ``key_reuse="after_end"``: a restarted beat re-admits the
   latest tick (``catch_up="last"``); that tick's run has ended, and the tick must still

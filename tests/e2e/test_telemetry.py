@@ -1,4 +1,4 @@
-"""Optional OpenTelemetry and Sentry (issue 29, item 2) over real processes: gunicorn and a
+"""Optional OpenTelemetry and Sentry over real processes: gunicorn and a
 Celery worker on real Postgres and Redis, configured only by their environment variables.
 
 The receivers here are stand-ins, in the test's own process, for services we do not own

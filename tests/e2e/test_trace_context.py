@@ -1,4 +1,4 @@
-"""W3C Trace Context end to end (issue 29, item 2), over real processes: gunicorn, a Celery
+"""W3C Trace Context end to end, over real processes: gunicorn, a Celery
 worker, the outbox relay and the Kafka inbox, on real Postgres, Redis and Kafka.
 
 A ``traceparent`` sent with ``POST /v1/runs`` (or as a Kafka header of a dispatch

@@ -1,4 +1,4 @@
-"""LOG_FORMAT=json: every line of every process is one JSON object (issue 14, Verify 3).
+"""LOG_FORMAT=json: every line of every process is one JSON object.
 
 The platform runs from the Procfile (web under gunicorn with app/gunicorn_conf.py,
 worker, beat, inbox, outbox). A run comes in over Kafka, one over HTTP fails

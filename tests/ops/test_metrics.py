@@ -1,4 +1,4 @@
-"""Metrics that prove the promise (issue 14, Verify 4), over the Procfile's processes.
+"""Metrics that prove the promise, over the Procfile's processes.
 
 web runs gunicorn with two workers (app/gunicorn_conf.py: multiprocess mode), the
 Celery worker two pool processes; both must report sums, not one process's

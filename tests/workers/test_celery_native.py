@@ -516,10 +516,10 @@ def test_a_workflow_on_another_queue_runs_only_on_a_worker_consuming_it(
 
 def test_beat_keeps_a_queue_no_worker_consumes_within_a_page(
         admit, env, pg, tmp_path, processes, celery_tasks, redis_client):
-    """Issue 23, item 3, with real beat and a real worker that consumes only the default
-    queue: 300 runs on a queue nobody consumes are re-sent every tick only up to that
-    queue's room below a page (1,000 messages); before, beat read the default queue's
-    depth (empty) and the slow queue grew by 300 a tick without bound."""
+    """Repair bounded per queue, with real beat and a real worker that consumes only the
+    default queue: 300 runs on a queue nobody consumes are re-sent every tick only up to
+    that queue's room below a page (1,000 messages); reading the default queue's depth
+    (empty) instead would grow the slow queue by 300 a tick without bound."""
     slow = celery_tasks.SLOW_QUEUE
 
     def slow_depth() -> int:  # priority levels are lists of their own on Redis

@@ -2,8 +2,8 @@
 
 tests/workers/test_claims.py witnesses who may claim, take over and write; these
 witness what each path leaves behind — the Claim a worker acts on, the row and
-the event — where mutmut over the claims module (now app/state/claims.py) found no
-in-process test looking (docs/internals/testing.md, "mutmut over workers/claims.py").
+the event — in process, so that a change to what a claim records (app/state/claims.py,
+app/state/sql/claims.sql) fails a fast test, not only a process test.
 """
 
 from __future__ import annotations

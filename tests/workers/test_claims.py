@@ -198,7 +198,7 @@ def test_execute_in_process_runs_the_workflow_once(app, admit, pg, fresh_boot):
 
 
 def test_a_claim_is_one_statement_in_autocommit(app, admit, pg, fresh_boot, statements):
-    """Issue 10: the claim (and its event) is one round trip: no BEGIN and COMMIT around it."""
+    """The claim (and its event) is one round trip: no BEGIN and COMMIT around it."""
     from workers.execution import execute_run
 
     run_id = admit("echo", {"x": 1})
@@ -212,7 +212,7 @@ def test_a_claim_is_one_statement_in_autocommit(app, admit, pg, fresh_boot, stat
 
 
 def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, statements):
-    """Issue 25: a run outside every limited group ends (its last entry closed, the run
+    """A run outside every limited group ends (its last entry closed, the run
     finished, their events) in one statement, in autocommit: a run costs two round trips."""
     from workers.execution import execute_run
 
@@ -237,7 +237,7 @@ def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, s
 
 def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admit, pg,
                                                                          fresh_boot, statements):
-    """Issue 26's cost: a message whose shadow names a workflow with a concurrency limit
+    """A limited run's cost: a message whose shadow names a workflow with a concurrency limit
     claims with one call that takes the group's locks and then counts the slots
     (``poimen_claim_slot``), not after a refused one-statement claim and a state read, and
     ends with one call that takes the locks and then ends it (``poimen_finish_slot*``):

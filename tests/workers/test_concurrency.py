@@ -1,4 +1,4 @@
-"""Concurrency keys and tenant caps, decided in the claim (issue 26): deterministic rule tests.
+"""Concurrency keys and tenant caps, decided in the claim: deterministic rule tests.
 
 Real Postgres, real boots (advisory locks), explicit order; no worker processes
 (those are in ``test_concurrency_processes.py``).
@@ -486,7 +486,7 @@ def test_adoption_keeps_the_slot_only_if_no_run_took_it_while_the_boot_was_dead(
     assert state(pg, alone)[:3] == ("running", None, new.boot_id)
 
 
-# -- a cap change wakes the runs it frees (issue 43, item 2) ------------------------------------
+# -- a cap change wakes the runs it frees ---------------------------------------------------------
 #
 # On the savepoint fixture (``db_session``): the runs, claims and the cap change live in one
 # transaction the test rolls back; the boots are real (their locks on their own
@@ -549,8 +549,8 @@ def parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, cap, count,
 def test_lifting_a_cap_wakes_every_run_waiting_for_it(db_session, tx_admit, tx_tenant,
                                                       boot_factory):
     """The runs waiting for the cap go back to queued in the cap change's own transaction
-    (``WAKE_TENANT``), each with a ``run.woken`` event, and pass the claim. Before, every
-    wake statement required a cap: they waited for good."""
+    (``WAKE_TENANT``), each with a ``run.woken`` event, and pass the claim. A wake statement
+    that required a cap would leave them waiting for good."""
     boot = boot_factory()
     first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 4)
     tx_set_cap(db_session, tx_tenant.name, None)
@@ -645,9 +645,9 @@ def test_repair_wakes_as_many_as_a_raised_cap_frees(db_session, tx_admit, tx_ten
 def test_a_run_left_waiting_for_a_gone_cap_does_not_block_its_group(db_session, tx_admit,
                                                                    tx_tenant, boot_factory):
     """A run of key k left waiting for a cap that is gone counts ahead of k's newer runs
-    (FIFO), which then wait for k's slot. Before, repair woke the newer run every tick and
-    its claim parked it again behind the stranded one, forever. Now one repair wakes the
-    stranded run; it runs, and its end hands k's slot on."""
+    (FIFO), which then wait for k's slot. One repair wakes the stranded run; it runs, and its
+    end hands k's slot on (waking the newer run instead would park it again behind the
+    stranded one every tick, forever)."""
     from sqlalchemy import text
 
     from app.state.claims import finish_run

@@ -1,4 +1,4 @@
-"""Concurrency keys and tenant caps with real worker processes (issue 26, Verify)."""
+"""Concurrency keys and tenant caps with real worker processes."""
 
 from __future__ import annotations
 
@@ -188,10 +188,10 @@ def waiting_for_the_cap(pg, run_ids) -> int:
 @pytest.mark.processes
 def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant, side_effects,
                                                               fast_env, pg, log_dir, processes):
-    """Issue 43, item 2. Cap 1, three runs: one runs (8 s), two wait for the cap. The
-    operator lifts the cap with the CLI: both start beside the first at once. No beat:
-    the wake-up is the cap change's own (in its transaction), not a repair tick's (10 s
-    by default); before, the two waited for good, an end woke nothing under no cap."""
+    """Cap 1, three runs: one runs (8 s), two wait for the cap. The operator lifts the
+    cap with the CLI: both start beside the first at once. No beat: the wake-up is the
+    cap change's own (in its transaction), not a repair tick's (10 s by default); without
+    it the two would wait for good, since an end wakes nothing under no cap."""
     from app.tenants import set_max_running
 
     with app.app_context():
@@ -229,10 +229,10 @@ def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant
 def test_raising_a_tenant_cap_starts_as_many_waiting_runs_as_it_freed(app, admit, tenant,
                                                                       side_effects, fast_env,
                                                                       pg, log_dir, processes):
-    """Issue 43, item 2. Cap 1, seven slow runs: one runs, six wait. The cap goes to 5:
-    four more start at once (5 running), the last two wait for an end. No beat: the cap
-    change wakes as many as it freed; before, ends and repair woke one at a time (one run
-    per tenant per repair tick: 3 running after 15 s with the default interval)."""
+    """Cap 1, seven slow runs: one runs, six wait. The cap goes to 5: four more start at
+    once (5 running), the last two wait for an end. No beat: the cap change wakes as many
+    as it freed, where ends and repair alone wake one at a time (one run per tenant per
+    repair tick: 3 running after 15 s with the default interval)."""
     from app.tenants import set_max_running
 
     with app.app_context():

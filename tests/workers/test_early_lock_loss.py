@@ -1,4 +1,4 @@
-"""Early lock loss (issue 43, item 3): a boot's lock that Postgres drops at once (a restart,
+"""Early lock loss: a boot's lock that Postgres drops at once (a restart,
 a failover, ``pg_terminate_backend``) frees nothing the boot holds until the server first
 saw it free T_c + kill + margin ago: its process may run its bodies until then.
 

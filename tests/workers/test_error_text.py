@@ -1,4 +1,4 @@
-"""The error text a failure stores with its run, ledger and events is bounded (issue 43, item 5).
+"""The error text a failure stores with its run, ledger and events is bounded.
 
 Pure functions: no services. The whole path (a run failing with a 1.2 MB message, its
 ``run.failed`` event on Kafka) is tests/bridge/test_outbox_relay.py.

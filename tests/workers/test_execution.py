@@ -98,7 +98,7 @@ def test_duplicate_messages_to_real_workers_execute_once(admit, side_effects, fa
     # Every copy has left the queue (handed to a worker): a deterministic point. Their
     # acknowledgements (kombu's Redis "unacked" hash, this queue's entries) are waited
     # for too, but only for a bounded time: on a loaded machine an entry can outlive
-    # 60 s (seen twice in 2026-11-29's runs, never alone), and the side-effect counts
+    # 60 s (under load from other test sessions, never alone), and the side-effect counts
     # below, not the drain, are the witness.
     def unacked_here() -> int:
         return sum(1 for raw in redis_client.hvals("unacked")

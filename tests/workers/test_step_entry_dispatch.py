@@ -138,7 +138,7 @@ def drive(run_here, pg, parent, limit: int = 50) -> None:
     raise AssertionError("runs still queued after many executions")
 
 
-# -- Verify 1: one arrival at review enqueues exactly one fan-out ----------------------------
+# -- one arrival at review enqueues exactly one fan-out --------------------------------------
 
 def test_one_arrival_at_review_enqueues_exactly_one_fanout(admit, run_here, queue, pg):
     parent = admit("doc-review", {"participants": PARTICIPANTS})
@@ -182,7 +182,7 @@ def test_one_arrival_at_review_enqueues_exactly_one_fanout(admit, run_here, queu
         "step.completed", "step.entered", "step.completed", "run.succeeded"]
 
 
-# -- Verify 2 and 3: the stop rule ------------------------------------------------------------
+# -- the stop rule ----------------------------------------------------------------------------
 
 def test_a_failed_marker_at_position_0_leaves_the_fanout_enqueuing_nothing(admit, run_here,
                                                                           queue, pg):
@@ -220,7 +220,7 @@ def test_a_failed_plain_action_at_position_1_still_lets_the_fanout_run(admit, ru
     assert review[1][1]["error"]["message"] == "ensure_participant_seat failed (input.fail)"
 
 
-# -- Verify 6: a marker held by a live boot elsewhere is a lost claim ------------------------
+# -- a marker held by a live boot elsewhere is a lost claim ----------------------------------
 
 def hold_marker(app, run_id, boot, position: int, *, complete: bool = False) -> int:
     """As ``boot``: claim ``run_id``, enter its first step, claim the marker at ``position``."""
@@ -269,7 +269,7 @@ def test_a_marker_held_by_a_live_boot_elsewhere_abandons_the_rest_of_the_entry(
         (0, "lost"), (5, "abandoned"), (9, "abandoned")]
 
 
-# -- Verify 7: a definition changed under an in-flight run ------------------------------------
+# -- a definition changed under an in-flight run ----------------------------------------------
 
 def test_a_definition_changed_under_an_inflight_run_is_refused_before_any_effect(
         app, admit, boot_factory, run_here, side_effects, pg):
@@ -296,7 +296,7 @@ def test_a_definition_changed_under_an_inflight_run_is_refused_before_any_effect
     assert markers_of(pg, run_id) == {(1, 0): ("completed", 1, first.boot_id)}
 
 
-# -- Verify 8: deterministic witnesses of the marker rules -------------------------------------
+# -- deterministic witnesses of the marker rules -----------------------------------------------
 
 @pytest.fixture
 def two_sessions(app):
@@ -452,7 +452,7 @@ def test_witness_a_marker_claim_is_fenced_by_the_run_claim(two_sessions, boot_fa
     assert markers_of(pg, run_id)[(1, 0)][0] == "claimed"
 
 
-# -- Verify 8: key derivation, by property, over random definitions and crash points ---------
+# -- key derivation, by property, over random definitions and crash points -------------------
 
 class Crash(BaseException):
     """The worker process dies here (not an Exception: nothing in the worker catches it)."""
@@ -651,7 +651,7 @@ def wait_terminal(pg, run_id, timeout=120):
                       what=f"run {run_id} to finish")
 
 
-# -- Verify 4: a second entry into review derives different keys ------------------------------
+# -- a second entry into review derives different keys ----------------------------------------
 
 def test_a_second_entry_into_review_spawns_children_with_different_keys(
         admit, worker_env, pg, tmp_path, processes, queue):
@@ -676,7 +676,7 @@ def test_a_second_entry_into_review_spawns_children_with_different_keys(
         {"round": 2, "decisions": dict.fromkeys(participants, "approve")}]
 
 
-# -- Verify 5: a worker killed mid-entry --------------------------------------------------------
+# -- a worker killed mid-entry ------------------------------------------------------------------
 
 @pytest.mark.parametrize("crash", ["after_fanout", "mid_fanout"])
 def test_a_worker_killed_mid_entry_resumes_it_without_duplicating_children(

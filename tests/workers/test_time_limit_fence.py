@@ -1,4 +1,4 @@
-"""The hard-time-limit write is fenced by the run's holder (issue 23, item 4).
+"""The hard-time-limit write is fenced by the run's holder.
 
 A worker's main process fails a run past its hard time limit before it kills the
 pool process. It names that process by its own node id (``workers.boots.NODE``,
