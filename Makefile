@@ -63,7 +63,7 @@ bench: services
 lint: install
 	$(BIN)/ruff check .
 
-# docs/operations/configuration.md, generated from app/settings_reference.py (the one list of variables).
+# docs/operations/configuration.md, generated from settings_table.py (the one table of variables).
 docs: install
 	$(BIN)/python -m app.settings_reference
 

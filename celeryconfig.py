@@ -1,7 +1,7 @@
 """Celery settings, from the environment only (read when the app is created).
 
 A framework entry point, so it reads its own variables (``tests/test_wiring.py``
-allows it); the defaults it shares with the rest come from ``poimenconfig``.
+allows it); their types and defaults come from ``settings_table``, as everyone's.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from poimenconfig import DEFAULT_QUEUE
+from settings_table import get_float, get_int, get_str
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
 # RabbitMQ closes the channel of a consumer that holds a message unacknowledged longer
 # than its consumer_timeout (30 min by default); with acks_late that is every run longer
 # than that. Poimen's liveness is the boot's advisory lock, not this timer, so by
-# default the consumer asks for a day (docs/operations/rabbitmq.md).
-DEFAULT_AMQP_CONSUMER_TIMEOUT = "86400"
+# default the consumer asks for a day (docs/operations/rabbitmq.md):
+# POIMEN_AMQP_CONSUMER_TIMEOUT's default in settings_table.
 
 
 def broker_scheme(broker_url: str) -> str:
@@ -42,29 +42,29 @@ def broker_settings(broker_url: str, env: Mapping[str, str]) -> dict:
 
 
 def _redis_settings(env: Mapping[str, str]) -> dict:
-    visibility = float(env.get("POIMEN_VISIBILITY_TIMEOUT", "3600"))
+    visibility = get_float(env, "POIMEN_VISIBILITY_TIMEOUT")
     return {
         # Redis redelivers a message not acked within visibility_timeout (even one
         # still running); the sweep that does it runs every interval * throttle s.
         "broker_transport_options": {
             "visibility_timeout": visibility,
-            "unacked_restore_interval": int(env.get("POIMEN_UNACKED_RESTORE_INTERVAL", "10")),
-            "unacked_restore_throttle": int(env.get("POIMEN_UNACKED_RESTORE_THROTTLE", "10")),
+            "unacked_restore_interval": get_int(env, "POIMEN_UNACKED_RESTORE_INTERVAL"),
+            "unacked_restore_throttle": get_int(env, "POIMEN_UNACKED_RESTORE_THROTTLE"),
             # A hung or black-holed Redis must fail a publish, not hang it forever
             # (redis-py waits without limit by default).
-            "socket_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
-            "socket_connect_timeout": float(env.get("POIMEN_BROKER_SOCKET_TIMEOUT", "5")),
+            "socket_timeout": get_float(env, "POIMEN_BROKER_SOCKET_TIMEOUT"),
+            "socket_connect_timeout": get_float(env, "POIMEN_BROKER_SOCKET_TIMEOUT"),
             # The worker's transport defers removing acknowledged messages from the
             # unacked hash (workers/broker.py); these bound how many, and for how long.
-            "ack_pending_max": int(env.get("POIMEN_ACK_PENDING_MAX", "64")),
-            "ack_pending_max_age": float(env.get("POIMEN_ACK_PENDING_MAX_AGE", "0.005")),
+            "ack_pending_max": get_int(env, "POIMEN_ACK_PENDING_MAX"),
+            "ack_pending_max_age": get_float(env, "POIMEN_ACK_PENDING_MAX_AGE"),
         },
     }
 
 
 def amqp_consumer_arguments(env: Mapping[str, str]) -> dict:
     """Return the ``basic.consume`` arguments of a worker's consumer on RabbitMQ."""
-    raw = env.get("POIMEN_AMQP_CONSUMER_TIMEOUT", DEFAULT_AMQP_CONSUMER_TIMEOUT).strip().lower()
+    raw = get_str(env, "POIMEN_AMQP_CONSUMER_TIMEOUT").strip().lower()
     if raw in ("", "0", "off", "server"):
         return {}  # the server's consumer_timeout (or its queue policy) decides
     return {"x-consumer-timeout": int(float(raw) * 1000)}
@@ -73,7 +73,7 @@ def amqp_consumer_arguments(env: Mapping[str, str]) -> dict:
 def queue_max_priority(env: Mapping[str, str]) -> int | None:
     """``POIMEN_QUEUE_MAX_PRIORITY``: the ``x-max-priority`` of the queues Celery declares
     on RabbitMQ (1-255), or None (unset, empty or 0: queues without priorities)."""
-    raw = env.get("POIMEN_QUEUE_MAX_PRIORITY", "").strip()
+    raw = get_str(env, "POIMEN_QUEUE_MAX_PRIORITY").strip()
     if raw in ("", "0"):
         return None
     value = int(raw)
@@ -85,7 +85,7 @@ def queue_max_priority(env: Mapping[str, str]) -> int | None:
 def _amqp_settings(env: Mapping[str, str]) -> dict:
     from kombu import Exchange, Queue
 
-    queue = env.get("POIMEN_QUEUE", DEFAULT_QUEUE)
+    queue = get_str(env, "POIMEN_QUEUE")
     max_priority = queue_max_priority(env)
     return {
         # Priority queues: Celery gives every queue it declares (the default queue and
@@ -113,7 +113,7 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
-        "task_default_queue": env.get("POIMEN_QUEUE", DEFAULT_QUEUE),
+        "task_default_queue": get_str(env, "POIMEN_QUEUE"),
         # At-least-once delivery: ack after the task body returns, redeliver when a
         # worker dies. Claims in Postgres make the duplicates harmless.
         "task_acks_late": True,
@@ -123,13 +123,13 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         # message finds the run claimed by a live boot and is acknowledged as a duplicate.
         # Celery 6 plans to make cancelling them the default; pin today's behaviour.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        "worker_prefetch_multiplier": int(env.get("CELERY_PREFETCH_MULTIPLIER", "1")),
+        "worker_prefetch_multiplier": get_int(env, "CELERY_PREFETCH_MULTIPLIER"),
         "broker_connection_retry_on_startup": True,
         # Flower shows received/started/succeeded only if workers send events.
         "worker_send_task_events": True,
         # A "sent" event is a second Redis publish on every admission (about a
         # third of the enqueue's cost); Flower does not need it. Opt in here.
-        "task_send_sent_event": env.get("POIMEN_SEND_SENT_EVENTS", "0") == "1",
+        "task_send_sent_event": get_str(env, "POIMEN_SEND_SENT_EVENTS") == "1",
         # SIGTERM: Celery's soft shutdown (with REMAP_SIGTERM=SIGQUIT) also keeps
         # a 5 s run from restarting, but sleeps its whole timeout whatever runs
         # finish sooner; pool processes survive SIGTERM by workers/shutdown.py

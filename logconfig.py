@@ -34,6 +34,8 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
+import settings_table
+
 # The fields a record carries when known, in the order a reader scans them.
 CONTEXT_FIELDS = ("tenant", "run_id", "task_id", "dispatch_key")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -49,13 +51,16 @@ _HANDLER_MARK = "_poimen_handler"
 
 def json_enabled(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
-    return env.get("LOG_FORMAT", "").strip().lower() == "json"
+    return settings_table.get_str(env, "LOG_FORMAT").strip().lower() == "json"
 
 
-def level(env: Mapping[str, str] | None = None, default: str | int = "INFO") -> int:
-    """``LOG_LEVEL`` as a number (a name like ``debug`` or a number), else ``default``."""
+def level(env: Mapping[str, str] | None = None, default: str | int | None = None) -> int:
+    """``LOG_LEVEL`` as a number (a name like ``debug`` or a number), else ``default`` (else
+    the table's)."""
     env = os.environ if env is None else env
-    value = (env.get("LOG_LEVEL") or "").strip() or default
+    if default is None:
+        default = settings_table.default_str("LOG_LEVEL")
+    value = (settings_table.raw(env, "LOG_LEVEL") or "").strip() or default
     if isinstance(value, int) or value.isdigit():
         return int(value)
     number = logging.getLevelName(value.upper())

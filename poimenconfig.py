@@ -10,10 +10,13 @@ environment itself. The framework entry points ``celeryconfig.py``,
 and the relays' logging read them before any factory runs).
 
 Nothing is read at import: each function reads ``env`` (``os.environ`` by
-default) when called. Each default is one constant, here; the documentation of
-each variable is ``app/settings_reference.py`` (``docs/operations/configuration.md``).
+default) when called. Each variable's type, default and documentation are its
+entry in ``settings_table.py`` (which generates ``docs/operations/configuration.md``);
+the readers here take them from there, and the ``DEFAULT_*`` names below are the
+table's values.
 
-This module imports only the standard library, so the relays (``bridge/``,
+This module imports only the standard library (and ``settings_table``, which does
+too), so the relays (``bridge/``,
 which import nothing else of ``app/``) pay nothing for it, and importing it
 imports no Flask or Celery (``app/__init__.py`` imports those when called).
 """
@@ -25,34 +28,45 @@ import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Final
 
-# -- defaults shared by more than one reader ---------------------------------------------------
+from settings_table import (
+    INBOX_METRICS_PORT,
+    OUTBOX_METRICS_PORT,
+    default_float,
+    default_int,
+    default_str,
+    get_float,
+    get_int,
+    get_str,
+    raw,
+)
+
+# -- the table's defaults that other modules name -----------------------------------------------
 
 # Seconds a process may take to stop on SIGTERM: Heroku sends SIGKILL 30 s after it.
-DEFAULT_SHUTDOWN_GRACE = 25.0
+DEFAULT_SHUTDOWN_GRACE: Final = default_float("POIMEN_SHUTDOWN_GRACE")
 # The lease (lease.py): probe interval, T_c, T_s, and the takeover delay beat's repair uses.
-DEFAULT_PROBE_INTERVAL = 2.0
-DEFAULT_CLIENT_SECONDS = 10.0
-DEFAULT_SERVER_SECONDS = 20.0
-DEFAULT_TAKEOVER_DELAY = 6.0
-DEFAULT_RECORD_RETRY_SECONDS = 60.0
+DEFAULT_PROBE_INTERVAL: Final = default_float("POIMEN_BOOT_PROBE_INTERVAL")
+DEFAULT_CLIENT_SECONDS: Final = default_float("POIMEN_LEASE_CLIENT_SECONDS")
+DEFAULT_SERVER_SECONDS: Final = default_float("POIMEN_LEASE_SERVER_SECONDS")
+DEFAULT_TAKEOVER_DELAY: Final = default_float("POIMEN_TAKEOVER_DELAY")
+DEFAULT_RECORD_RETRY_SECONDS: Final = default_float("POIMEN_RECORD_RETRY_SECONDS")
 # Bytes of an error's message (its head) and traceback (its tail) kept in runs.error, the
 # ledger and events (workers/actions.py bound_error): a message quoting a large input
 # must not make an event too large to publish.
-DEFAULT_ERROR_TEXT_MAX_BYTES = 8192
-DEFAULT_TOPIC_PREFIX = "poimen"
-DEFAULT_QUEUE = "poimen"  # the Celery queue (celeryconfig.py)
-DEFAULT_TOPIC_PARTITIONS = 4
-DEFAULT_OUTBOX_RETENTION = 7 * 86400.0  # published outbox rows are kept a week
+DEFAULT_ERROR_TEXT_MAX_BYTES: Final = default_int("POIMEN_ERROR_TEXT_MAX_BYTES")
+DEFAULT_TOPIC_PREFIX: Final = default_str("POIMEN_TOPIC_PREFIX")
+DEFAULT_QUEUE: Final = default_str("POIMEN_QUEUE")  # the Celery queue (celeryconfig.py)
+DEFAULT_TOPIC_PARTITIONS: Final = default_int("POIMEN_OUTBOX_TOPIC_PARTITIONS")
 # Seconds between a worker's publishes of its buffered Celery task events (workers/task_events.py).
-DEFAULT_EVENT_FLUSH_INTERVAL = 0.1
+DEFAULT_EVENT_FLUSH_INTERVAL: Final = default_float("POIMEN_EVENT_FLUSH_INTERVAL")
 
-MAX_BODY_BYTES = 1024 * 1024
+MAX_BODY_BYTES: Final = 1024 * 1024
 # The most items one POST /v1/runs/batch may carry (more is a 413, nothing admitted).
-DEFAULT_BATCH_MAX = 1000
-REDIS_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
-                   "none": ssl.CERT_NONE}
+DEFAULT_BATCH_MAX: Final = default_int("POIMEN_BATCH_MAX")
+REDIS_CERT_REQS: Final = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+                          "none": ssl.CERT_NONE}
 
 
 def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -78,10 +92,11 @@ def libpq_url(raw: str) -> str:
 
 def broker_url(env: Mapping[str, str]) -> str:
     """Return the Celery broker URL: ``CELERY_BROKER_URL`` wins over ``REDIS_URL``."""
-    return env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    return (raw(env, "CELERY_BROKER_URL") or raw(env, "REDIS_URL")
+            or default_str("REDIS_URL"))
 
 
-def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict | None:
+def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict[str, Any] | None:
     """Return the TLS options of a ``rediss://`` URL (None for ``redis://``).
 
     The same dict is Celery's ``broker_use_ssl`` and redis-py's keyword
@@ -92,17 +107,19 @@ def redis_ssl_options(url: str, env: Mapping[str, str]) -> dict | None:
     """
     if not url.startswith("rediss://"):
         return None
-    reqs = env.get("POIMEN_REDIS_SSL_CERT_REQS", "").strip().lower() or "required"
+    reqs = ((raw(env, "POIMEN_REDIS_SSL_CERT_REQS") or "").strip().lower()
+            or default_str("POIMEN_REDIS_SSL_CERT_REQS"))
     if reqs not in REDIS_CERT_REQS:
         raise ValueError(f"POIMEN_REDIS_SSL_CERT_REQS={reqs!r}: use required, optional or none")
-    options: dict = {"ssl_cert_reqs": REDIS_CERT_REQS[reqs]}
-    if env.get("POIMEN_REDIS_SSL_CA_CERTS", "").strip():
-        options["ssl_ca_certs"] = env["POIMEN_REDIS_SSL_CA_CERTS"].strip()
+    options: dict[str, Any] = {"ssl_cert_reqs": REDIS_CERT_REQS[reqs]}
+    ca_certs = (raw(env, "POIMEN_REDIS_SSL_CA_CERTS") or "").strip()
+    if ca_certs:
+        options["ssl_ca_certs"] = ca_certs
     return options
 
 
 # What ``auto`` turns on, where it may: psycopg's own default threshold.
-AUTO_PREPARE_THRESHOLD = 5
+AUTO_PREPARE_THRESHOLD: Final = 5
 
 
 def prepare_threshold(env: Mapping[str, str]) -> int | None:
@@ -111,10 +128,10 @@ def prepare_threshold(env: Mapping[str, str]) -> int | None:
     ``auto`` (the default) is off here: a process turns it on itself once it has
     seen that ``DATABASE_URL`` is direct (``prepare_auto``).
     """
-    raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower()
-    if raw in ("", "auto", "off", "none", "0"):
+    value = get_str(env, "POIMEN_DB_PREPARE_THRESHOLD").strip().lower()
+    if value in ("", "auto", "off", "none", "0"):
         return None
-    return int(raw)
+    return int(value)
 
 
 def prepare_auto(env: Mapping[str, str]) -> bool:
@@ -126,13 +143,13 @@ def prepare_auto(env: Mapping[str, str]) -> bool:
     gunicorn worker's start (``app.extensions.prepare_if_direct``). Prepared
     statements halve Postgres' CPU per run there (docs/scaling.md).
     """
-    return env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto").strip().lower() in ("", "auto")
+    return get_str(env, "POIMEN_DB_PREPARE_THRESHOLD").strip().lower() in ("", "auto")
 
 
-def load_config(env: Mapping[str, str] | None = None) -> dict:
+def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Build the Flask config from ``env`` (default: ``os.environ``)."""
     env = _environ(env)
-    raw_db = env.get("DATABASE_URL")
+    raw_db = raw(env, "DATABASE_URL")
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
         "SQLALCHEMY_ENGINE_OPTIONS": {
@@ -143,9 +160,9 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
             # request uses one (docs/internals/reliability.md, row 9) without a round trip
             # per transaction under load. POIMEN_DB_PRE_PING=0 turns pinging off.
             "pool_pre_ping": False,
-            "pool_recycle": int(env.get("POIMEN_DB_POOL_RECYCLE", "300")),
-            "pool_size": int(env.get("POIMEN_DB_POOL_SIZE", "5")),
-            "max_overflow": int(env.get("POIMEN_DB_MAX_OVERFLOW", "10")),
+            "pool_recycle": get_int(env, "POIMEN_DB_POOL_RECYCLE"),
+            "pool_size": get_int(env, "POIMEN_DB_POOL_SIZE"),
+            "max_overflow": get_int(env, "POIMEN_DB_MAX_OVERFLOW"),
             # Statement parameters (whole run inputs) stay out of exception messages.
             "hide_parameters": True,
             # Admission's miss path reads the row a conflicting transaction just
@@ -168,52 +185,48 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
                 "prepare_threshold": prepare_threshold(env),
                 "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                 "keepalives_count": 3,
-                "tcp_user_timeout": int(float(env.get("POIMEN_DB_TCP_USER_TIMEOUT", "10"))
-                                        * 1000),
+                "tcp_user_timeout": int(get_float(env, "POIMEN_DB_TCP_USER_TIMEOUT") * 1000),
             },
         },
         "POIMEN_DB_PREPARE_AUTO": prepare_auto(env),
-        "POIMEN_DB_PING_IDLE_SECONDS": (float(env.get("POIMEN_DB_PING_IDLE_SECONDS", "1"))
-                                        if env.get("POIMEN_DB_PRE_PING", "1") == "1" else None),
+        "POIMEN_DB_PING_IDLE_SECONDS": (get_float(env, "POIMEN_DB_PING_IDLE_SECONDS")
+                                        if get_str(env, "POIMEN_DB_PRE_PING") == "1" else None),
         "CELERY_BROKER_URL": broker_url(env),
         "CELERY_BROKER_USE_SSL": redis_ssl_options(broker_url(env), env),
         "POIMEN_WORKFLOW_MODULES": [
-            m.strip() for m in env.get("POIMEN_WORKFLOW_MODULES", "").split(",") if m.strip()
+            m.strip() for m in get_str(env, "POIMEN_WORKFLOW_MODULES").split(",") if m.strip()
         ],
-        "POIMEN_TOPIC_PREFIX": env.get("POIMEN_TOPIC_PREFIX", DEFAULT_TOPIC_PREFIX),
-        "KAFKA_BOOTSTRAP_SERVERS": env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
-        "POIMEN_REPAIR_INTERVAL": float(env.get("POIMEN_REPAIR_INTERVAL", "10")),
-        "POIMEN_REPAIR_MIN_AGE": float(env.get("POIMEN_REPAIR_MIN_AGE", "10")),
+        "POIMEN_TOPIC_PREFIX": get_str(env, "POIMEN_TOPIC_PREFIX"),
+        "KAFKA_BOOTSTRAP_SERVERS": get_str(env, "KAFKA_BOOTSTRAP_SERVERS"),
+        "POIMEN_REPAIR_INTERVAL": get_float(env, "POIMEN_REPAIR_INTERVAL"),
+        "POIMEN_REPAIR_MIN_AGE": get_float(env, "POIMEN_REPAIR_MIN_AGE"),
         # A worker publishes its buffered Celery task events this often (0: at every turn
         # of its event loop, Celery's own way); workers/task_events.py.
-        "POIMEN_EVENT_FLUSH_INTERVAL": float(env.get("POIMEN_EVENT_FLUSH_INTERVAL",
-                                                     DEFAULT_EVENT_FLUSH_INTERVAL)),
+        "POIMEN_EVENT_FLUSH_INTERVAL": get_float(env, "POIMEN_EVENT_FLUSH_INTERVAL"),
         # A dead boot's run is re-sent at once but delivered this many seconds later:
         # time for a process that lost its lock to a Postgres restart, and is still
         # executing the run, to adopt it (docs/internals/execution.md). Who runs it is still
         # decided by liveness at the claim; this only orders the contenders.
-        "POIMEN_TAKEOVER_DELAY": float(env.get("POIMEN_TAKEOVER_DELAY",
-                                               DEFAULT_TAKEOVER_DELAY)),
-        "POIMEN_TOKEN_CACHE_SECONDS": float(env.get("POIMEN_TOKEN_CACHE_SECONDS", "10")),
+        "POIMEN_TAKEOVER_DELAY": get_float(env, "POIMEN_TAKEOVER_DELAY"),
+        "POIMEN_TOKEN_CACHE_SECONDS": get_float(env, "POIMEN_TOKEN_CACHE_SECONDS"),
         # POST /v1/runs answered in front of Flask when plain (app/fastpath.py); 0: off.
-        "POIMEN_ADMISSION_FAST_PATH": env.get("POIMEN_ADMISSION_FAST_PATH", "1") != "0",
+        "POIMEN_ADMISSION_FAST_PATH": get_str(env, "POIMEN_ADMISSION_FAST_PATH") != "0",
         # The most runs one POST /v1/runs/batch may admit.
-        "POIMEN_BATCH_MAX": int(env.get("POIMEN_BATCH_MAX", DEFAULT_BATCH_MAX)),
+        "POIMEN_BATCH_MAX": get_int(env, "POIMEN_BATCH_MAX"),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
         "POIMEN_SHUTDOWN_GRACE": shutdown_grace(env),
         # How long a worker retries recording a run's outcome while the database is away.
-        "POIMEN_RECORD_RETRY_SECONDS": float(env.get("POIMEN_RECORD_RETRY_SECONDS",
-                                                     DEFAULT_RECORD_RETRY_SECONDS)),
+        "POIMEN_RECORD_RETRY_SECONDS": get_float(env, "POIMEN_RECORD_RETRY_SECONDS"),
         # Bytes of a failure's message and traceback stored with the run and its events.
         "POIMEN_ERROR_TEXT_MAX_BYTES": error_text_max_bytes(env),
         # The boot's lock connection: direct, never pooled (None: the app's database,
         # SQLALCHEMY_DATABASE_URI, so an override of that one moves both).
-        "POIMEN_LOCK_DATABASE_URL": env.get("POIMEN_LOCK_DATABASE_URL") or None,
+        "POIMEN_LOCK_DATABASE_URL": raw(env, "POIMEN_LOCK_DATABASE_URL") or None,
         # worker's and beat's Prometheus port (None: not served).
         "METRICS_PORT": metrics_port(env),
-        "POIMEN_METRICS_TOKEN": env.get("POIMEN_METRICS_TOKEN") or None,
-        "POIMEN_METRICS_CACHE_SECONDS": float(env.get("POIMEN_METRICS_CACHE_SECONDS", "5")),
-        "POIMEN_CONSOLE_SECRET": env.get("POIMEN_CONSOLE_SECRET", ""),
+        "POIMEN_METRICS_TOKEN": raw(env, "POIMEN_METRICS_TOKEN") or None,
+        "POIMEN_METRICS_CACHE_SECONDS": get_float(env, "POIMEN_METRICS_CACHE_SECONDS"),
+        "POIMEN_CONSOLE_SECRET": get_str(env, "POIMEN_CONSOLE_SECRET"),
         "MAX_CONTENT_LENGTH": MAX_BODY_BYTES,
     }
 
@@ -221,7 +234,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict:
 def error_text_max_bytes(env: Mapping[str, str] | None = None) -> int:
     """``POIMEN_ERROR_TEXT_MAX_BYTES``: bytes of an error's message and of its traceback kept."""
     env = _environ(env)
-    limit = int(env.get("POIMEN_ERROR_TEXT_MAX_BYTES", DEFAULT_ERROR_TEXT_MAX_BYTES))
+    limit = get_int(env, "POIMEN_ERROR_TEXT_MAX_BYTES")
     if limit < 256:
         raise SystemExit("POIMEN_ERROR_TEXT_MAX_BYTES must be at least 256")
     return limit
@@ -230,13 +243,13 @@ def error_text_max_bytes(env: Mapping[str, str] | None = None) -> int:
 def shutdown_grace(env: Mapping[str, str] | None = None) -> float:
     """``POIMEN_SHUTDOWN_GRACE``: seconds a process may take to stop on SIGTERM."""
     env = _environ(env)
-    return float(env.get("POIMEN_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE))
+    return get_float(env, "POIMEN_SHUTDOWN_GRACE")
 
 
 def metrics_port(env: Mapping[str, str] | None = None) -> int | None:
     """The Prometheus port of ``worker`` and ``beat``: ``METRICS_PORT``, else ``PORT``; 0 is off."""
     env = _environ(env)
-    port = env.get("METRICS_PORT") or env.get("PORT")
+    port = raw(env, "METRICS_PORT") or raw(env, "PORT")
     return int(port) if port and port != "0" else None
 
 
@@ -247,12 +260,12 @@ def prometheus_multiproc_dir(env: Mapping[str, str] | None = None) -> str | None
     set it for prometheus_client (the only writes to the environment).
     """
     env = _environ(env)
-    return env.get("PROMETHEUS_MULTIPROC_DIR") or None
+    return raw(env, "PROMETHEUS_MULTIPROC_DIR") or None
 
 
 # -- poisoned runs (workers/registry.py) --------------------------------------------------------
 
-DEFAULT_MAX_TAKEOVERS = 5
+DEFAULT_MAX_TAKEOVERS: Final = default_int("POIMEN_MAX_TAKEOVERS")
 
 
 def max_takeovers_setting(env: Mapping[str, str] | None = None) -> int:
@@ -261,15 +274,15 @@ def max_takeovers_setting(env: Mapping[str, str] | None = None) -> int:
     where workflows are declared (worker, beat, web) and for a version the process does
     not have."""
     env = _environ(env)
-    raw = env.get("POIMEN_MAX_TAKEOVERS", "").strip()
-    if not raw:
+    given = (raw(env, "POIMEN_MAX_TAKEOVERS") or "").strip()
+    if not given:
         return DEFAULT_MAX_TAKEOVERS
     try:
-        value = int(raw)
+        value = int(given)
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"POIMEN_MAX_TAKEOVERS must be a whole number >= 0, not {raw!r}")
+        raise ValueError(f"POIMEN_MAX_TAKEOVERS must be a whole number >= 0, not {given!r}")
     return value
 
 
@@ -311,14 +324,19 @@ def telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySetting
     """Read the optional OpenTelemetry and Sentry settings (web, worker and beat, at start)."""
     env = _environ(env)
     return TelemetrySettings(
-        otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None,
-        otlp_traces_endpoint=env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip() or None,
-        service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
-        sentry_dsn=env.get("SENTRY_DSN", "").strip() or None,
-        sentry_environment=env.get("SENTRY_ENVIRONMENT", "").strip() or None,
-        sentry_release=env.get("SENTRY_RELEASE", "").strip() or None,
+        otlp_endpoint=_stripped(raw(env, "OTEL_EXPORTER_OTLP_ENDPOINT")),
+        otlp_traces_endpoint=_stripped(raw(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")),
+        service_name=_stripped(raw(env, "OTEL_SERVICE_NAME")),
+        sentry_dsn=_stripped(raw(env, "SENTRY_DSN")),
+        sentry_environment=_stripped(raw(env, "SENTRY_ENVIRONMENT")),
+        sentry_release=_stripped(raw(env, "SENTRY_RELEASE")),
         otel_variables=_otel_variables(env),
     )
+
+
+def _stripped(value: str | None) -> str | None:
+    """A variable's value without surrounding blanks, None when unset or blank."""
+    return (value or "").strip() or None
 
 
 def _otel_variables(env: Mapping[str, str]) -> tuple[str, ...]:
@@ -327,8 +345,8 @@ def _otel_variables(env: Mapping[str, str]) -> tuple[str, ...]:
     endpoints = [name for name, value in env.items() if value.strip()
                  and name.startswith("OTEL_EXPORTER_OTLP_") and name.endswith("ENDPOINT")]
     exporters = [name for name, value in (
-        ("OTEL_TRACES_EXPORTER", env.get("OTEL_TRACES_EXPORTER", "")),
-        ("OTEL_METRICS_EXPORTER", env.get("OTEL_METRICS_EXPORTER", "")))
+        ("OTEL_TRACES_EXPORTER", get_str(env, "OTEL_TRACES_EXPORTER")),
+        ("OTEL_METRICS_EXPORTER", get_str(env, "OTEL_METRICS_EXPORTER")))
         if value.strip().lower() not in ("", "none")]
     return tuple(sorted(endpoints) + exporters)
 
@@ -354,10 +372,10 @@ def lease_settings(env: Mapping[str, str] | None = None) -> LeaseSettings:
     """Read the lease's numbers (worker, beat and the outbox read them when they start)."""
     env = _environ(env)
     return LeaseSettings(
-        probe_interval=float(env.get("POIMEN_BOOT_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL)),
-        client_seconds=float(env.get("POIMEN_LEASE_CLIENT_SECONDS", DEFAULT_CLIENT_SECONDS)),
-        server_seconds=float(env.get("POIMEN_LEASE_SERVER_SECONDS", DEFAULT_SERVER_SECONDS)),
-        takeover_delay=float(env.get("POIMEN_TAKEOVER_DELAY", DEFAULT_TAKEOVER_DELAY)),
+        probe_interval=get_float(env, "POIMEN_BOOT_PROBE_INTERVAL"),
+        client_seconds=get_float(env, "POIMEN_LEASE_CLIENT_SECONDS"),
+        server_seconds=get_float(env, "POIMEN_LEASE_SERVER_SECONDS"),
+        takeover_delay=get_float(env, "POIMEN_TAKEOVER_DELAY"),
     )
 
 
@@ -375,12 +393,12 @@ def lease_settings(env: Mapping[str, str] | None = None) -> LeaseSettings:
 
 # Variables that look like client settings but are not: Heroku's Kafka add-on
 # sets these, and librdkafka refuses unknown properties at client creation.
-KAFKA_NOT_CLIENT_SETTINGS = frozenset({
+KAFKA_NOT_CLIENT_SETTINGS: Final = frozenset({
     "KAFKA_BOOTSTRAP_SERVERS", "KAFKA_URL", "KAFKA_PREFIX", "KAFKA_TRUSTED_CERT",
     "KAFKA_CLIENT_CERT", "KAFKA_CLIENT_CERT_KEY",
 })
 # Heroku's PEM variables and the librdkafka settings that take their contents.
-HEROKU_KAFKA_PEMS = {
+HEROKU_KAFKA_PEMS: Final = {
     "KAFKA_TRUSTED_CERT": "ssl.ca.pem",
     "KAFKA_CLIENT_CERT": "ssl.certificate.pem",
     "KAFKA_CLIENT_CERT_KEY": "ssl.key.pem",
@@ -389,7 +407,7 @@ HEROKU_KAFKA_PEMS = {
 
 def _url_hosts(url: str) -> list[tuple[str, str]]:
     """Split ``kafka+ssl://h1:9096,kafka+ssl://h2:9096`` into ``(scheme, host:port)`` pairs."""
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for item in url.split(","):
         scheme, sep, rest = item.strip().partition("://")
         if not sep:
@@ -402,9 +420,9 @@ def _url_hosts(url: str) -> list[tuple[str, str]]:
 def kafka_bootstrap_servers(env: Mapping[str, str] | None = None) -> str:
     """Return ``KAFKA_BOOTSTRAP_SERVERS`` (else Heroku's ``KAFKA_URL`` as ``host:port,...``)."""
     env = _environ(env)
-    servers = env.get("KAFKA_BOOTSTRAP_SERVERS", "").strip()
+    servers = get_str(env, "KAFKA_BOOTSTRAP_SERVERS").strip()
     if not servers:
-        servers = ",".join(host for _, host in _url_hosts(env.get("KAFKA_URL", "")))
+        servers = ",".join(host for _, host in _url_hosts(get_str(env, "KAFKA_URL")))
     if not servers:
         raise SystemExit("KAFKA_BOOTSTRAP_SERVERS is not set (e.g. 127.0.0.1:9092), "
                          "nor Heroku's KAFKA_URL")
@@ -413,14 +431,15 @@ def kafka_bootstrap_servers(env: Mapping[str, str] | None = None) -> str:
 
 def heroku_kafka_settings(env: Mapping[str, str]) -> dict[str, str]:
     """Return the librdkafka settings Heroku's ``KAFKA_URL`` and PEM variables stand for."""
-    settings = {}
-    if not env.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
-        schemes = {scheme for scheme, _ in _url_hosts(env.get("KAFKA_URL", ""))}
+    settings: dict[str, str] = {}
+    if not get_str(env, "KAFKA_BOOTSTRAP_SERVERS").strip():
+        schemes = {scheme for scheme, _ in _url_hosts(get_str(env, "KAFKA_URL"))}
         if "kafka+ssl" in schemes:
             settings["security.protocol"] = "SSL"
     for variable, setting in HEROKU_KAFKA_PEMS.items():
-        if env.get(variable, "").strip():
-            settings[setting] = env[variable]
+        pem = raw(env, variable)
+        if pem is not None and pem.strip():
+            settings[setting] = pem
     if "ssl.ca.pem" in settings:
         # Heroku's broker certificates are signed by the trusted CA but do not name
         # the broker hosts: verify the chain, not the host name.
@@ -446,28 +465,28 @@ def topic_prefix(env: Mapping[str, str] | None = None) -> str:
     ``acme-42.poimen.<tenant>.dispatch``.
     """
     env = _environ(env)
-    return (env.get("KAFKA_PREFIX", "").strip()
-            + (env.get("POIMEN_TOPIC_PREFIX", "").strip() or DEFAULT_TOPIC_PREFIX))
+    return (get_str(env, "KAFKA_PREFIX").strip()
+            + (get_str(env, "POIMEN_TOPIC_PREFIX").strip() or DEFAULT_TOPIC_PREFIX))
 
 
 def consumer_group(name: str, env: Mapping[str, str] | None = None) -> str:
     """Return the consumer group ``name`` with Heroku's ``KAFKA_PREFIX`` in front (if set)."""
     env = _environ(env)
-    prefix = env.get("KAFKA_PREFIX", "").strip()
+    prefix = get_str(env, "KAFKA_PREFIX").strip()
     return name if not prefix or name.startswith(prefix) else prefix + name
 
 
 def topic_replication(env: Mapping[str, str] | None = None) -> int:
     """``POIMEN_TOPIC_REPLICATION``: replication factor of declared topics (-1: the broker's)."""
     env = _environ(env)
-    return int(env.get("POIMEN_TOPIC_REPLICATION", "-1"))
+    return get_int(env, "POIMEN_TOPIC_REPLICATION")
 
 
 # -- the inbox relay (bridge/inbox.py) ---------------------------------------------------------
 
 @dataclass(frozen=True)
 class InboxSettings:
-    """The inbox relay's settings and their defaults, the only place they are written.
+    """The inbox relay's settings; each default is its variable's in ``settings_table``.
 
     ``INBOX_VARIABLES`` names the environment variable behind each field.
     """
@@ -476,31 +495,34 @@ class InboxSettings:
     api_token: str
     kafka: Mapping[str, str]
     prefix: str = DEFAULT_TOPIC_PREFIX
-    group: str = "poimen-inbox"
-    concurrency: int = 8              # parallel partitions, and so HTTP sessions (one per thread)
-    partition_window: int = 1         # calls in flight per partition; 1 is strict order
+    group: str = default_str("POIMEN_INBOX_GROUP")
+    # parallel partitions, and so HTTP sessions (one per thread)
+    concurrency: int = default_int("POIMEN_INBOX_CONCURRENCY")
+    # calls in flight per partition; 1 is strict order
+    partition_window: int = default_int("POIMEN_INBOX_PARTITION_WINDOW")
     # One POST /v1/runs/batch carries up to batch_max of a partition's messages (and
     # under the API's 1 MiB body); a batch that is not full waits batch_linger_ms
     # from its oldest message for more, so a lone message waits at most that long.
-    batch_max: int = 100
-    batch_linger_ms: float = 5.0
-    http_timeout: float = 15.0
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
-    max_buffered: int = 1000          # fetched, uncommitted messages per partition ...
-    buffer_bytes: int = 64 * 1024 * 1024  # ... and their bytes across all partitions
-    metadata_refresh_ms: int = 2000
-    session_timeout_ms: int = 10000
-    dlq_partitions: int = 1
-    metrics_port: int = 9101
-    lag_interval: float = 5.0
-    progress_interval: float = 30.0
-    commit_interval: float = 0.2
+    batch_max: int = default_int("POIMEN_INBOX_BATCH_MAX")
+    batch_linger_ms: float = default_float("POIMEN_INBOX_BATCH_LINGER_MS")
+    http_timeout: float = default_float("POIMEN_INBOX_HTTP_TIMEOUT")
+    backoff_initial: float = default_float("POIMEN_INBOX_BACKOFF_INITIAL")
+    backoff_max: float = default_float("POIMEN_INBOX_BACKOFF_MAX")
+    # fetched, uncommitted messages per partition, and their bytes across all partitions
+    max_buffered: int = default_int("POIMEN_INBOX_MAX_BUFFERED")
+    buffer_bytes: int = default_int("POIMEN_INBOX_BUFFER_BYTES")
+    metadata_refresh_ms: int = default_int("POIMEN_INBOX_METADATA_REFRESH_MS")
+    session_timeout_ms: int = default_int("POIMEN_INBOX_SESSION_TIMEOUT_MS")
+    dlq_partitions: int = default_int("POIMEN_INBOX_DLQ_PARTITIONS")
+    metrics_port: int = INBOX_METRICS_PORT
+    lag_interval: float = default_float("POIMEN_INBOX_LAG_INTERVAL")
+    progress_interval: float = default_float("POIMEN_INBOX_PROGRESS_INTERVAL")
+    commit_interval: float = 0.2      # seconds between offset commits (no variable)
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     # Test only: a message whose value contains these bytes makes the relay's own
     # code raise, to prove that a bug cannot strand a partition. Never set it in
     # production; empty (the default) disables the check.
-    test_raise_on: bytes = b""
+    test_raise_on: bytes = default_str("POIMEN_INBOX_TEST_RAISE_ON").encode()
 
     @property
     def subscription(self) -> str:
@@ -508,9 +530,9 @@ class InboxSettings:
 
 
 # The broker's default group.min.session.timeout.ms (Apache Kafka, Redpanda).
-MIN_SESSION_TIMEOUT_MS = 6000
+MIN_SESSION_TIMEOUT_MS: Final = 6000
 
-INBOX_VARIABLES = {
+INBOX_VARIABLES: Final = {
     "group": "POIMEN_INBOX_GROUP",
     "concurrency": "POIMEN_INBOX_CONCURRENCY",
     "partition_window": "POIMEN_INBOX_PARTITION_WINDOW",
@@ -535,23 +557,26 @@ INBOX_VARIABLES = {
 def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
     """Read the inbox relay's settings from ``env`` (default: ``os.environ``)."""
     env = _environ(env)
-    missing = [n for n in ("POIMEN_API_URL", "POIMEN_API_TOKEN") if not env.get(n)]
-    if missing:
+    api_url, api_token = raw(env, "POIMEN_API_URL"), raw(env, "POIMEN_API_TOKEN")
+    if not api_url or not api_token:
+        missing = [n for n, v in (("POIMEN_API_URL", api_url), ("POIMEN_API_TOKEN", api_token))
+                   if not v]
         raise SystemExit(f"{' and '.join(missing)} must be set: the inbox POSTs runs to the "
                          "API with a service token (flask --app app tokens create --service)")
-    defaults = {f.name: f.default for f in fields(InboxSettings)}
+    defaults: dict[str, Any] = {f.name: f.default for f in fields(InboxSettings)}
     values: dict[str, Any] = {}
     for name, variable in INBOX_VARIABLES.items():
-        raw = env.get(variable, "").strip()
-        if not raw:
+        given = (raw(env, variable) or "").strip()
+        if not given:
             continue
         kind = type(defaults[name])
         try:
-            values[name] = raw.encode() if kind is bytes else kind(raw)
+            values[name] = given.encode() if kind is bytes else kind(given)
         except ValueError:
-            raise SystemExit(f"{variable}={raw!r} is not a valid {kind.__name__}") from None
-    if "metrics_port" not in values and env.get("PORT"):
-        values["metrics_port"] = int(env["PORT"])
+            raise SystemExit(f"{variable}={given!r} is not a valid {kind.__name__}") from None
+    port = raw(env, "PORT")
+    if "metrics_port" not in values and port:
+        values["metrics_port"] = int(port)
     values["group"] = consumer_group(values.get("group", defaults["group"]), env)
     if values.get("batch_max", defaults["batch_max"]) < 1:
         raise SystemExit("POIMEN_INBOX_BATCH_MAX must be at least 1")
@@ -562,15 +587,29 @@ def inbox_settings(env: Mapping[str, str] | None = None) -> InboxSettings:
         # and the relay would never get a partition.
         raise SystemExit(f"POIMEN_INBOX_SESSION_TIMEOUT_MS must be at least "
                          f"{MIN_SESSION_TIMEOUT_MS} (brokers refuse shorter sessions)")
-    return InboxSettings(api_url=env["POIMEN_API_URL"].rstrip("/"),
-                         api_token=env["POIMEN_API_TOKEN"], kafka=kafka_client_settings(env),
-                         prefix=topic_prefix(env), **values)
+    return InboxSettings(api_url=api_url.rstrip("/"), api_token=api_token,
+                         kafka=kafka_client_settings(env), prefix=topic_prefix(env), **values)
 
 
 # -- the outbox relay (bridge/outbox.py) -------------------------------------------------------
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_UNIT: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _retention_seconds(value: str) -> float | None:
+    """A retention as written (``7d``, ``36h``, seconds; ``never``) in seconds, None: keep."""
+    if value.strip().lower() in ("never", "off", "none"):
+        return None
+    match = _DURATION.match(value)
+    if match is None:
+        raise SystemExit(f"POIMEN_OUTBOX_RETENTION={value!r}: use seconds or e.g. 7d, 36h, never")
+    seconds = float(match.group(1)) * _UNIT[match.group(2).lower()]
+    return seconds or None
+
+
+# Published outbox rows are kept this long by default (the table's ``7d``).
+DEFAULT_OUTBOX_RETENTION: Final = _retention_seconds(default_str("POIMEN_OUTBOX_RETENTION"))
 
 
 def parse_retention(value: str | None) -> float | None:
@@ -581,76 +620,67 @@ def parse_retention(value: str | None) -> float | None:
     """
     if value is None or not value.strip():
         return DEFAULT_OUTBOX_RETENTION
-    if value.strip().lower() in ("never", "off", "none"):
-        return None
-    match = _DURATION.match(value)
-    if match is None:
-        raise SystemExit(f"POIMEN_OUTBOX_RETENTION={value!r}: use seconds or e.g. 7d, 36h, never")
-    seconds = float(match.group(1)) * _UNIT[match.group(2).lower()]
-    return seconds or None
+    return _retention_seconds(value)
 
 
 @dataclass(frozen=True)
 class OutboxSettings:
-    """The outbox relay's settings; ``outbox_settings`` names the variable behind each."""
+    """The outbox relay's settings; each default is its variable's in ``settings_table``."""
 
     database_url: str
     lock_database_url: str
     kafka: Mapping[str, str]
     prefix: str = DEFAULT_TOPIC_PREFIX
-    batch_size: int = 1000
-    poll_interval: float = 0.2
+    batch_size: int = default_int("POIMEN_OUTBOX_BATCH_SIZE")
+    poll_interval: float = default_float("POIMEN_OUTBOX_POLL_INTERVAL")
     # After a batch that was not full: milliseconds before the next read, so a steady
     # trickle of events is read, produced and marked in batches, not a few at a time.
-    batch_linger_ms: float = 20.0
-    standby_interval: float = 1.0
-    lock_check_interval: float = 1.0
+    batch_linger_ms: float = default_float("POIMEN_OUTBOX_BATCH_LINGER_MS")
+    standby_interval: float = default_float("POIMEN_OUTBOX_STANDBY_INTERVAL")
+    lock_check_interval: float = default_float("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL")
     topic_partitions: int = DEFAULT_TOPIC_PARTITIONS
     retention: float | None = DEFAULT_OUTBOX_RETENTION
-    prune_interval: float = 60.0
-    prune_batch: int = 1000
-    lag_interval: float = 5.0
+    prune_interval: float = default_float("POIMEN_OUTBOX_PRUNE_INTERVAL")
+    prune_batch: int = default_int("POIMEN_OUTBOX_PRUNE_BATCH")
+    lag_interval: float = default_float("POIMEN_OUTBOX_LAG_INTERVAL")
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
-    backoff_max: float = 10.0
-    metrics_port: int = 9102
-    progress_interval: float = 30.0
+    backoff_max: float = default_float("POIMEN_OUTBOX_BACKOFF_MAX")
+    metrics_port: int = OUTBOX_METRICS_PORT
+    progress_interval: float = default_float("POIMEN_OUTBOX_PROGRESS_INTERVAL")
     lease: LeaseSettings = field(default_factory=LeaseSettings)
 
 
 def outbox_settings(env: Mapping[str, str] | None = None) -> OutboxSettings:
     """Read the outbox relay's settings from ``env`` (default: ``os.environ``)."""
     env = _environ(env)
-    if not env.get("DATABASE_URL"):
+    raw_database = raw(env, "DATABASE_URL")
+    if not raw_database:
         raise SystemExit("DATABASE_URL is not set: the outbox relay reads the outbox table")
-    database = libpq_url(env["DATABASE_URL"])
-    defaults = OutboxSettings(database, database, {})
-    linger_ms = float(env.get("POIMEN_OUTBOX_BATCH_LINGER_MS", defaults.batch_linger_ms))
+    database = libpq_url(raw_database)
+    linger_ms = get_float(env, "POIMEN_OUTBOX_BATCH_LINGER_MS")
     if linger_ms < 0:
         raise SystemExit("POIMEN_OUTBOX_BATCH_LINGER_MS must not be negative")
+    port = raw(env, "METRICS_PORT") or raw(env, "PORT")
     return OutboxSettings(
         database_url=database,
         # Session advisory locks need a direct connection: a transaction-mode
         # pooler would hand the lock's session to someone else.
-        lock_database_url=libpq_url(env.get("POIMEN_LOCK_DATABASE_URL") or database),
+        lock_database_url=libpq_url(raw(env, "POIMEN_LOCK_DATABASE_URL") or database),
         kafka=kafka_client_settings(env),
         prefix=topic_prefix(env),
-        batch_size=int(env.get("POIMEN_OUTBOX_BATCH_SIZE", defaults.batch_size)),
-        poll_interval=float(env.get("POIMEN_OUTBOX_POLL_INTERVAL", defaults.poll_interval)),
+        batch_size=get_int(env, "POIMEN_OUTBOX_BATCH_SIZE"),
+        poll_interval=get_float(env, "POIMEN_OUTBOX_POLL_INTERVAL"),
         batch_linger_ms=linger_ms,
-        standby_interval=float(env.get("POIMEN_OUTBOX_STANDBY_INTERVAL",
-                                       defaults.standby_interval)),
-        lock_check_interval=float(env.get("POIMEN_OUTBOX_LOCK_CHECK_INTERVAL",
-                                          defaults.lock_check_interval)),
-        topic_partitions=int(env.get("POIMEN_OUTBOX_TOPIC_PARTITIONS",
-                                     defaults.topic_partitions)),
-        retention=parse_retention(env.get("POIMEN_OUTBOX_RETENTION")),
-        prune_interval=float(env.get("POIMEN_OUTBOX_PRUNE_INTERVAL", defaults.prune_interval)),
-        prune_batch=int(env.get("POIMEN_OUTBOX_PRUNE_BATCH", defaults.prune_batch)),
-        lag_interval=float(env.get("POIMEN_OUTBOX_LAG_INTERVAL", defaults.lag_interval)),
+        standby_interval=get_float(env, "POIMEN_OUTBOX_STANDBY_INTERVAL"),
+        lock_check_interval=get_float(env, "POIMEN_OUTBOX_LOCK_CHECK_INTERVAL"),
+        topic_partitions=get_int(env, "POIMEN_OUTBOX_TOPIC_PARTITIONS"),
+        retention=parse_retention(raw(env, "POIMEN_OUTBOX_RETENTION")),
+        prune_interval=get_float(env, "POIMEN_OUTBOX_PRUNE_INTERVAL"),
+        prune_batch=get_int(env, "POIMEN_OUTBOX_PRUNE_BATCH"),
+        lag_interval=get_float(env, "POIMEN_OUTBOX_LAG_INTERVAL"),
         shutdown_grace=shutdown_grace(env),
-        backoff_max=float(env.get("POIMEN_OUTBOX_BACKOFF_MAX", defaults.backoff_max)),
-        metrics_port=int(env.get("METRICS_PORT") or env.get("PORT") or defaults.metrics_port),
-        progress_interval=float(env.get("POIMEN_OUTBOX_PROGRESS_INTERVAL",
-                                        defaults.progress_interval)),
+        backoff_max=get_float(env, "POIMEN_OUTBOX_BACKOFF_MAX"),
+        metrics_port=int(port) if port else OUTBOX_METRICS_PORT,
+        progress_interval=get_float(env, "POIMEN_OUTBOX_PROGRESS_INTERVAL"),
         lease=lease_settings(env),
     )

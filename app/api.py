@@ -14,8 +14,6 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 
-from workers import registry
-
 from . import logs, metrics, tracecontext
 from . import runs as run_service
 from .admission import (
@@ -25,9 +23,18 @@ from .admission import (
     admit_many,
     admit_run,
     dumps,
-    loads,
     read_numbers_exactly,
-    unstorable_number,
+)
+from .admission_handler import (
+    API_PREFIX,
+    JSON,
+    REFUSALS,
+    admit_request,
+    parse_json,
+    refusal,
+    serialize_run,
+    unstorable_reason,
+    validate_run_request,
 )
 from .auth import ADMIT, require_token
 from .enqueue import send_pending
@@ -38,14 +45,11 @@ from .openapi import openapi_document
 from .state import runs as state_runs
 from .state.direct import single_statements
 
-bp = Blueprint("v1", __name__, url_prefix="/v1")
+bp = Blueprint("v1", __name__, url_prefix=API_PREFIX)
 log = logging.getLogger(__name__)
 
-RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"}
 # A batch item is a POST /v1/runs body plus that item's W3C Trace Context.
 TRACE_FIELDS = ("traceparent", "tracestate")
-MAX_KEY_LEN = 255
-MAX_REF_LEN = 200
 DEFAULT_PAGE = 50
 MAX_PAGE = 200
 # A cursor this API issues is about 90 characters; anything far longer is not one
@@ -70,44 +74,16 @@ def _json(body: Any, status: int = 200) -> Response:
                                       mimetype="application/json")
 
 
-def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
-    def ts(value: datetime | None) -> str | None:
-        return value.isoformat() if value else None
-
-    return {
-        "id": str(run.id),
-        "tenant": tenant_name,
-        "workflow_ref": run.workflow_ref,
-        "workflow": {"name": run.workflow_name, "version": run.workflow_version},
-        "input": run.input,
-        "goal_id": run.goal_id,
-        "dispatch_key": run.dispatch_key or run.released_key,
-        # True once a newer run of the same key took it over (the workflow's key_reuse).
-        "key_released": run.released_key is not None,
-        "status": run.status,
-        # What a waiting run waits for: 'join', 'concurrency' or 'tenant_cap'.
-        "wait_reason": run.wait_reason,
-        "concurrency_key": run.concurrency_key,
-        "attempt": run.attempt,
-        "cancel_requested": run.cancel_requested,
-        "result": run.result,
-        "error": run.error,
-        "origin": run.origin,
-        "parent_run_id": str(run.parent_run_id) if run.parent_run_id else None,
-        "traceparent": run.traceparent,
-        "created_at": ts(run.created_at),
-        "updated_at": ts(run.updated_at),
-        "started_at": ts(run.started_at),
-        "finished_at": ts(run.finished_at),
-    }
-
-
-def _json_body() -> dict[str, Any]:
+def _require_json() -> None:
     if not request.is_json:
         raise ApiError(
             415, "unsupported_media_type", "send the body as application/json",
             {"content_type": request.content_type},
         )
+
+
+def _json_body() -> dict[str, Any]:
+    _require_json()
     body = parse_json(request.get_data(cache=True))
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", "the request body must be a JSON object",
@@ -115,188 +91,19 @@ def _json_body() -> dict[str, Any]:
     return body
 
 
-def parse_json(data: bytes) -> Any:
-    """A request body as JSON, or raise a 400 ``malformed_json``."""
-    try:
-        # Strict JSON (no NaN or Infinity), numbers kept as written (see admission.loads).
-        return loads(data)
-    except (ValueError, RecursionError) as err:
-        raise ApiError(400, "malformed_json", "the request body is not valid JSON",
-                       {"reason": str(err)[:200]}) from err
-
-
-def _unstorable(value: Any) -> str | None:
-    """Return why ``value`` cannot be stored as sent (NUL, lone surrogates, 1e400), or None."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            if "\x00" in item:
-                return "contains U+0000, which Postgres text cannot hold"
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return "contains an unpaired surrogate (not valid Unicode)"
-        elif isinstance(item, float) and (reason := unstorable_number(item)):
-            return f"contains a number that cannot be stored: {reason}"
-    return None
-
-
-def _optional_string(body: dict, name: str, problems: dict) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_KEY_LEN:
-        problems[name] = f"must be a string of 1 to {MAX_KEY_LEN} characters"
-        return None
-    return value
-
-
-def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
-    """Return the cleaned fields of a ``POST /v1/runs`` body or raise a 422."""
-    problems: dict[str, str] = {}
-    unknown = sorted(set(body) - RUN_FIELDS)
-    for name in unknown:
-        problems[name] = "unknown field"
-    ref = body.get("workflow_ref")
-    if not isinstance(ref, str) or not ref.strip():
-        problems["workflow_ref"] = "required: a non-empty string ('name' or 'name@version')"
-    elif len(ref) > MAX_REF_LEN:
-        problems["workflow_ref"] = f"must be at most {MAX_REF_LEN} characters"
-    input_ = body.get("input", {})
-    if not isinstance(input_, dict):
-        problems["input"] = "must be a JSON object"
-    goal_id = _optional_string(body, "goal_id", problems)
-    dispatch_key = _optional_string(body, "dispatch_key", problems)
-    concurrency_key = _optional_string(body, "concurrency_key", problems)
-    for name in ("workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"):
-        if name not in problems and (reason := _unstorable(body.get(name))):
-            problems[name] = reason
-    if problems:
-        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": problems})
-    return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key,
-            "concurrency_key": concurrency_key}
-
-
-def idempotency_key(fields: dict[str, Any], header: str | None) -> str | None:
-    """The dispatch key of a request: the body's, or the ``Idempotency-Key`` header's.
-
-    The header (IETF draft "The Idempotency-Key HTTP Header Field") is the same
-    thing as ``dispatch_key``; its value is a structured-field string, so one
-    pair of surrounding double quotes is taken off. Both present and different
-    is a 422: two keys for one request would collapse two intents or split one.
-    """
-    if header is None:
-        return fields.get("dispatch_key")
-    key = header[1:-1] if len(header) >= 2 and header[0] == header[-1] == '"' else header
-    if not 1 <= len(key) <= MAX_KEY_LEN:
-        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": {
-            "Idempotency-Key": f"must be a string of 1 to {MAX_KEY_LEN} characters"}})
-    body_key = fields.get("dispatch_key")
-    if body_key is not None and body_key != key:
-        raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": {
-            "Idempotency-Key": "differs from the body's dispatch_key (send one, or both equal)"}})
-    return key
-
-
 @bp.post("/runs")
 @require_token(ADMIT)
 def create_run():
+    """``admission_handler.admit_request``'s answer as a werkzeug ``Response``."""
     started = time.perf_counter()
-    body = _json_body()
-    principal = g.principal
-    admission = admit_one(principal, body, request.headers, started,
-                          single_statements(db.session, send_pending), note=logs.note)
-    logs.note(run_id=admission.run.id)
-    response = _json(serialize_run(admission.run, principal.tenant_name),
-                     201 if admission.created else 200)
-    for name, value in answer_headers(admission, request.script_root):
-        response.headers[name] = value
-    return response
-
-
-# The exceptions with which ``admit_run`` refuses a request (``refusal`` answers them).
-REFUSALS = (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.DataError,
-            AdmissionConflict)
-
-
-def admit_one(principal, body: Any, headers, started: float, store,
-              note=None) -> Admission:
-    """``POST /v1/runs``'s work on a parsed body, whoever serves the request: the view
-    above, or ``app/fastpath.py`` in front of Flask. Raises ``ApiError`` for a refusal.
-
-    ``headers`` is the request's (werkzeug's ``EnvironHeaders``); ``store`` is
-    ``single_statements(...)``, whose ``commit()`` hands a new run to the sender;
-    ``note`` adds fields to the request's log records.
-    """
-    if not isinstance(body, dict):
-        raise ApiError(400, "invalid_body", "the request body must be a JSON object",
-                       {"type": type(body).__name__})
-    fields = validate_run_request(body)
-    fields["dispatch_key"] = idempotency_key(fields, headers.get("Idempotency-Key"))
-    if note is not None:
-        note(dispatch_key=fields.get("dispatch_key"))
-    # Admission is one statement (run and event together), so it needs no
-    # transaction around it: in autocommit it is one round trip, not BEGIN,
-    # statement, COMMIT. A replay's read is another statement, which sees the
-    # winner ON CONFLICT waited for. Both run on psycopg directly
-    # (app/state/direct.py); the run is handed to the sender only by
-    # store.commit(), after the row is committed.
-    try:
-        admission = admit_run(
-            store,
-            tenant_id=principal.tenant_id,
-            origin=AdmissionOrigin.HTTP,
-            origin_detail=(headers.get("User-Agent") or "")[:255] or None,
-            # W3C Trace Context: kept on the run when valid, ignored (never an error) if not.
-            trace=tracecontext.from_headers(headers),
-            **fields,
-        )
-    except REFUSALS as err:
-        store.rollback()
-        if isinstance(err, AdmissionConflict):
-            metrics.ADMISSIONS.labels("http", "conflict").inc()
-        raise refusal(err, fields) from err
-    store.commit()
-    metrics.ADMISSION_SECONDS.labels("http").observe(time.perf_counter() - started)
-    metrics.ADMISSIONS.labels("http", "created" if admission.created else "replayed").inc()
-    return admission
-
-
-def answer_headers(admission: Admission, script_root: str) -> list[tuple[str, str]]:
-    """The headers of ``POST /v1/runs``'s answer besides the JSON body's own."""
-    # get_run's URL without url_for (its rule building is a twentieth of the view).
-    headers = [("Location", f"{script_root}{bp.url_prefix}/runs/{admission.run.id}")]
-    if not admission.created:
-        headers.append(("Idempotent-Replayed", "true"))
-    return headers
-
-
-def refusal(err: Exception, fields: dict[str, Any]) -> ApiError:
-    """The API's answer to an admission refusing a request (``admit_run`` raised ``err``)."""
-    if isinstance(err, registry.UnknownWorkflow):
-        return ApiError(422, "unknown_workflow", str(err), {"workflow_ref": fields["workflow_ref"]})
-    if isinstance(err, registry.InvalidConcurrencyKey):
-        # The message names the workflow and the exception type, never the input.
-        return ApiError(422, "validation_failed", "the run request is invalid",
-                        {"fields": {"concurrency_key": str(err)}})
-    if isinstance(err, sa_exc.DataError):
-        # Every value in the statement came from the request, so Postgres refusing
-        # one (a number beyond numeric's range, say) is the request's fault: a 422,
-        # never a 500. The database's message is not repeated: it quotes the value.
-        reason = type(err.orig).__name__
-        return ApiError(422, "validation_failed", "the run request cannot be stored",
-                        {"fields": {"input": f"refused by the database ({reason})"}})
-    if isinstance(err, AdmissionConflict):
-        return ApiError(409, "dispatch_key_conflict", str(err),
-                        {"run_id": str(err.existing.id),
-                         "dispatch_key": err.existing.dispatch_key, "differs": err.fields})
-    raise TypeError(f"not an admission refusal: {type(err).__name__}") from err
+    _require_json()
+    answer = admit_request(g.principal, request.get_data(cache=True), request.headers, started,
+                           single_statements(db.session, send_pending),
+                           script_root=request.script_root, note=logs.note)
+    if answer.run_id is not None:
+        logs.note(run_id=answer.run_id)
+    return current_app.response_class(answer.body, status=answer.status,
+                                      headers=list(answer.headers), mimetype=JSON)
 
 
 def _item_error(err: ApiError) -> dict[str, Any]:
@@ -436,7 +243,7 @@ def list_runs():
                                   "cursor", "parent_run_id"})
     if unknown:
         raise ApiError(400, "unknown_parameter", "unknown query parameters", {"names": unknown})
-    bad = {name: reason for name, value in args.items() if (reason := _unstorable(value))}
+    bad = {name: reason for name, value in args.items() if (reason := unstorable_reason(value))}
     if bad:
         raise ApiError(400, "invalid_parameter", "invalid query parameters", {"names": bad})
     try:

@@ -140,7 +140,7 @@ def register_cli(app: Flask) -> None:
     def runs_show(run_id: str):
         """Print one run as JSON."""
         from .admission import dumps
-        from .api import serialize_run
+        from .admission_handler import serialize_run
 
         try:
             found = run_service.find_run(db.session, uuid.UUID(run_id))

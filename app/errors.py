@@ -10,22 +10,14 @@ from flask import Flask, jsonify
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
+from .apierror import ApiError  # the error value itself needs no Flask
+
 log = logging.getLogger(__name__)
 
 
-class ApiError(Exception):
-    """An error the API answers with ``status`` and a JSON body."""
-
-    def __init__(self, status: int, code: str, message: str, details: Any = None, headers=None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.details = details if details is not None else {}
-        self.headers = headers or {}
-
-
 def error_response(status: int, code: str, message: str, details: Any = None, headers=None):
+    # apierror.error_body writes the same bytes for plain JSON details (the admission
+    # handler's refusals); jsonify here also takes dates and UUIDs.
     body = {"error": {"code": code, "message": message, "details": details or {}}}
     response = jsonify(body)
     response.status_code = status

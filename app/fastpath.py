@@ -12,10 +12,10 @@ request is plain and hands everything else to Flask untouched.
 Plain means: ``Content-Type: application/json`` with a ``Content-Length`` within
 ``MAX_CONTENT_LENGTH``, and a bearer token this process has already looked up
 and cached (``auth.PrincipalCache``) whose scope allows ``admit``. The work is
-the view's own (``api.admit_one``: the same validation, statement, replay and
-refusal rules), on the same engine, and the run reaches the same sender after
-its commit. The answer is the view's, byte for byte: the body, ``Location``,
-``Idempotent-Replayed``, ``X-Request-ID``; the same metrics series
+the view's own (``admission_handler.admit_request``: the same validation, statement,
+replay and refusal rules, and the same answer), on the same engine, and the run reaches
+the same sender after its commit. The answer is the view's, byte for byte, a refusal's
+too: the body, ``Location``, ``Idempotent-Replayed``, ``X-Request-ID``; the same metrics series
 (``poimen_http_requests_total`` and the latency histogram under the route
 ``/v1/runs``); the log records' ``request_id``, ``tenant``, ``trace_id`` (of a
 valid ``traceparent``) and ``dispatch_key``, and the access log's
@@ -24,10 +24,11 @@ valid ``traceparent``) and ``dispatch_key``, and the access log's
 Everything else goes to Flask, which answers as it always has: another path or
 method, a token not in the cache (Flask looks it up and caches it), another
 content type, a body without a length or over the limit (its 413). Once the
-body has been read, Flask gets it back as ``wsgi.input``. An error raised
-while the fast path works (a 422 refusal, a 409 conflict, a database outage)
-is answered by Flask's own error handlers, inside a request context made for
-it: the statement is never run twice.
+body has been read, Flask gets it back as ``wsgi.input``. A refusal (a 400, a 422,
+a 409 conflict) is the handler's answer, written here as any other. An error raised
+while the fast path works (a database outage) is answered by Flask's own error
+handlers, inside a request context made for it. Either way the statement is never
+run twice.
 
 Only the app's own Flask, never someone else's: the fast path skips Flask's
 hooks and signals, so it serves a request only while nothing but Poimen hooks
@@ -68,12 +69,12 @@ import weakref
 from flask import Flask, g, signals
 from flask.helpers import _split_blueprint_path
 from werkzeug.datastructures import EnvironHeaders
+from werkzeug.http import HTTP_STATUS_CODES
 
 import logconfig
 
 from . import logs, metrics, tracecontext
-from .admission import dumps
-from .api import admit_one, answer_headers, parse_json, serialize_run
+from .admission_handler import JSON, admit_request
 from .auth import ADMIT, TENANT_HEADER, cached_principal
 from .enqueue import send_pending
 from .extensions import db
@@ -83,7 +84,6 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/runs"
 _TENANT_KEY = "HTTP_" + TENANT_HEADER.upper().replace("-", "_")
-_STATUS = {201: "201 CREATED", 200: "200 OK"}
 
 # Flask's per-request hooks, by blueprint (``None``: the app's): run around the view.
 HOOKS = ("before_request_funcs", "after_request_funcs", "teardown_request_funcs",
@@ -111,8 +111,7 @@ class FastAdmission:
             self.engine = db.engine
         self.send = functools.partial(send_pending, celery_app=app.extensions["celery"])
         self.max_body = app.config.get("MAX_CONTENT_LENGTH")
-        self.requests = {status: metrics.HTTP_REQUESTS.labels("POST", PATH, str(status))
-                         for status in _STATUS}
+        self.requests: dict[int, tuple] = {}  # status: (its status line, its counter)
         self.seconds = metrics.HTTP_SECONDS.labels("POST", PATH)
         self.endpoint = app.url_map.bind("").match(PATH, "POST")[0]
         blueprint = self.endpoint.rpartition(".")[0]
@@ -162,25 +161,34 @@ class FastAdmission:
         with logconfig.log_context(request_id=rid, tenant=principal.tenant_name,
                                    trace_id=trace.trace_id if trace is not None else None):
             try:
-                admission = admit_one(principal, parse_json(body), given, started,
-                                      SingleStatements(self.engine, self.send), note=logs.note)
+                answer = admit_request(principal, body, given, started,
+                                       SingleStatements(self.engine, self.send),
+                                       script_root=environ.get("SCRIPT_NAME", "").rstrip("/"),
+                                       note=logs.note)
             except Exception as err:  # noqa: BLE001 - answered by Flask's handlers, as the view's
                 return self._flask_answer(environ, start_response, err, principal, rid,
                                           started)
-        run = admission.run
-        payload = (dumps(serialize_run(run, principal.tenant_name), ascii=True) + "\n").encode()
-        status = 201 if admission.created else 200
-        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(payload))),
-                   *answer_headers(admission, environ.get("SCRIPT_NAME", "").rstrip("/")),
-                   ("X-Request-ID", rid)]
+        headers = [("Content-Type", JSON), ("Content-Length", str(len(answer.body))),
+                   *answer.headers, ("X-Request-ID", rid)]
         # What gunicorn's access line names (logs.ACCESS_FIELDS), as the Flask path leaves it.
         environ["poimen.request_id"] = rid
         environ["poimen.tenant"] = principal.tenant_name
-        environ["poimen.run_id"] = str(run.id)
-        self.requests[status].inc()
+        if answer.run_id is not None:
+            environ["poimen.run_id"] = answer.run_id
+        line, counter = self._status(answer.status)
+        counter.inc()
         self.seconds.observe(time.perf_counter() - started)
-        start_response(_STATUS[status], headers)
-        return [payload]
+        start_response(line, headers)
+        return [answer.body]
+
+    def _status(self, status: int):
+        """The status line of ``status`` and its ``poimen_http_requests_total`` series."""
+        found = self.requests.get(status)
+        if found is None:
+            found = self.requests[status] = (
+                f"{status} {HTTP_STATUS_CODES.get(status, 'UNKNOWN').upper()}",
+                metrics.HTTP_REQUESTS.labels("POST", PATH, str(status)))
+        return found
 
     def _principal(self, environ: dict):
         """The cached principal of the request's bearer token if it may admit, else None."""

@@ -104,7 +104,14 @@ def pg(database_url):
 
 
 @pytest.fixture
-def db_session(app):
+def db_session(rolled_back_session):
+    """``db.session`` inside one transaction that is rolled back after the test (the
+    admission modules' own, ``tests/app/admission_paths.py``, commits on the fast path)."""
+    return rolled_back_session
+
+
+@pytest.fixture
+def rolled_back_session(app):
     """``db.session`` inside one transaction that is rolled back after the test.
 
     For fast tests (pypi/warehouse's ``db_session``): the app's commits only

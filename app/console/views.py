@@ -31,7 +31,8 @@ from workers import registry
 from .. import backlog
 from .. import runs as run_service
 from ..admission import AdmissionConflict, admit_run, dumps
-from ..api import MAX_KEY_LEN, _decode_cursor, _encode_cursor, _unstorable
+from ..admission_handler import MAX_KEY_LEN, unstorable_reason
+from ..api import _decode_cursor, _encode_cursor
 from ..auth import ADMIT, REPLAY_DLQ
 from ..errors import ApiError
 from ..extensions import db
@@ -191,7 +192,7 @@ def _filters() -> tuple[dict[str, str], run_service.RunFilter]:
     for name, value in args.items():
         if len(value) > MAX_KEY_LEN:
             problems[name] = f"at most {MAX_KEY_LEN} characters"
-        elif reason := _unstorable(value):
+        elif reason := unstorable_reason(value):
             problems[name] = reason
     status = args.get("status")
     if status and status not in {s.value for s in RunStatus}:

@@ -20,9 +20,15 @@ from sqlalchemy import text
 
 import tests.workflows.reuse  # noqa: F401 - registers the reuse-* workflows
 from app.models import AdmissionOrigin
+from tests.app import admission_paths
 
 TICK_KEY = "schedule:reuse-after-end:2026-12-05T01:00:00Z"
 KAFKA_KEY = "kafka:poimen.acme.dispatch:0:17"
+
+# Each admission test on both HTTP layers: Flask's view, and the fast path.
+admission_path = admission_paths.admission_path
+client = admission_paths.client
+db_session = admission_paths.db_session
 
 
 def end(db, run_id, status: str = "succeeded") -> None:

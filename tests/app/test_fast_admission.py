@@ -2,9 +2,10 @@
 
 A plain request (JSON with a length, a token this process has cached) is answered
 without Flask's dispatch; its answer must be the one Flask's view gives, byte for
-byte, and every other request must reach Flask untouched. Refusals met on the
-fast path are answered by Flask's own handlers without running the statement
-again. Real Postgres and Redis throughout; the witness that Flask did or did not
+byte, and every other request must reach Flask untouched. A refusal is the one
+handler's answer (``app/admission_handler.py``), written by the fast path itself,
+the statement run once. The admission test modules run every claim on both paths
+(``tests/app/admission_paths.py``). Real Postgres and Redis throughout; the witness that Flask did or did not
 dispatch is a counter around the app's own ``flask_wsgi`` (our code, not a stand-in).
 """
 
@@ -155,8 +156,8 @@ def test_the_fast_path_counts_and_logs_as_the_view(client, tenant, flask_calls):
     ([1, 2], 400, "invalid_body"),
     ("not json", 400, "malformed_json"),
 ])
-def test_a_refusal_on_the_fast_path_is_answered_by_flasks_handlers(
-        client, tenant, flask_calls, body, status, code):
+def test_a_refusal_on_the_fast_path_is_answered_there_as_flask_answers_it(
+        client, tenant, flask_calls, flask_only, body, status, code):
     _post(client, tenant, {"workflow_ref": "echo"})  # caches the token
     flask_calls.clear()
     data = body if isinstance(body, str) else json.dumps(body)
@@ -171,6 +172,11 @@ def test_a_refusal_on_the_fast_path_is_answered_by_flasks_handlers(
     assert flask_calls == [], "the request was dispatched again by Flask"
     assert _sample("poimen_http_requests_total", method="POST", route="/v1/runs",
                    status=str(status)) == before + 1
+    flask_only()
+    slow = client.post("/v1/runs", data=data, headers={
+        **tenant.headers, "Content-Type": "application/json", "X-Request-ID": "refused-1"})
+    assert (slow.status_code, slow.get_data()) == (r.status_code, r.get_data())
+    assert _headers(slow) == _headers(r)
 
 
 def test_a_conflict_is_answered_once_and_admits_nothing(client, tenant, flask_calls, pg):

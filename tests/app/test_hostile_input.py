@@ -13,7 +13,13 @@ import json
 
 import requests
 
+from tests.app import admission_paths
 from tests.app.test_idempotent_admission import count_runs
+
+# Each admission test on both HTTP layers: Flask's view, and the fast path.
+admission_path = admission_paths.admission_path
+client = admission_paths.client
+db_session = admission_paths.db_session
 
 LONG_DECIMAL = "0.1000000000000000055511151231257827"
 

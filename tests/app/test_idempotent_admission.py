@@ -11,6 +11,12 @@ import psycopg
 import pytest
 import requests
 
+from tests.app import admission_paths
+
+# Each admission test on both HTTP layers: Flask's view, and the fast path.
+admission_path = admission_paths.admission_path
+client = admission_paths.client
+db_session = admission_paths.db_session
 
 def post_run(client, creds, **body):
     return client.post("/v1/runs", json=body, headers=creds.headers)

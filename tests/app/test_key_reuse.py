@@ -16,7 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import tests.workflows.reuse  # noqa: F401 - registers the reuse-* workflows
+from tests.app import admission_paths
 from workers.registry import InvalidDefinition, Step, Workflow, action
+
+# Each admission test on both HTTP layers: Flask's view, and the fast path.
+admission_path = admission_paths.admission_path
+client = admission_paths.client
+db_session = admission_paths.db_session
 
 
 def post(client, tenant, ref, key, **input):

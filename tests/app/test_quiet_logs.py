@@ -51,12 +51,12 @@ def test_an_error_quoting_the_input_is_logged_without_it(app, client, tx_tenant,
 
 def test_an_exception_message_with_the_input_is_not_logged(client, tx_tenant, monkeypatch,
                                                             caplog):
-    from app import api
+    from app import admission_handler
 
     def broken(session, **fields):
         raise KeyError(f"no account for {fields['input']}")
 
-    monkeypatch.setattr(api, "admit_run", broken)
+    monkeypatch.setattr(admission_handler, "admit_run", broken)
     caplog.set_level(logging.INFO)
     response = client.post("/v1/runs", headers=tx_tenant.headers,
                            json={"workflow_ref": "echo", "input": {"password": SECRET}})

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow
 # Every top-level name the server's wheel installs, and the packages under them that
 # the processes load (bridge.client is the client's, through poimen_client).
 MODULES = ("app", "app.state", "app.console", "app.gunicorn_conf", "workers", "bridge",
-           "bridge.inbox", "bridge.outbox", "lease", "logconfig", "poimenconfig",
+           "bridge.inbox", "bridge.outbox", "lease", "logconfig", "poimenconfig", "settings_table",
            "celeryconfig", "poimen_client")
 WHERE = r'''
 import importlib.util, json, sys, sysconfig

@@ -107,9 +107,10 @@ MUTANTS: list[Mutant] = [
         "an admission answered in front of Flask runs once: a refusal is answered, "
         "never handed to Flask to run again",
         "app/fastpath.py",
-        "                return self._flask_answer(environ, start_response, err, principal, rid,\n"
-        "                                          started)\n",
-        "                return self.flask_wsgi(environ, start_response)\n",
+        "        headers = [(\"Content-Type\", JSON), (\"Content-Length\", str(len(answer.body))),\n",
+        "        if answer.run_id is None:\n"
+        "            return self.flask_wsgi(environ, start_response)\n"
+        "        headers = [(\"Content-Type\", JSON), (\"Content-Length\", str(len(answer.body))),\n",
         ("tests/app/test_fast_admission.py::"
          "test_a_conflict_is_answered_once_and_admits_nothing",),
     ),
@@ -151,8 +152,8 @@ MUTANTS: list[Mutant] = [
         "admission_in_a_transaction",
         "an admission is one round trip: its one statement runs in autocommit (issue 10)",
         "app/api.py",
-        "                          single_statements(db.session, send_pending), note=logs.note)\n",
-        "                          db.session, note=logs.note)\n",
+        "                           single_statements(db.session, send_pending),\n",
+        "                           db.session,\n",
         ("tests/app/test_hot_path.py::test_an_admission_is_one_statement_in_autocommit",),
     ),
     Mutant(
@@ -669,9 +670,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "prepared_statements_behind_a_pooler",
         "the app's pooled connections prepare no statements (a transaction pooler mixes them)",
-        "poimenconfig.py",
-        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "auto")',
-        'raw = env.get("POIMEN_DB_PREPARE_THRESHOLD", "5")',
+        "settings_table.py",
+        '_db("POIMEN_DB_PREPARE_THRESHOLD", str, "auto",',
+        '_db("POIMEN_DB_PREPARE_THRESHOLD", str, "5",',
         ("tests/chaos/test_pooler.py::"
          "test_web_and_workers_behind_the_pooler_admit_and_run_every_run_without_an_error",),
     ),
