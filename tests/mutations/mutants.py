@@ -1026,7 +1026,7 @@ MUTANTS: list[Mutant] = [
          "test_a_run_outlives_its_worker_losing_the_broker_connection",),
         ci=False,  # needs RabbitMQ and rabbitmqctl on the machine
     ),
-    # -- the cross-feature model (issue 43): each rule it checks, broken once ------------------
+    # -- the cross-feature model: each rule it checks, broken once ----------------------------
     Mutant(
         "model_group_limit_off_by_one",
         "at most concurrency_limit runs of a group run at once (model rule limits)",
@@ -1063,7 +1063,9 @@ MUTANTS: list[Mutant] = [
         "app/admission.py",
         "    return registry.KEY_REUSE_POLICIES[workflow.key_reuse]\n",
         "    return registry.KEY_REUSE_POLICIES[\"after_end\"]\n",
-        (MODEL_TEST,),
+        # The model finds this within the gate's examples on most seeds, not all: the
+        # deterministic witness of the rule stands beside it.
+        (MODEL_TEST, "tests/app/test_key_reuse.py::test_the_default_policy_replays_a_failed_run"),
     ),
     Mutant(
         "model_tick_from_the_beat_clock",
