@@ -61,13 +61,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
-from .inbox_faults import MessageFault, run_request_body
+from .deadletter import DeadLetter
+from .inbox.faults import MessageFault, run_request_body
 from .topics import dead_letter_topic, dispatch_topic
 
 log = logging.getLogger("poimen.dlq")
 
-DLQ_HEADER = "poimen.dlq."
-REPLAY_HEADER = "poimen.replay."
 REPLAY_GROUP = "poimen-dlq-replay"
 PROGRESS_SECONDS = 5.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", re.IGNORECASE)
@@ -86,44 +85,6 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
         raise ValueError(f"--since {value!r}: give an ISO 8601 time (YYYY-MM-DDTHH:MM:SSZ) "
                          "or an age (30m, 2h, 7d)") from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
-@dataclass
-class DeadLetter:
-    """One record of a dead-letter topic, split into the original and the inbox's headers."""
-
-    partition: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]       # the producer's own headers
-    dlq: dict[str, str]                    # poimen.dlq.* without the prefix
-    replay: dict[str, str] = field(default_factory=dict)  # poimen.replay.* without the prefix
-
-    @property
-    def reason(self) -> str:
-        return self.dlq.get("reason", "")
-
-    @property
-    def origin(self) -> tuple[str, int, int, int | None] | None:
-        """Where the message was read from: topic, partition, offset and its stored time
-        (None in a letter written before the relay recorded it)."""
-        try:
-            where = (self.dlq["origin.topic"], int(self.dlq["origin.partition"]),
-                     int(self.dlq["origin.offset"]))
-        except (KeyError, ValueError):
-            return None
-        try:
-            return (*where, int(self.dlq["origin.timestamp"]))
-        except (KeyError, ValueError):
-            return (*where, None)
-
-    @property
-    def copy_of(self) -> str | None:
-        """The dead letter this one is a copy of (``<topic>:<partition>:<offset>``), if a
-        replay published it and the inbox dead-lettered it again; else None."""
-        return self.replay.get("from") or None
 
 
 @dataclass
@@ -147,19 +108,6 @@ class ReplayReport:
             text += "; not replayed: " + ", ".join(f"{n} {why}" for why, n in
                                                    sorted(self.skipped.items()))
         return text
-
-
-def _split(msg) -> DeadLetter:
-    own, dlq, replay = [], {}, {}
-    for name, raw in msg.headers() or []:
-        if name.startswith(DLQ_HEADER):
-            dlq[name[len(DLQ_HEADER):]] = (raw or b"").decode("utf-8", "replace")
-        elif name.startswith(REPLAY_HEADER):
-            replay[name[len(REPLAY_HEADER):]] = (raw or b"").decode("utf-8", "replace")
-        else:
-            own.append((name, raw or b""))
-    return DeadLetter(msg.partition(), msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
-                      own, dlq, replay)
 
 
 class DeadLetterTopic:
@@ -248,7 +196,7 @@ class DeadLetterTopic:
                 continue
             if msg.offset() >= ends[msg.partition()] - 1:
                 todo.discard(msg.partition())
-            yield _split(msg)
+            yield DeadLetter.from_message(msg)
 
     def commit(self, offsets: Mapping[int, int]) -> None:
         """Record ``offsets`` as the replay group's: the next plain replay starts there."""
@@ -273,7 +221,8 @@ def replay_request(letter: DeadLetter) -> tuple[bytes | None, str]:
             if derived:
                 return None, "keyless_without_origin"
             return body, ""
-        body, _ = run_request_body(letter.value, *origin)
+        body, _ = run_request_body(letter.value, origin.topic, origin.partition, origin.offset,
+                                   origin.timestamp_ms)
     except MessageFault as fault:
         return None, f"never_a_run:{fault.fault.reason}"
     return body, ""
@@ -392,10 +341,7 @@ class _CopyPublisher:
     def __call__(self, letter: DeadLetter, source: str, value: bytes) -> None:
         if self.producer is None:
             return
-        headers = [*letter.headers,
-                   ("poimen.replay.from", f"{source}:{letter.partition}:{letter.offset}"
-                    .encode()),
-                   ("poimen.replay.reason", letter.reason.encode())]
+        headers = letter.copy_headers(source)
         while True:
             try:
                 self.producer.produce(self.target, value, key=letter.key, headers=headers,
@@ -419,7 +365,7 @@ class _CopyPublisher:
 
 def _describe(letter: DeadLetter, value: bytes | None, why: str) -> str:
     origin = letter.origin
-    where = f"{origin[0]}[{origin[1]}]@{origin[2]}" if origin else "-"
+    where = f"{origin.topic}[{origin.partition}]@{origin.offset}" if origin else "-"
     key = ref = "-"
     try:
         body = json.loads(value) if value is not None else {}

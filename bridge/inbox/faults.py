@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-DETAIL_CHARS = 1000
+from ..deadletter import DETAIL_CHARS
 
 # The API's 4xx that describe the request itself: the same request can never succeed.
 MESSAGE_FAULT_STATUSES = frozenset({400, 409, 413, 415, 422})
