@@ -22,14 +22,14 @@ are never decoded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from traceback import TracebackException
 from typing import NamedTuple
 
 from confluent_kafka import Message
 
-from .kafka import DEFAULT_MAX_MESSAGE_BYTES
+from .kafka import DEFAULT_MAX_MESSAGE_BYTES, Headers, KafkaHeaders, header_list, place
 
 DLQ_HEADER = "poimen.dlq."
 REPLAY_HEADER = "poimen.replay."
@@ -41,25 +41,8 @@ TRACEBACK_CHARS = 2000
 # message.max.bytes (DEFAULT_MAX_MESSAGE_BYTES unless KAFKA_MESSAGE_MAX_BYTES is set).
 DLQ_RECORD_OVERHEAD = 512
 
-# A Kafka record's headers as this codec keeps them: name, raw value (None: a null value).
-Headers = list[tuple[str, bytes | None]]
-# What confluent-kafka gives and takes as headers.
-KafkaHeaders = (Mapping[str, str | bytes | None]
-                | Sequence[tuple[str, str | bytes | None]])
-
-
-def _raw(value: str | bytes | None) -> bytes | None:
-    return value.encode("utf-8", "replace") if isinstance(value, str) else value
-
-
-def _text(value: str | bytes | None) -> str:
-    return (value or b"").decode("utf-8", "replace") if not isinstance(value, str) else value
-
-
-def header_list(headers: KafkaHeaders | None) -> Headers:
-    """Return a record's headers as a list of ``(name, bytes or None)``, in order."""
-    items = headers.items() if isinstance(headers, Mapping) else (headers or ())
-    return [(name, _raw(value)) for name, value in items]
+def _text(value: bytes | None) -> str:
+    return (value or b"").decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -130,8 +113,7 @@ class DeadLetter:
     def from_message(cls, msg: Message) -> DeadLetter:
         """Parse a record consumed from a dead-letter topic, with its place there."""
         letter = cls.parse(msg.key(), msg.value(), msg.headers())
-        letter.partition = msg.partition() if msg.partition() is not None else -1
-        letter.offset = msg.offset() if msg.offset() is not None else -1
+        _, letter.partition, letter.offset = place(msg)
         letter.timestamp_ms = msg.timestamp()[1]
         return letter
 

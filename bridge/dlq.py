@@ -57,12 +57,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
 from .deadletter import DeadLetter
 from .inbox.faults import MessageFault, run_request_body
+from .kafka import kafka_headers, place
 from .topics import dead_letter_topic, dispatch_topic
 
 log = logging.getLogger("poimen.dlq")
@@ -96,8 +97,8 @@ class ReplayReport:
     read: int = 0
     selected: int = 0
     replayed: int = 0
-    skipped: Counter = field(default_factory=Counter)    # why a selected letter was not replayed
-    by_reason: Counter = field(default_factory=Counter)  # selected letters by poimen.dlq.reason
+    skipped: Counter[str] = field(default_factory=Counter)    # why a selected letter was not replayed
+    by_reason: Counter[str] = field(default_factory=Counter)  # selected letters by poimen.dlq.reason
     committed: dict[int, int] = field(default_factory=dict)  # partition -> where the next starts
 
     def summary(self, dry_run: bool) -> str:
@@ -142,7 +143,7 @@ class DeadLetterTopic:
     def __enter__(self) -> DeadLetterTopic:
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self._consumer.close()
 
     def resume_offsets(self) -> dict[int, int]:
@@ -187,15 +188,17 @@ class DeadLetterTopic:
                                        f"partitions {sorted(todo)} not read to their end")
                 continue
             idle_since = time.monotonic()
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    todo.discard(msg.partition())
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    todo.discard(msg.partition() or 0)
                     continue
-                raise KafkaException(msg.error())
-            if msg.partition() not in todo or msg.offset() >= ends[msg.partition()]:
+                raise KafkaException(error)
+            _, partition, offset = place(msg)
+            if partition not in todo or offset >= ends[partition]:
                 continue
-            if msg.offset() >= ends[msg.partition()] - 1:
-                todo.discard(msg.partition())
+            if offset >= ends[partition] - 1:
+                todo.discard(partition)
             yield DeadLetter.from_message(msg)
 
     def commit(self, offsets: Mapping[int, int]) -> None:
@@ -334,7 +337,7 @@ class _CopyPublisher:
                                                        "enable.idempotence": True})
         self.failures: list[KafkaError] = []
 
-    def _delivered(self, err, _msg) -> None:
+    def _delivered(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
             self.failures.append(err)
 
@@ -344,7 +347,8 @@ class _CopyPublisher:
         headers = letter.copy_headers(source)
         while True:
             try:
-                self.producer.produce(self.target, value, key=letter.key, headers=headers,
+                self.producer.produce(self.target, value, key=letter.key,
+                                      headers=kafka_headers(headers),
                                       on_delivery=self._delivered)
                 break
             except BufferError:  # the producer's queue is full: let it drain

@@ -155,9 +155,8 @@ def api_error_code(document: Any) -> str | None:
     if not isinstance(document, dict):
         return None
     error = document.get("error")
-    if isinstance(error, dict) and isinstance(error.get("code"), str) and "message" in error:
-        return error["code"]
-    return None
+    code = error.get("code") if isinstance(error, dict) and "message" in error else None
+    return code if isinstance(code, str) else None
 
 
 def _excerpt(text: bytes) -> str:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from confluent_kafka import Message
 
+from ..kafka import header_list
+
 # The W3C Trace Context headers a dispatch message may carry, posted on as the HTTP
 # headers of the same name. The API decides validity (a malformed one is ignored
 # there); here a value is only required to be one an HTTP header can carry.
@@ -18,9 +20,9 @@ _HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,512}")
 def trace_headers(msg: Message) -> dict[str, str]:
     """The message's ``traceparent`` and ``tracestate`` Kafka headers, fit for HTTP."""
     found: dict[str, str] = {}
-    for name, value in msg.headers() or ():
+    for name, value in header_list(msg.headers()):
         if name in TRACE_HEADERS and name not in found and value:
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            text = value.decode("ascii", "replace")
             if _HEADER_VALUE.fullmatch(text):
                 found[name] = text
     return found

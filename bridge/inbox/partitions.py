@@ -16,6 +16,7 @@ from enum import StrEnum
 
 from confluent_kafka import Message, TopicPartition
 
+from ..kafka import offset_of
 from .outcomes import Outcome
 
 
@@ -90,9 +91,10 @@ class PartitionWork:
     def append(self, msg: Message, now: float = 0.0) -> None:
         # A resume after a pause may re-fetch from the consumer's position;
         # never hold an offset twice.
-        if msg.offset() < self.next_offset:
+        offset = offset_of(msg)
+        if offset < self.next_offset:
             return
-        self.next_offset = msg.offset() + 1
+        self.next_offset = offset + 1
         self.slots.append(Slot(msg, queued_at=now))
         self.buffered_bytes += message_bytes(msg)
         self.waiting += 1
@@ -174,7 +176,7 @@ class PartitionWork:
         while self.slots and self.slots[0].state is SlotState.DONE:
             done = self.slots.popleft().message
             self.buffered_bytes -= message_bytes(done)
-            self.commit_offset = done.offset() + 1
+            self.commit_offset = offset_of(done) + 1
 
     def settle(self, slot: Slot, outcome: Outcome, now: float, retry_delay: float = 0.0) -> None:
         """Record a lone delivery's outcome (``settle_many`` of one)."""

@@ -26,7 +26,7 @@ import logconfig
 from poimenconfig import MAX_BODY_BYTES, InboxSettings, inbox_settings
 
 from ..deadletter import Record, dead_letter_record, traceback_summary
-from ..kafka import DEFAULT_MAX_MESSAGE_BYTES, SIZE_ERRORS, describe
+from ..kafka import DEFAULT_MAX_MESSAGE_BYTES, SIZE_ERRORS, describe, kafka_headers, place
 from ..process import backoff_delay, configure_logging, serve
 from ..topics import dead_letter_topic, ensure_topics
 from .faults import (
@@ -77,6 +77,11 @@ USER_AGENT = f"poimen-inbox/{_version()}"
 class Inbox:
     """The relay: one consumer, a bounded pool of HTTP sessions, one DLQ producer."""
 
+    # The Kafka clients, made by ``run``.
+    _consumer: Consumer
+    _producer: Producer
+    _admin: AdminClient
+
     def __init__(self, config: InboxSettings, metrics: InboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or InboxMetrics()
@@ -100,9 +105,6 @@ class Inbox:
         self._dlq_lock = threading.Lock()
         self._counts = {"admitted": 0, "replayed": 0, "dead_lettered": 0, "retries": 0}
         self._lags: dict[tuple[str, int], int] = {}
-        self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
-        self._admin: AdminClient | None = None
         self._incremental = False  # set from the assignment strategy in run()
         self._dlq_ack_timeout = 60.0
         self._dlq_max_bytes = DEFAULT_MAX_MESSAGE_BYTES
@@ -125,12 +127,13 @@ class Inbox:
         """Consume until ``stop``; then finish in-flight calls, commit and close."""
         cfg = self.config
         kafka = dict(cfg.kafka)
-        consumer_settings = {
+        strategy = str(kafka.get("partition.assignment.strategy", DEFAULT_ASSIGNMENT_STRATEGY))
+        consumer_settings: dict[str, Any] = {
             # librdkafka's own prefetch queue counts against the same memory: a
             # quarter of the budget (its default is 64 MiB), unless set explicitly.
             "queued.max.messages.kbytes": max(1024, cfg.buffer_bytes // 4096),
-            "partition.assignment.strategy": DEFAULT_ASSIGNMENT_STRATEGY,
             **kafka,
+            "partition.assignment.strategy": strategy,
             "group.id": cfg.group,
             "client.id": "poimen-inbox",
             "enable.auto.commit": False,
@@ -146,19 +149,21 @@ class Inbox:
         }
         # librdkafka refuses to mix protocols in one list: any cooperative assignor means
         # incremental assignment (and confluent-kafka unassigns the same way after on_revoke).
-        self._incremental = "cooperative" in consumer_settings["partition.assignment.strategy"]
+        self._incremental = "cooperative" in strategy
         self._consumer = Consumer(consumer_settings)
         # A dead-letter write that cannot be acknowledged within message.timeout.ms
         # fails and is retried like an API outage; the default (5 min) would hold a
         # worker through a whole broker restart.
-        self._producer = Producer({"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
-                                   "client.id": "poimen-inbox-dlq", "acks": "all",
-                                   "logger": logging.getLogger("rdkafka")})
-        self._admin = AdminClient({**kafka, "logger": logging.getLogger("rdkafka")})
+        producer_settings: dict[str, Any] = {"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
+                                             "client.id": "poimen-inbox-dlq", "acks": "all",
+                                             "logger": logging.getLogger("rdkafka")}
+        self._producer = Producer(producer_settings)
+        admin_settings: dict[str, Any] = {**kafka, "logger": logging.getLogger("rdkafka")}
+        self._admin = AdminClient(admin_settings)
         self._dlq_ack_timeout = int(kafka.get("message.timeout.ms", 30000)) / 1000 + 10
         self._dlq_max_bytes = int(kafka.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES))
         log.info("inbox %s: group %s (%s), topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
-                 cfg.group, consumer_settings["partition.assignment.strategy"],
+                 cfg.group, strategy,
                  cfg.subscription, cfg.api_url, cfg.concurrency, describe(kafka))
         helpers = [threading.Thread(target=self._serve_producer, name="inbox-dlq", daemon=True),
                    threading.Thread(target=self._watch_lag, name="inbox-lag", daemon=True)]
@@ -181,10 +186,12 @@ class Inbox:
                 if messages:
                     self._changed.notify_all()  # a lingering batch may be full now
                 for msg in messages:
-                    if msg.error():
-                        self._log_consumer_error(msg.error())
+                    error = msg.error()
+                    if error is not None:
+                        self._log_consumer_error(error)
                         continue
-                    work = self._works.get((msg.topic(), msg.partition()))
+                    topic, partition, _ = place(msg)
+                    work = self._works.get((topic, partition))
                     if work is None or work.closing:
                         # Fetched before a rebalance took the partition away: it is
                         # another relay's now, which reads it from the committed offset.
@@ -311,8 +318,8 @@ class Inbox:
                 self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
                                        timeout=min(self.config.http_timeout + 35,
                                                    self._left(self._reserve / 2)))
-            offsets = [TopicPartition(w.topic, w.partition, w.revoke_offset()) for w in works
-                       if w.revoke_offset() is not None]
+            offsets = [TopicPartition(w.topic, w.partition, at) for w in works
+                       if (at := w.revoke_offset()) is not None]
             left = sum(len(w.slots) for w in works)
             for key in keys:
                 self._works.pop(key, None)
@@ -484,7 +491,7 @@ class Inbox:
         one message is that message's (``_internal_error``); one while posting is
         every posted message's.
         """
-        outcomes: list[Outcome | None] = [None] * len(slots)
+        outcomes: dict[int, Outcome] = {}  # by the slot's index: each slot gets one
         entries: list[tuple[int, BatchEntry]] = []
         for index, slot in enumerate(slots):
             msg = slot.message
@@ -494,8 +501,7 @@ class Inbox:
                     raise RuntimeError("injected by POIMEN_INBOX_TEST_RAISE_ON (a test-only "
                                        "setting)")
                 try:
-                    body, derived = run_request_body(value, msg.topic(), msg.partition(),
-                                                     msg.offset(),
+                    body, derived = run_request_body(value, *place(msg),
                                                      message_timestamp(*msg.timestamp()))
                 except MessageFault as bad:
                     outcomes[index] = self._fault(msg, tenant, bad.fault)
@@ -510,10 +516,11 @@ class Inbox:
                 posted = [self._internal_error(slots[index], tenant, err) for index, _ in entries]
             for (index, _), outcome in zip(entries, posted, strict=True):
                 outcomes[index] = outcome
-        for slot, outcome in zip(slots, outcomes, strict=True):
+        judged = [outcomes[index] for index in range(len(slots))]
+        for slot, outcome in zip(slots, judged, strict=True):
             if outcome.reason != "internal_error":
                 slot.internal_errors = 0
-        return outcomes  # type: ignore[return-value]
+        return judged
 
     def _post_batch(self, entries: list[BatchEntry], tenant: str) -> list[Outcome]:
         """POST ``entries`` as ``POST /v1/runs/batch`` and judge the answer per item."""
@@ -553,9 +560,9 @@ class Inbox:
             return self._post_batch(entries[:half], tenant) + self._post_batch(entries[half:],
                                                                              tenant)
         if verdict.whole is not None:
-            fault = verdict.whole  # a delivery fault: split takes the others
-            return [Outcome(OutcomeKind.RETRY, fault.reason, fault.status, fault.detail)] * count
-        outcomes = []
+            whole = verdict.whole  # a delivery fault: split takes the others
+            return [Outcome(OutcomeKind.RETRY, whole.reason, whole.status, whole.detail)] * count
+        outcomes: list[Outcome] = []
         for entry, (status, fault) in zip(entries, verdict.items, strict=True):
             if fault is None:
                 kind = OutcomeKind.ADMITTED if status == 201 else OutcomeKind.REPLAYED
@@ -604,9 +611,10 @@ class Inbox:
         error: KafkaError | str = ""
         with self.metrics.dlq_in_flight.track_inprogress():
             for _ in range(DLQ_SIZE_TRIES):
+                topic_of, partition, offset = place(msg)
                 record = dead_letter_record(
-                    key=msg.key(), value=msg.value(), headers=msg.headers(), topic=msg.topic(),
-                    partition=msg.partition(), offset=msg.offset(),
+                    key=msg.key(), value=msg.value(), headers=msg.headers(), topic=topic_of,
+                    partition=partition, offset=offset,
                     timestamp_ms=message_timestamp(*msg.timestamp()), reason=reason, status=status,
                     detail=detail, traceback=traceback, limit=limit)
                 error = self._produce(topic, record)
@@ -634,14 +642,16 @@ class Inbox:
         while True:
             try:
                 self._producer.produce(topic, value=record.value, key=record.key,
-                                       headers=record.headers, on_delivery=delivered)
+                                       headers=kafka_headers(record.headers),
+                                       on_delivery=delivered)
                 break
             except BufferError:  # the producer's queue is full: wait for room
                 if time.monotonic() > end or self._left(self._reserve) == 0:
                     return "the producer's queue stayed full"
                 time.sleep(0.05)
             except KafkaException as err:  # refused before sending, e.g. too large
-                return err.args[0]
+                refused = err.args[0]
+                return refused if isinstance(refused, KafkaError) else str(refused)
         # The producer's message.timeout.ms bounds the wait; this is a backstop.
         if not self._wait(acked, self._dlq_ack_timeout):
             return "no acknowledgement"
@@ -678,13 +688,17 @@ class Inbox:
             works = [w for k, w in self._works.items() if only is None or k in only]
             due = [w for w in works if w.commit_offset is not None
                    and (again or w.commit_offset != w.committed_offset)]
-            offsets = [TopicPartition(w.topic, w.partition, w.commit_offset) for w in due]
+            offsets = [TopicPartition(w.topic, w.partition, w.commit_offset) for w in due
+                       if w.commit_offset is not None]
             for work in due:
                 work.committed_offset = work.commit_offset
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            if asynchronous:
+                self._consumer.commit(offsets=offsets, asynchronous=True)
+            else:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as err:
             log.warning("commit failed (the messages will be redelivered and replayed): %s", err)
             self._forget_commits(offsets)
@@ -708,9 +722,10 @@ class Inbox:
         consuming client stays on the main thread, and the numbers are the ones any
         operator tool (kafka-consumer-groups) would show.
         """
-        observer = Consumer({**self.config.kafka, "group.id": self.config.group,
-                             "client.id": "poimen-inbox-lag", "enable.auto.commit": False,
-                             "logger": logging.getLogger("rdkafka")})
+        settings: dict[str, Any] = {**self.config.kafka, "group.id": self.config.group,
+                                    "client.id": "poimen-inbox-lag", "enable.auto.commit": False,
+                                    "logger": logging.getLogger("rdkafka")}
+        observer = Consumer(settings)
         try:
             while not self._closed.wait(self.config.lag_interval):
                 # The clients nothing else polls: their librdkafka log lines are served here.
@@ -725,7 +740,7 @@ class Inbox:
             tps = [w.tp for w in self._works.values()]
         if tps:
             try:
-                lags = {}
+                lags: dict[tuple[str, int], int] = {}
                 for tp in observer.committed(tps, timeout=5):
                     low, high = observer.get_watermark_offsets(
                         TopicPartition(tp.topic, tp.partition), timeout=5, cached=False)

@@ -792,7 +792,7 @@ MUTANTS: list[Mutant] = [
         "        while self.slots and self.slots[0].state is SlotState.DONE:\n"
         "            done = self.slots.popleft().message\n"
         "            self.buffered_bytes -= message_bytes(done)\n"
-        "            self.commit_offset = done.offset() + 1",
+        "            self.commit_offset = offset_of(done) + 1",
         "        self.commit_offset = max(self.commit_offset or 0, slot.message.offset() + 1)",
         ("tests/bridge/test_partition_work.py::"
          "test_commit_waits_for_the_oldest_message_when_later_ones_finish_first",),
