@@ -78,5 +78,8 @@ def place(msg: Message) -> tuple[str, int, int]:
 
 
 def offset_of(msg: Message) -> int:
-    """A consumed message's offset (``place``)."""
-    return place(msg)[2]
+    """A consumed message's offset (set on every message without an error)."""
+    offset = msg.offset()
+    if offset is None:
+        raise ValueError(f"a message without its offset: {msg.error()}")
+    return offset
