@@ -57,17 +57,17 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
 
-from .inbox_faults import MessageFault, run_request_body
+from .deadletter import DeadLetter
+from .inbox.faults import MessageFault, run_request_body
+from .kafka import kafka_headers, place
 from .topics import dead_letter_topic, dispatch_topic
 
 log = logging.getLogger("poimen.dlq")
 
-DLQ_HEADER = "poimen.dlq."
-REPLAY_HEADER = "poimen.replay."
 REPLAY_GROUP = "poimen-dlq-replay"
 PROGRESS_SECONDS = 5.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", re.IGNORECASE)
@@ -89,44 +89,6 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
 
 
 @dataclass
-class DeadLetter:
-    """One record of a dead-letter topic, split into the original and the inbox's headers."""
-
-    partition: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]       # the producer's own headers
-    dlq: dict[str, str]                    # poimen.dlq.* without the prefix
-    replay: dict[str, str] = field(default_factory=dict)  # poimen.replay.* without the prefix
-
-    @property
-    def reason(self) -> str:
-        return self.dlq.get("reason", "")
-
-    @property
-    def origin(self) -> tuple[str, int, int, int | None] | None:
-        """Where the message was read from: topic, partition, offset and its stored time
-        (None in a letter written before the relay recorded it)."""
-        try:
-            where = (self.dlq["origin.topic"], int(self.dlq["origin.partition"]),
-                     int(self.dlq["origin.offset"]))
-        except (KeyError, ValueError):
-            return None
-        try:
-            return (*where, int(self.dlq["origin.timestamp"]))
-        except (KeyError, ValueError):
-            return (*where, None)
-
-    @property
-    def copy_of(self) -> str | None:
-        """The dead letter this one is a copy of (``<topic>:<partition>:<offset>``), if a
-        replay published it and the inbox dead-lettered it again; else None."""
-        return self.replay.get("from") or None
-
-
-@dataclass
 class ReplayReport:
     """What a replay read, re-published and left, by reason."""
 
@@ -135,8 +97,8 @@ class ReplayReport:
     read: int = 0
     selected: int = 0
     replayed: int = 0
-    skipped: Counter = field(default_factory=Counter)    # why a selected letter was not replayed
-    by_reason: Counter = field(default_factory=Counter)  # selected letters by poimen.dlq.reason
+    skipped: Counter[str] = field(default_factory=Counter)    # why a selected letter was not replayed
+    by_reason: Counter[str] = field(default_factory=Counter)  # selected letters by poimen.dlq.reason
     committed: dict[int, int] = field(default_factory=dict)  # partition -> where the next starts
 
     def summary(self, dry_run: bool) -> str:
@@ -147,19 +109,6 @@ class ReplayReport:
             text += "; not replayed: " + ", ".join(f"{n} {why}" for why, n in
                                                    sorted(self.skipped.items()))
         return text
-
-
-def _split(msg) -> DeadLetter:
-    own, dlq, replay = [], {}, {}
-    for name, raw in msg.headers() or []:
-        if name.startswith(DLQ_HEADER):
-            dlq[name[len(DLQ_HEADER):]] = (raw or b"").decode("utf-8", "replace")
-        elif name.startswith(REPLAY_HEADER):
-            replay[name[len(REPLAY_HEADER):]] = (raw or b"").decode("utf-8", "replace")
-        else:
-            own.append((name, raw or b""))
-    return DeadLetter(msg.partition(), msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
-                      own, dlq, replay)
 
 
 class DeadLetterTopic:
@@ -194,7 +143,7 @@ class DeadLetterTopic:
     def __enter__(self) -> DeadLetterTopic:
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self._consumer.close()
 
     def resume_offsets(self) -> dict[int, int]:
@@ -239,16 +188,18 @@ class DeadLetterTopic:
                                        f"partitions {sorted(todo)} not read to their end")
                 continue
             idle_since = time.monotonic()
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    todo.discard(msg.partition())
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    todo.discard(msg.partition() or 0)
                     continue
-                raise KafkaException(msg.error())
-            if msg.partition() not in todo or msg.offset() >= ends[msg.partition()]:
+                raise KafkaException(error)
+            _, partition, offset = place(msg)
+            if partition not in todo or offset >= ends[partition]:
                 continue
-            if msg.offset() >= ends[msg.partition()] - 1:
-                todo.discard(msg.partition())
-            yield _split(msg)
+            if offset >= ends[partition] - 1:
+                todo.discard(partition)
+            yield DeadLetter.from_message(msg)
 
     def commit(self, offsets: Mapping[int, int]) -> None:
         """Record ``offsets`` as the replay group's: the next plain replay starts there."""
@@ -273,7 +224,8 @@ def replay_request(letter: DeadLetter) -> tuple[bytes | None, str]:
             if derived:
                 return None, "keyless_without_origin"
             return body, ""
-        body, _ = run_request_body(letter.value, *origin)
+        body, _ = run_request_body(letter.value, origin.topic, origin.partition, origin.offset,
+                                   origin.timestamp_ms)
     except MessageFault as fault:
         return None, f"never_a_run:{fault.fault.reason}"
     return body, ""
@@ -385,20 +337,18 @@ class _CopyPublisher:
                                                        "enable.idempotence": True})
         self.failures: list[KafkaError] = []
 
-    def _delivered(self, err, _msg) -> None:
+    def _delivered(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
             self.failures.append(err)
 
     def __call__(self, letter: DeadLetter, source: str, value: bytes) -> None:
         if self.producer is None:
             return
-        headers = [*letter.headers,
-                   ("poimen.replay.from", f"{source}:{letter.partition}:{letter.offset}"
-                    .encode()),
-                   ("poimen.replay.reason", letter.reason.encode())]
+        headers = letter.copy_headers(source)
         while True:
             try:
-                self.producer.produce(self.target, value, key=letter.key, headers=headers,
+                self.producer.produce(self.target, value, key=letter.key,
+                                      headers=kafka_headers(headers),
                                       on_delivery=self._delivered)
                 break
             except BufferError:  # the producer's queue is full: let it drain
@@ -419,7 +369,7 @@ class _CopyPublisher:
 
 def _describe(letter: DeadLetter, value: bytes | None, why: str) -> str:
     origin = letter.origin
-    where = f"{origin[0]}[{origin[1]}]@{origin[2]}" if origin else "-"
+    where = f"{origin.topic}[{origin.partition}]@{origin.offset}" if origin else "-"
     key = ref = "-"
     try:
         body = json.loads(value) if value is not None else {}

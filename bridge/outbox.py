@@ -47,6 +47,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ from lease import bound_lock_session, lock_connect_kwargs, probe_lock
 from lease import problems as lease_problems
 from poimenconfig import LeaseSettings, OutboxSettings, outbox_settings
 
-from .kafka import SIZE_ERRORS, describe, max_message_bytes, message_size
+from .kafka import SIZE_ERRORS, describe, kafka_headers, max_message_bytes, message_size
 from .process import backoff_delay, configure_logging, serve
 from .topics import ensure_topics, events_topic, topic_max_message_bytes
 
@@ -128,7 +129,16 @@ READ_PLAN = ("SELECT set_config('enable_bitmapscan', 'off', true), "
              "set_config('enable_seqscan', 'off', true)")
 
 
-def read_batch(conn: psycopg.Connection, limit: int, prefix: str = "") -> list[tuple]:
+def _scalar(cursor: psycopg.Cursor[tuple[Any, ...]]) -> Any:
+    """The first column of the statement's one row."""
+    row = cursor.fetchone()
+    if row is None:
+        raise RuntimeError("the statement returned no row")
+    return row[0]
+
+
+def read_batch(conn: psycopg.Connection, limit: int,
+               prefix: str = "") -> list[tuple[Any, ...]]:
     """The next ``limit`` unpublished events, oldest first, read on ``conn`` (in
     autocommit) by walking the unpublished index in order (``READ_PLAN``), in one
     round trip. ``prefix`` is for tests: ``EXPLAIN ...`` shows the plan the relay gets."""
@@ -290,8 +300,8 @@ class RelayLock:
                                             **lock_connect_kwargs(self.settings))
                 self.server_bound = bound_lock_session(self.conn, self.settings)
                 self.backend_pid = self.conn.info.backend_pid
-            got = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
-                                    [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY]).fetchone()[0]
+            got = _scalar(self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                                            [OUTBOX_LOCK_NAMESPACE, OUTBOX_LOCK_KEY]))
             if got:
                 self.confirmed_at = started
                 self._start_renewing()
@@ -347,7 +357,7 @@ class RelayLock:
 
 # A statement into a silent path fails within seconds instead of hanging until TCP
 # gives up (~15 min); libpq ignores these on unix sockets.
-_WORK_SOCKET = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
+_WORK_SOCKET: dict[str, Any] = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
                 "keepalives_interval": 2, "keepalives_count": 3, "tcp_user_timeout": 10000}
 
 
@@ -564,7 +574,7 @@ class OutboxRelay:
     def _make_producer(self) -> Producer:
         if self._producer is None:
             self._fatal = None
-            self._producer = Producer({
+            settings: dict[str, Any] = {
                 # Unbounded: during a broker outage the batch waits in the producer
                 # and goes out in order when the broker is back. A finite timeout
                 # would fail part of a batch and let later events of a run overtake
@@ -578,10 +588,18 @@ class OutboxRelay:
                 "error_cb": self._on_error,
                 # librdkafka's own lines through our logging (LOG_FORMAT); served by poll().
                 "logger": logging.getLogger("rdkafka"),
-            })
-            self._admin = AdminClient({**self.config.kafka,
-                                       "logger": logging.getLogger("rdkafka")})
+            }
+            self._producer = Producer(settings)
+            admin_settings: dict[str, Any] = {**self.config.kafka,
+                                              "logger": logging.getLogger("rdkafka")}
+            self._admin = AdminClient(admin_settings)
         return self._producer
+
+    @property
+    def _admin_client(self) -> AdminClient:
+        if self._admin is None:
+            raise RuntimeError("no admin client: it is made with the producer")
+        return self._admin
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -599,7 +617,7 @@ class OutboxRelay:
             # One attempt per tenant and process: during a broker outage this
             # must not cost every batch a timeout.
             try:
-                ensure_topics(self._admin, [topic], self.config.topic_partitions, timeout=5)
+                ensure_topics(self._admin_client, [topic], self.config.topic_partitions, timeout=5)
             except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
                 log.warning("could not make sure %s exists (%s); producing to it anyway",
                             topic, str(err) or type(err).__name__)
@@ -613,7 +631,7 @@ class OutboxRelay:
             if tenant not in self._unread:
                 try:
                     limit = min(limit,
-                                topic_max_message_bytes(self._admin, topic) - RECORD_OVERHEAD)
+                                topic_max_message_bytes(self._admin_client, topic) - RECORD_OVERHEAD)
                 except Exception as err:  # noqa: BLE001 - KafkaException or a timeout
                     log.warning("could not read %s's max.message.bytes (%s); events over the "
                                 "producer's limit are reduced, others if the broker refuses "
@@ -733,14 +751,16 @@ class OutboxRelay:
         """Hand one message to the producer; the error if it refused it at once."""
         while True:
             try:
-                producer.produce(topic, value, key, headers=headers,
+                producer.produce(topic, value, key, headers=kafka_headers(headers),
                                  on_delivery=functools.partial(deliveries.report, row_id))
                 deliveries.outstanding += 1
                 return None
             except BufferError:
                 producer.poll(0.05)
             except KafkaException as err:
-                return err.args[0]
+                refused = err.args[0]
+                return refused if isinstance(refused, KafkaError) else KafkaError(
+                    KafkaError._FAIL, str(refused))
 
     def _await(self, producer: Producer, deliveries: Deliveries) -> bool:
         """Wait until every message produced so far is acknowledged or failed.
@@ -774,7 +794,7 @@ class OutboxRelay:
             return False
         return finished
 
-    def _count_errors(self, errors) -> None:
+    def _count_errors(self, errors: Iterable[object]) -> None:
         for err in errors:
             name = err.name() if isinstance(err, KafkaError) else type(err).__name__
             self.metrics.errors.labels(name).inc()
@@ -805,8 +825,8 @@ class OutboxRelay:
         # Small deletes, each its own transaction, so pruning never holds locks on
         # many rows nor delays the next batch for long.
         while time.monotonic() < budget and not self._stop.is_set():
-            deleted = self._work_connection().execute(
-                PRUNE_PUBLISHED, [cfg.retention, cfg.prune_batch]).fetchone()[0]
+            deleted = _scalar(self._work_connection().execute(
+                PRUNE_PUBLISHED, [cfg.retention, cfg.prune_batch]))
             total += deleted
             if deleted < cfg.prune_batch:
                 break

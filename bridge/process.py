@@ -12,9 +12,10 @@ import logging
 import random
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -25,7 +26,7 @@ log = logging.getLogger("poimen.bridge")
 
 # No `_created` series: a timestamp per counter that Prometheus does not use
 # (noise in every scrape).
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it bare
 
 
 class Relay(Protocol):
@@ -45,7 +46,7 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_metrics_server(port: int, registry, healthy: Callable[[], bool] = lambda: True,
+def start_metrics_server(port: int, registry: CollectorRegistry, healthy: Callable[[], bool] = lambda: True,
                          addr: str = "0.0.0.0") -> ThreadingWSGIServer:  # noqa: S104
     """Serve ``/metrics`` from ``registry`` and ``/healthz`` on ``port``, in a daemon thread.
 
@@ -55,10 +56,11 @@ def start_metrics_server(port: int, registry, healthy: Callable[[], bool] = lamb
     """
     metrics_app = make_wsgi_app(registry)
 
-    def app(environ, start_response):
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path in ("/metrics", "/metrics/"):
-            return metrics_app(environ, start_response)
+            page: Iterable[bytes] = metrics_app(environ, start_response)
+            return page
         if path == "/healthz":
             ok = healthy()
             start_response("200 OK" if ok else "503 Service Unavailable",
@@ -90,5 +92,5 @@ def backoff_delay(attempt: int, initial: float, cap: float) -> float:
     Half the delay is fixed and half random, so relays that lost a dependency
     together do not come back together, yet none retries much sooner than planned.
     """
-    ceiling = min(cap, initial * 2 ** min(attempt - 1, 30))
+    ceiling = min(cap, initial * 2.0 ** min(attempt - 1, 30))
     return ceiling / 2 + random.uniform(0, ceiling / 2)

@@ -27,7 +27,8 @@ def test_procfile_declares_the_design_processes():
     for name in ("inbox", "outbox"):
         if name in commands:
             assert commands[name] == f"python -m bridge.{name}"
-            assert (ROOT / "bridge" / f"{name}.py").exists()
+            assert ((ROOT / "bridge" / f"{name}.py").exists()
+                    or (ROOT / "bridge" / name / "__main__.py").exists())
 
 
 def test_every_task_the_platform_sends_is_registered_by_the_worker(app):

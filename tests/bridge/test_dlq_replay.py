@@ -291,7 +291,7 @@ def test_what_replay_publishes_for_each_kind_of_dead_letter():
     def letter(value: bytes | None, **dlq: str) -> DeadLetter:
         origin = {"origin.topic": "poimen.t.dispatch", "origin.partition": "3",
                   "origin.offset": "41", "origin.timestamp": "1796432478134"}
-        return DeadLetter(0, 0, 0, None, value, [], {"reason": "http_422", **origin, **dlq})
+        return DeadLetter(None, value, [], {"reason": "http_422", **origin, **dlq})
 
     keyed = b'{"workflow_ref": "echo", "dispatch_key": "k1"}'
     assert replay_request(letter(keyed)) == (keyed, "")
@@ -309,7 +309,7 @@ def test_what_replay_publishes_for_each_kind_of_dead_letter():
     assert replay_request(letter(keyed, truncated="value")) == (None, "truncated")
     assert replay_request(letter(b"not json")) == (None, "never_a_run:invalid_json")
     assert replay_request(letter(None)) == (None, "never_a_run:no_value")
-    orphan = DeadLetter(0, 0, 0, None, b'{"workflow_ref": "echo"}', [], {"reason": "x"})
+    orphan = DeadLetter(None, b'{"workflow_ref": "echo"}', [], {"reason": "x"})
     assert replay_request(orphan) == (None, "keyless_without_origin")
 
 

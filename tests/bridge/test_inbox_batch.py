@@ -18,7 +18,7 @@ from poimen_client import TransportError, TransportTimeout
 from poimen_client.client import Answer
 
 from bridge.inbox import Inbox, OutcomeKind, Slot
-from bridge.inbox_faults import (
+from bridge.inbox.faults import (
     FaultKind,
     batch_body,
     batch_fault,
@@ -168,7 +168,7 @@ def inbox(monkeypatch):
     relay = Inbox(config)
     relay.dead_letters = []
 
-    def dead_letter(msg, tenant, reason, status=None, detail="", extra_headers=()):
+    def dead_letter(msg, tenant, reason, status=None, detail="", traceback=None):
         relay.dead_letters.append((msg.offset(), reason))
         return relay_outcome(OutcomeKind.DEAD_LETTERED, reason, status, detail)
 

@@ -14,7 +14,7 @@ from dataclasses import fields
 import pytest
 
 from bridge.inbox import dead_letter_record, traceback_summary
-from bridge.inbox_faults import (
+from bridge.inbox.faults import (
     FaultKind,
     MessageFault,
     derived_dispatch_key,

@@ -789,11 +789,11 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "inbox_commits_past_unfinished_work",
         "the inbox commits an offset only past messages that are all done",
-        "bridge/inbox.py",
+        "bridge/inbox/partitions.py",
         "        while self.slots and self.slots[0].state is SlotState.DONE:\n"
         "            done = self.slots.popleft().message\n"
         "            self.buffered_bytes -= message_bytes(done)\n"
-        "            self.commit_offset = done.offset() + 1",
+        "            self.commit_offset = offset_of(done) + 1",
         "        self.commit_offset = max(self.commit_offset or 0, slot.message.offset() + 1)",
         ("tests/bridge/test_partition_work.py::"
          "test_commit_waits_for_the_oldest_message_when_later_ones_finish_first",),
@@ -801,7 +801,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoke_commits_past_in_flight",
         "on revoke the inbox commits only the done prefix, never past a message in flight",
-        "bridge/inbox.py",
+        "bridge/inbox/partitions.py",
         "        it would lose the message; committing less only replays.\n"
         "        \"\"\"\n"
         "        return self.commit_offset\n",
@@ -814,7 +814,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "batch_commits_past_failed_item",
         "each item of a batch is settled by its own outcome: a retriable one stops the commit",
-        "bridge/inbox.py",
+        "bridge/inbox/partitions.py",
         "            if outcome.done:\n"
         "                slot.state = SlotState.DONE\n",
         "            if outcome.done or len(settled) > 1:\n"
@@ -824,7 +824,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "inbox_keyless_message_gets_no_key",
         "a message without dispatch_key is admitted under a derived kafka:<topic>:... key",
-        "bridge/inbox_faults.py",
+        "bridge/inbox/faults.py",
         '    if body.get("dispatch_key") is not None:\n        return value, False\n',
         "    return value, False\n",
         ("tests/bridge/test_inbox_hostile.py::"
@@ -834,7 +834,7 @@ MUTANTS: list[Mutant] = [
         "inbox_derived_key_names_only_the_place",
         "a derived kafka: key names the message (place and stored time): a re-created "
         "topic's keyless message is a new run, a redelivered one the same run",
-        "bridge/inbox_faults.py",
+        "bridge/inbox/faults.py",
         '    return f"kafka:{topic}:{partition}:{offset}:{timestamp_ms}"\n',
         '    return f"kafka:{topic}:{partition}:{offset}"\n',
         ("tests/bridge/test_inbox_hostile.py::"
@@ -882,7 +882,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "inbox_retries_its_own_bugs_forever",
         "a message our code keeps raising on is dead-lettered, never stalls its partition",
-        "bridge/inbox.py",
+        "bridge/inbox/relay.py",
         "        if slot.internal_errors < INTERNAL_ERROR_TRIES:\n",
         "        if True:\n",
         ("tests/bridge/test_inbox_hostile.py::"

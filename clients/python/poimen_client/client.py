@@ -9,7 +9,7 @@ It is built on one pooled keep-alive ``urllib3`` connection pool per client,
 with no per-call machinery beyond it (the inbox spent most of its CPU per
 message in ``requests``). ``Transport`` is the bare pool: one request, one
 answer, no retries, no redirects followed; the inbox uses it and judges answers
-itself (Poimen's ``bridge/inbox_faults.py``). ``Runs`` adds the API's meaning: typed
+itself (Poimen's ``bridge/inbox/faults.py``). ``Runs`` adds the API's meaning: typed
 runs, its ``{"error": {...}}`` body on exceptions, retries, cursors, waiting.
 
 Nothing here logs a request or response body, or the token.

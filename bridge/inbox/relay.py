@@ -1,34 +1,10 @@
-"""The Kafka inbox: ``<prefix>.<tenant>.dispatch`` messages become runs via the API.
+"""The relay: one consumer, a bounded pool of HTTP sessions, one dead-letter producer.
 
-The relay is an HTTP client of the API, never an in-process caller of
-admission, so every run it creates went through the same validation, auth and
-``dispatch_key`` dedup as a request made with curl. It keeps no idempotency
-state of its own: a redelivered message is replayed at admission (200), not
-filtered here, because two dedup layers disagree exactly when things go wrong.
-A message without a ``dispatch_key`` is admitted under one derived from its
-place in the log and its stored time
-(``kafka:<topic>:<partition>:<offset>:<timestamp_ms>``), so it too is one run
-under any redelivery, and a re-created topic's messages are not taken for the
-old topic's.
-
-Offsets are committed per partition, in order, and only past messages that
-either the API admitted (a 200/201 whose body is a run) or the dead-letter
-topic acknowledged. Failures are of two kinds (``bridge.inbox_faults``): a
-*message fault* goes to ``<prefix>.<tenant>.dispatch.dlq`` with the reason and
-its origin in headers, at once, so no message can stall its partition; a
-*delivery fault* is retried with capped, jittered exponential backoff while its
-partition is paused, and is never skipped. An exception from the relay's own
-code is retried, and becomes a message fault on the third consecutive try on
-the same offset: a bug must not strand a partition.
-
-Each partition's messages are posted in batches, one ``POST /v1/runs/batch`` per
-batch (up to ``batch_max`` messages, lingering ``batch_linger_ms`` for more), and
-each message ends as it would have alone: its item of the answer is judged by the
-single request's table, a whole-batch fault is every message's, and a batch the
-server refuses as such (413) is split, down to a lone ``POST /v1/runs``.
-
-Run it as ``python -m bridge.inbox`` (the Procfile's ``inbox``). Settings come
-from the environment when it starts: ``poimenconfig.inbox_settings``.
+``Inbox`` owns the threads and the one lock: the consumer loop (fetch, dispatch,
+commit), the drain tasks that post a partition's batches, the rebalance callbacks,
+and the shutdown within the grace. What it decides per partition is
+``PartitionWork``'s (``partitions.py``), per answer ``faults.py``'s, and what a dead
+letter holds ``bridge.deadletter``'s.
 """
 
 from __future__ import annotations
@@ -36,35 +12,25 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import threading
 import time
-import traceback
-from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import StrEnum
 from importlib import metadata
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from poimen_client import Transport, TransportError, TransportTimeout
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-)
 
 import logconfig
 from poimenconfig import MAX_BODY_BYTES, InboxSettings, inbox_settings
 
-from .inbox_faults import (
+from ..deadletter import Record, dead_letter_record, traceback_summary
+from ..kafka import DEFAULT_MAX_MESSAGE_BYTES, SIZE_ERRORS, describe, kafka_headers, place
+from ..process import backoff_delay, configure_logging, serve
+from ..topics import dead_letter_topic, ensure_topics
+from .faults import (
     BATCH_PATH,
-    DETAIL_CHARS,
     TENANT_NOT_FOUND,
     Fault,
     FaultKind,
@@ -76,19 +42,16 @@ from .inbox_faults import (
     response_fault,
     run_request_body,
 )
-from .kafka import DEFAULT_MAX_MESSAGE_BYTES, SIZE_ERRORS, describe
-from .process import backoff_delay, configure_logging, serve
-from .topics import dead_letter_topic, ensure_topics
+from .messages import BatchEntry, trace_headers, where
+from .metrics import InboxMetrics
+from .outcomes import Outcome, OutcomeKind
+from .partitions import PartitionWork, Slot, message_bytes
 
 log = logging.getLogger("poimen.inbox")
 
 # Our own code raising on one message this many times in a row makes it a message
 # fault: a bug then costs one dead-lettered message, not a stalled partition.
 INTERNAL_ERROR_TRIES = 3
-TRACEBACK_CHARS = 2000
-# Room left for the record's framing when a dead letter is fitted under the producer's
-# message.max.bytes (DEFAULT_MAX_MESSAGE_BYTES unless KAFKA_MESSAGE_MAX_BYTES is set).
-DLQ_RECORD_OVERHEAD = 512
 # Dead-letter writes refused for size are retried this many times, at half the size each.
 DLQ_SIZE_TRIES = 4
 # A batch's body stays under the API's limit (its 1 MiB MAX_CONTENT_LENGTH), less the
@@ -111,378 +74,13 @@ def _version() -> str:
 USER_AGENT = f"poimen-inbox/{_version()}"
 
 
-class InboxMetrics:
-    """The relay's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        r = self.registry
-        self.lag = Gauge("poimen_inbox_lag",
-                         "Inbox lag: high watermark minus the group's committed offset.",
-                         ["topic", "partition"], registry=r)
-        self.admitted = Counter("poimen_inbox_admitted_total",
-                                "Messages the API admitted as new runs (201).", registry=r)
-        self.replayed = Counter("poimen_inbox_replayed_total",
-                                "Messages admission recognised as a replay (200).", registry=r)
-        # The name every process family's docs use for dead letters (docs/operations/metrics.md).
-        self.dlq = Counter("poimen_dlq_total", "Messages written to a dead-letter topic, by reason.",
-                           ["reason"], registry=r)
-        self.dead_lettered = Counter("poimen_inbox_dead_lettered_total",
-                                     "Messages written to the dead-letter topic, by reason.",
-                                     ["reason"], registry=r)
-        self.retries = Counter("poimen_inbox_retries_total",
-                               "Deliveries to retry (API down, 5xx, 429, timeouts), by reason.",
-                               ["reason"], registry=r)
-        self.api_latency = Histogram("poimen_inbox_api_latency_seconds",
-                                     "Latency of one call to the API (POST /v1/runs/batch) "
-                                     "as seen by the inbox.", registry=r)
-        self.batch_size = Histogram("poimen_inbox_batch_size",
-                                    "Messages per POST /v1/runs/batch.",
-                                    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
-                                    registry=r)
-        self.assigned = Gauge("poimen_inbox_assigned_partitions",
-                              "Dispatch partitions assigned to this relay.", registry=r)
-        self.derived_keys = Counter(
-            "poimen_inbox_derived_keys_total",
-            "Messages without a dispatch_key admitted under a derived kafka:<topic>:... key.",
-            registry=r)
-        self.internal_errors = Counter("poimen_inbox_internal_errors_total",
-                                       "Exceptions raised by the relay's own code on a message.",
-                                       registry=r)
-        self.dlq_in_flight = Gauge("poimen_inbox_dlq_writes_in_flight",
-                                   "Dead-letter writes waiting for the broker's acknowledgement.",
-                                   registry=r)
-        self.buffered_bytes = Gauge("poimen_inbox_buffered_bytes",
-                                    "Bytes of fetched messages not yet committed "
-                                    "(bounded by POIMEN_INBOX_BUFFER_BYTES).", registry=r)
-        self.dlq_truncated = Counter("poimen_inbox_dlq_truncated_total",
-                                     "Dead letters cut to fit the producer's message size limit.",
-                                     registry=r)
-
-
-class OutcomeKind(StrEnum):
-    """What became of one delivery of a message."""
-
-    ADMITTED = "admitted"            # 201: a new run
-    REPLAYED = "replayed"            # 200: admission recognised the dispatch_key
-    DEAD_LETTERED = "dead_lettered"  # a message fault, acknowledged by the dead-letter topic
-    RETRY = "retry"                  # a delivery fault (or our own error, tries 1 and 2)
-
-
-@dataclass
-class Outcome:
-    """What became of one delivery of a message, and why."""
-
-    kind: OutcomeKind
-    reason: str = ""
-    status: int | None = None
-    detail: str = ""
-    derived_key: bool = False  # admitted under a derived kafka:... key
-
-    @property
-    def done(self) -> bool:
-        """Whether the message is finished with, so its offset may be committed."""
-        return self.kind is not OutcomeKind.RETRY
-
-
-# The W3C Trace Context headers a dispatch message may carry, posted on as the HTTP
-# headers of the same name. The API decides validity (a malformed one is ignored
-# there); here a value is only required to be one an HTTP header can carry.
-TRACE_HEADERS = ("traceparent", "tracestate")
-_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,512}")
-
-
-def trace_headers(msg: Message) -> dict[str, str]:
-    """The message's ``traceparent`` and ``tracestate`` Kafka headers, fit for HTTP."""
-    found: dict[str, str] = {}
-    for name, value in msg.headers() or ():
-        if name in TRACE_HEADERS and name not in found and value:
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-            if _HEADER_VALUE.fullmatch(text):
-                found[name] = text
-    return found
-
-
-def _where(msg: Message) -> str:
-    return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-
-
-def traceback_summary(err: BaseException, frames: int = 5) -> str:
-    """Return the exception and its innermost frames on a few lines, for a DLQ header."""
-    tb = traceback.TracebackException.from_exception(err)
-    lines = [f"{f.filename}:{f.lineno} in {f.name}" for f in list(tb.stack)[-frames:]]
-    lines.append("".join(tb.format_exception_only()).strip())
-    return "\n".join(lines)[-TRACEBACK_CHARS:]
-
-
-class SlotState(StrEnum):
-    """Where one fetched message is: queued -> running -> done, or -> failed -> running ..."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"  # its last delivery is to be retried
-
-
-# What one batch item adds to a message's bytes: the derived key, trace context, commas.
-BATCH_ITEM_OVERHEAD = 256
-
-
-def message_bytes(msg: Message) -> int:
-    """What a fetched message costs the relay's memory (value and key)."""
-    return len(msg.value() or b"") + len(msg.key() or b"")
-
-
-@dataclass
-class Slot:
-    message: Message
-    state: SlotState = SlotState.QUEUED
-    # Consecutive exceptions from our own code on this offset. Only the drain task
-    # holding the slot (state RUNNING) touches it.
-    internal_errors: int = 0
-    queued_at: float = 0.0  # when it was fetched (monotonic): the batch linger counts from it
-
-
-@dataclass
-class PartitionWork:
-    """The fetched, not yet committed messages of one partition, in offset order.
-
-    Every field is guarded by ``Inbox._lock`` (the relay's one lock; ``Inbox._changed``
-    is a condition on it): the consumer thread appends and pauses, drain tasks take
-    and settle, rebalance callbacks close. The class takes no lock of its own and
-    reads no clock, so its rules are tested without threads or a broker.
-
-    Messages are delivered in batches (one ``POST /v1/runs/batch`` each): ``take_many``
-    takes several slots as one call, ``settle_many`` records each slot's own outcome.
-    The window counts calls in flight, not messages.
-    """
-
-    topic: str
-    partition: int
-    tenant: str
-    slots: deque[Slot] = field(default_factory=deque)
-    waiting: int = 0          # slots queued or failed
-    in_flight: int = 0        # slots being delivered
-    calls: int = 0            # batches being delivered (each holds one or more slots)
-    failed: int = 0           # slots whose last delivery is to be retried
-    tasks: int = 0            # drain tasks submitted and not finished
-    attempts: int = 0         # consecutive retriable failures (calls with a retry in them)
-    retry_at: float = 0.0     # no delivery before this (monotonic)
-    next_offset: int = -1     # the offset after the last message appended
-    buffered_bytes: int = 0   # bytes of the messages held in ``slots``
-    commit_offset: int | None = None     # next offset to commit: all below are done
-    committed_offset: int | None = None  # what was last sent to the group coordinator
-    paused: bool = False
-    closing: bool = False     # revoked or stopping: take no new message
-
-    @property
-    def tp(self) -> TopicPartition:
-        return TopicPartition(self.topic, self.partition)
-
-    @property
-    def failing(self) -> bool:
-        return self.attempts > 0
-
-    def append(self, msg: Message, now: float = 0.0) -> None:
-        # A resume after a pause may re-fetch from the consumer's position;
-        # never hold an offset twice.
-        if msg.offset() < self.next_offset:
-            return
-        self.next_offset = msg.offset() + 1
-        self.slots.append(Slot(msg, queued_at=now))
-        self.buffered_bytes += message_bytes(msg)
-        self.waiting += 1
-
-    def linger_left(self, now: float, limit: int, linger: float) -> float:
-        """Seconds to wait for more messages before posting what waits (0: post now).
-
-        A batch goes at once when it is full, when a message is to be retried (its
-        backoff was the wait), or when the oldest waiting message is ``linger`` old:
-        a lone message waits at most ``linger`` for company.
-        """
-        if linger <= 0 or self.waiting >= limit or self.failed:
-            return 0.0
-        for slot in self.slots:
-            if slot.state is SlotState.QUEUED:
-                return max(0.0, slot.queued_at + linger - now)
-        return 0.0
-
-    def take_many(self, now: float, window: int, limit: int, linger: float = 0.0,
-                  max_bytes: int | None = None) -> list[Slot]:
-        """Return the next messages to deliver as one call, marked running, or [].
-
-        Up to ``limit`` messages (and ``max_bytes``, but at least one), in offset
-        order, failed ones included: nothing once ``window`` calls are in flight,
-        during a retry's backoff, while the batch lingers, or once closing.
-        """
-        if (self.closing or now < self.retry_at or self.calls >= window
-                or self.linger_left(now, limit, linger) > 0):
-            return []
-        taken: list[Slot] = []
-        size = 0
-        for slot in self.slots:
-            if len(taken) >= limit:
-                break
-            if slot.state not in (SlotState.QUEUED, SlotState.FAILED):
-                continue
-            cost = message_bytes(slot.message) + BATCH_ITEM_OVERHEAD
-            if taken and max_bytes is not None and size + cost > max_bytes:
-                break
-            size += cost
-            if slot.state is SlotState.FAILED:
-                self.failed -= 1
-            slot.state = SlotState.RUNNING
-            taken.append(slot)
-        if taken:
-            self.waiting -= len(taken)
-            self.in_flight += len(taken)
-            self.calls += 1
-        return taken
-
-    def take(self, now: float, window: int) -> Slot | None:
-        """Return the first message to deliver now, alone, marked running, or None."""
-        taken = self.take_many(now, window, 1)
-        return taken[0] if taken else None
-
-    def settle_many(self, settled: Iterable[tuple[Slot, Outcome]], now: float,
-                    retry_delay: float = 0.0) -> None:
-        """Record one call's outcomes, each slot its own; a retry in it holds the whole
-        partition for ``retry_delay``.
-        """
-        settled = list(settled)
-        self.calls -= 1
-        retried = False
-        for slot, outcome in settled:
-            self.in_flight -= 1
-            if outcome.done:
-                slot.state = SlotState.DONE
-                continue
-            slot.state = SlotState.FAILED
-            self.failed += 1
-            self.waiting += 1
-            retried = True
-        if retried:
-            self.attempts += 1
-            self.retry_at = now + retry_delay
-        elif self.in_flight == 0 and self.failed == 0:
-            self.attempts = 0
-        # In-order commit: only the prefix of done messages moves the offset.
-        while self.slots and self.slots[0].state is SlotState.DONE:
-            done = self.slots.popleft().message
-            self.buffered_bytes -= message_bytes(done)
-            self.commit_offset = done.offset() + 1
-
-    def settle(self, slot: Slot, outcome: Outcome, now: float, retry_delay: float = 0.0) -> None:
-        """Record a lone delivery's outcome (``settle_many`` of one)."""
-        self.settle_many([(slot, outcome)], now, retry_delay)
-
-    def close(self) -> None:
-        """Take no new message: the partition is revoked or lost, or the relay stops."""
-        self.closing = True
-
-    def revoke_offset(self) -> int | None:
-        """Return the offset to commit as the partition leaves this relay, or None.
-
-        Only the end of the done prefix (admitted or dead-lettered): never past a
-        message still in flight, failed or not yet taken, whatever came after it.
-        The new owner reads from there, and admission absorbs a message the old
-        owner had posted (its dispatch_key, or the same derived key: the topic,
-        partition and offset do not depend on who reads them). Committing past
-        it would lose the message; committing less only replays.
-        """
-        return self.commit_offset
-
-    def should_pause(self, max_buffered: int, over_budget: bool = False) -> bool:
-        """Whether to stop fetching: a message is failing, the backlog is full, or the
-        relay holds its byte budget (``over_budget``, across partitions).
-
-        Fetching more while a message fails would only pile up work that cannot go
-        anywhere; other partitions are not affected.
-        """
-        return not self.paused and (self.failing or len(self.slots) >= max_buffered
-                                    or over_budget)
-
-    def should_resume(self, max_buffered: int, under_budget: bool = True) -> bool:
-        return (self.paused and not self.failing and len(self.slots) <= max_buffered // 2
-                and under_budget)
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    """One parsed message on its way into a batch: its run request and trace context."""
-
-    message: Message
-    body: bytes
-    trace: dict[str, str]
-    derived: bool  # admitted under a derived kafka:... key
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A dead-letter record, fitted under the producer's size limit."""
-
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    truncated: tuple[str, ...] = ()  # what was cut to fit: "value", "key", "headers"
-
-
-def _headers_size(headers: Iterable[tuple[str, bytes | None]]) -> int:
-    # Name, value and generous varint framing per header.
-    return sum(len(k.encode()) + len(v or b"") + 10 for k, v in headers)
-
-
-def dead_letter_record(*, key: bytes | None, value: bytes | None,
-                       headers: list[tuple[str, bytes]] | None, topic: str, partition: int,
-                       offset: int, timestamp_ms: int | None, reason: str, status: int | None = None, detail: str = "",
-                       extra_headers: Iterable[tuple[str, bytes]] = (),
-                       limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> DeadLetter:
-    """Return the dead letter of a message: the original plus ``poimen.dlq.*`` headers.
-
-    It always fits under ``limit`` bytes: a message that is malformed *because*
-    it is large must still be dead-lettered, or it stalls its partition. The
-    value is cut first, then the key, then the producer's own headers; the
-    ``poimen.dlq.*`` headers (reason, origin) are always kept, and a cut record
-    says so in ``poimen.dlq.truncated`` and ``poimen.dlq.original.size``.
-    """
-    own = [
-        ("poimen.dlq.reason", reason.encode()),
-        ("poimen.dlq.http.status", str(status or "").encode()),
-        ("poimen.dlq.detail", detail[:DETAIL_CHARS].encode("utf-8", "replace")),
-        ("poimen.dlq.origin.topic", topic.encode()),
-        ("poimen.dlq.origin.partition", str(partition).encode()),
-        ("poimen.dlq.origin.offset", str(offset).encode()),
-        # The origin's stored time: replay derives a keyless message's key from it
-        # (bridge/dlq.py), and the copy it publishes sits at a new place and time.
-        *([("poimen.dlq.origin.timestamp", str(timestamp_ms).encode())]
-          if timestamp_ms is not None else []),
-        *extra_headers,
-    ]
-    kept = list(headers or [])
-    original_size = len(value or b"")
-    # Reserve room for the two headers a cut record gets.
-    room = limit - DLQ_RECORD_OVERHEAD - _headers_size(own) - 80
-    over = len(value or b"") + len(key or b"") + _headers_size(kept) - room
-    cut: list[str] = []
-    if over > 0 and value:
-        keep = max(len(value) - over, 0)
-        over -= len(value) - keep
-        value, cut = value[:keep], [*cut, "value"]
-    if over > 0 and key:
-        keep = max(len(key) - over, 0)
-        over -= len(key) - keep
-        key, cut = key[:keep], [*cut, "key"]
-    if over > 0 and kept:
-        kept, cut = [], [*cut, "headers"]
-    if cut:
-        own += [("poimen.dlq.truncated", ",".join(cut).encode()),
-                ("poimen.dlq.original.size", str(original_size).encode())]
-    return DeadLetter(key, value, kept + own, tuple(cut))
-
-
 class Inbox:
     """The relay: one consumer, a bounded pool of HTTP sessions, one DLQ producer."""
+
+    # The Kafka clients, made by ``run``.
+    _consumer: Consumer
+    _producer: Producer
+    _admin: AdminClient
 
     def __init__(self, config: InboxSettings, metrics: InboxMetrics | None = None):
         self.config = config
@@ -507,9 +105,6 @@ class Inbox:
         self._dlq_lock = threading.Lock()
         self._counts = {"admitted": 0, "replayed": 0, "dead_lettered": 0, "retries": 0}
         self._lags: dict[tuple[str, int], int] = {}
-        self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
-        self._admin: AdminClient | None = None
         self._incremental = False  # set from the assignment strategy in run()
         self._dlq_ack_timeout = 60.0
         self._dlq_max_bytes = DEFAULT_MAX_MESSAGE_BYTES
@@ -532,12 +127,13 @@ class Inbox:
         """Consume until ``stop``; then finish in-flight calls, commit and close."""
         cfg = self.config
         kafka = dict(cfg.kafka)
-        consumer_settings = {
+        strategy = str(kafka.get("partition.assignment.strategy", DEFAULT_ASSIGNMENT_STRATEGY))
+        consumer_settings: dict[str, Any] = {
             # librdkafka's own prefetch queue counts against the same memory: a
             # quarter of the budget (its default is 64 MiB), unless set explicitly.
             "queued.max.messages.kbytes": max(1024, cfg.buffer_bytes // 4096),
-            "partition.assignment.strategy": DEFAULT_ASSIGNMENT_STRATEGY,
             **kafka,
+            "partition.assignment.strategy": strategy,
             "group.id": cfg.group,
             "client.id": "poimen-inbox",
             "enable.auto.commit": False,
@@ -553,19 +149,21 @@ class Inbox:
         }
         # librdkafka refuses to mix protocols in one list: any cooperative assignor means
         # incremental assignment (and confluent-kafka unassigns the same way after on_revoke).
-        self._incremental = "cooperative" in consumer_settings["partition.assignment.strategy"]
+        self._incremental = "cooperative" in strategy
         self._consumer = Consumer(consumer_settings)
         # A dead-letter write that cannot be acknowledged within message.timeout.ms
         # fails and is retried like an API outage; the default (5 min) would hold a
         # worker through a whole broker restart.
-        self._producer = Producer({"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
-                                   "client.id": "poimen-inbox-dlq", "acks": "all",
-                                   "logger": logging.getLogger("rdkafka")})
-        self._admin = AdminClient({**kafka, "logger": logging.getLogger("rdkafka")})
+        producer_settings: dict[str, Any] = {"message.timeout.ms": 30000, "linger.ms": 5, **kafka,
+                                             "client.id": "poimen-inbox-dlq", "acks": "all",
+                                             "logger": logging.getLogger("rdkafka")}
+        self._producer = Producer(producer_settings)
+        admin_settings: dict[str, Any] = {**kafka, "logger": logging.getLogger("rdkafka")}
+        self._admin = AdminClient(admin_settings)
         self._dlq_ack_timeout = int(kafka.get("message.timeout.ms", 30000)) / 1000 + 10
         self._dlq_max_bytes = int(kafka.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES))
         log.info("inbox %s: group %s (%s), topics %s, API %s, %d sessions; kafka %s", USER_AGENT,
-                 cfg.group, consumer_settings["partition.assignment.strategy"],
+                 cfg.group, strategy,
                  cfg.subscription, cfg.api_url, cfg.concurrency, describe(kafka))
         helpers = [threading.Thread(target=self._serve_producer, name="inbox-dlq", daemon=True),
                    threading.Thread(target=self._watch_lag, name="inbox-lag", daemon=True)]
@@ -588,10 +186,12 @@ class Inbox:
                 if messages:
                     self._changed.notify_all()  # a lingering batch may be full now
                 for msg in messages:
-                    if msg.error():
-                        self._log_consumer_error(msg.error())
+                    error = msg.error()
+                    if error is not None:
+                        self._log_consumer_error(error)
                         continue
-                    work = self._works.get((msg.topic(), msg.partition()))
+                    topic, partition, _ = place(msg)
+                    work = self._works.get((topic, partition))
                     if work is None or work.closing:
                         # Fetched before a rebalance took the partition away: it is
                         # another relay's now, which reads it from the committed offset.
@@ -718,8 +318,8 @@ class Inbox:
                 self._changed.wait_for(lambda: all(w.tasks == 0 for w in works),
                                        timeout=min(self.config.http_timeout + 35,
                                                    self._left(self._reserve / 2)))
-            offsets = [TopicPartition(w.topic, w.partition, w.revoke_offset()) for w in works
-                       if w.revoke_offset() is not None]
+            offsets = [TopicPartition(w.topic, w.partition, at) for w in works
+                       if (at := w.revoke_offset()) is not None]
             left = sum(len(w.slots) for w in works)
             for key in keys:
                 self._works.pop(key, None)
@@ -830,16 +430,15 @@ class Inbox:
         slot.internal_errors += 1
         self.metrics.internal_errors.inc()
         summary = traceback_summary(err)
-        log.error("our own error on %s (try %d of %d)", _where(msg), slot.internal_errors,
+        log.error("our own error on %s (try %d of %d)", where(msg), slot.internal_errors,
                   INTERNAL_ERROR_TRIES, exc_info=err)
         if slot.internal_errors < INTERNAL_ERROR_TRIES:
             return Outcome(OutcomeKind.RETRY, "internal_error", detail=repr(err))
         try:
             return self.dead_letter(msg, tenant, "internal_error", detail=repr(err),
-                                    extra_headers=[("poimen.dlq.traceback",
-                                                    summary.encode("utf-8", "replace"))])
+                                    traceback=summary)
         except Exception:  # noqa: BLE001 - the dead-letter path itself is broken: keep the message
-            log.exception("could not dead-letter %s after our own errors", _where(msg))
+            log.exception("could not dead-letter %s after our own errors", where(msg))
             return Outcome(OutcomeKind.RETRY, "internal_error", detail=repr(err))
 
     def _record(self, slots: list[Slot], tenant: str, outcomes: list[Outcome], delay: float,
@@ -861,7 +460,7 @@ class Inbox:
                 m.dead_lettered.labels(outcome.reason).inc()
                 m.dlq.labels(outcome.reason).inc()
                 log.warning("dead-lettered %s (message fault): reason=%s status=%s %s",
-                            _where(msg), outcome.reason, outcome.status or "-", outcome.detail)
+                            where(msg), outcome.reason, outcome.status or "-", outcome.detail)
             else:
                 m.retries.labels(outcome.reason).inc()
             if outcome.derived_key and kind in (OutcomeKind.ADMITTED, OutcomeKind.REPLAYED):
@@ -874,10 +473,10 @@ class Inbox:
         if outcome.reason == TENANT_NOT_FOUND:
             log.warning("tenant %r does not exist (yet): %s%s waits for it, retrying in %.1fs "
                         "(attempt %d, partition paused); create the tenant, or delete %s",
-                        tenant, _where(msg), more, delay, attempt, msg.topic())
+                        tenant, where(msg), more, delay, attempt, msg.topic())
         else:
             log.warning("retrying %s%s in %.1fs (attempt %d, partition paused): %s %s %s",
-                        _where(msg), more, delay, attempt, outcome.reason,
+                        where(msg), more, delay, attempt, outcome.reason,
                         outcome.status or "", outcome.detail)
 
     # -- delivery ----------------------------------------------------------------------------
@@ -892,7 +491,7 @@ class Inbox:
         one message is that message's (``_internal_error``); one while posting is
         every posted message's.
         """
-        outcomes: list[Outcome | None] = [None] * len(slots)
+        outcomes: dict[int, Outcome] = {}  # by the slot's index: each slot gets one
         entries: list[tuple[int, BatchEntry]] = []
         for index, slot in enumerate(slots):
             msg = slot.message
@@ -902,8 +501,7 @@ class Inbox:
                     raise RuntimeError("injected by POIMEN_INBOX_TEST_RAISE_ON (a test-only "
                                        "setting)")
                 try:
-                    body, derived = run_request_body(value, msg.topic(), msg.partition(),
-                                                     msg.offset(),
+                    body, derived = run_request_body(value, *place(msg),
                                                      message_timestamp(*msg.timestamp()))
                 except MessageFault as bad:
                     outcomes[index] = self._fault(msg, tenant, bad.fault)
@@ -918,10 +516,11 @@ class Inbox:
                 posted = [self._internal_error(slots[index], tenant, err) for index, _ in entries]
             for (index, _), outcome in zip(entries, posted, strict=True):
                 outcomes[index] = outcome
-        for slot, outcome in zip(slots, outcomes, strict=True):
+        judged = [outcomes[index] for index in range(len(slots))]
+        for slot, outcome in zip(slots, judged, strict=True):
             if outcome.reason != "internal_error":
                 slot.internal_errors = 0
-        return outcomes  # type: ignore[return-value]
+        return judged
 
     def _post_batch(self, entries: list[BatchEntry], tenant: str) -> list[Outcome]:
         """POST ``entries`` as ``POST /v1/runs/batch`` and judge the answer per item."""
@@ -961,9 +560,9 @@ class Inbox:
             return self._post_batch(entries[:half], tenant) + self._post_batch(entries[half:],
                                                                              tenant)
         if verdict.whole is not None:
-            fault = verdict.whole  # a delivery fault: split takes the others
-            return [Outcome(OutcomeKind.RETRY, fault.reason, fault.status, fault.detail)] * count
-        outcomes = []
+            whole = verdict.whole  # a delivery fault: split takes the others
+            return [Outcome(OutcomeKind.RETRY, whole.reason, whole.status, whole.detail)] * count
+        outcomes: list[Outcome] = []
         for entry, (status, fault) in zip(entries, verdict.items, strict=True):
             if fault is None:
                 kind = OutcomeKind.ADMITTED if status == 201 else OutcomeKind.REPLAYED
@@ -999,7 +598,7 @@ class Inbox:
 
     def dead_letter(self, msg: Message, tenant: str, reason: str, status: int | None = None,
                     detail: str = "",
-                    extra_headers: Iterable[tuple[str, bytes]] = ()) -> Outcome:
+                    traceback: str | None = None) -> Outcome:
         """Write ``msg`` to its tenant's DLQ (key, value, headers kept) and wait for the ack.
 
         A record over the producer's size limit is cut to fit (``dead_letter_record``);
@@ -1012,11 +611,12 @@ class Inbox:
         error: KafkaError | str = ""
         with self.metrics.dlq_in_flight.track_inprogress():
             for _ in range(DLQ_SIZE_TRIES):
+                topic_of, partition, offset = place(msg)
                 record = dead_letter_record(
-                    key=msg.key(), value=msg.value(), headers=msg.headers(), topic=msg.topic(),
-                    partition=msg.partition(), offset=msg.offset(),
+                    key=msg.key(), value=msg.value(), headers=msg.headers(), topic=topic_of,
+                    partition=partition, offset=offset,
                     timestamp_ms=message_timestamp(*msg.timestamp()), reason=reason, status=status,
-                    detail=detail, extra_headers=extra_headers, limit=limit)
+                    detail=detail, traceback=traceback, limit=limit)
                 error = self._produce(topic, record)
                 if not error:
                     if record.truncated:
@@ -1028,7 +628,7 @@ class Inbox:
                 limit //= 2
         return Outcome(OutcomeKind.RETRY, "dlq_write_failed", detail=f"{topic}: {error}")
 
-    def _produce(self, topic: str, record: DeadLetter) -> KafkaError | str:
+    def _produce(self, topic: str, record: Record) -> KafkaError | str:
         """Send one record and wait for the broker's acknowledgement; return the error, if any."""
         acked = threading.Event()
         failure: list[KafkaError] = []
@@ -1042,14 +642,16 @@ class Inbox:
         while True:
             try:
                 self._producer.produce(topic, value=record.value, key=record.key,
-                                       headers=record.headers, on_delivery=delivered)
+                                       headers=kafka_headers(record.headers),
+                                       on_delivery=delivered)
                 break
             except BufferError:  # the producer's queue is full: wait for room
                 if time.monotonic() > end or self._left(self._reserve) == 0:
                     return "the producer's queue stayed full"
                 time.sleep(0.05)
             except KafkaException as err:  # refused before sending, e.g. too large
-                return err.args[0]
+                refused = err.args[0]
+                return refused if isinstance(refused, KafkaError) else str(refused)
         # The producer's message.timeout.ms bounds the wait; this is a backstop.
         if not self._wait(acked, self._dlq_ack_timeout):
             return "no acknowledgement"
@@ -1086,13 +688,17 @@ class Inbox:
             works = [w for k, w in self._works.items() if only is None or k in only]
             due = [w for w in works if w.commit_offset is not None
                    and (again or w.commit_offset != w.committed_offset)]
-            offsets = [TopicPartition(w.topic, w.partition, w.commit_offset) for w in due]
+            offsets = [TopicPartition(w.topic, w.partition, w.commit_offset) for w in due
+                       if w.commit_offset is not None]
             for work in due:
                 work.committed_offset = work.commit_offset
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            if asynchronous:
+                self._consumer.commit(offsets=offsets, asynchronous=True)
+            else:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as err:
             log.warning("commit failed (the messages will be redelivered and replayed): %s", err)
             self._forget_commits(offsets)
@@ -1116,9 +722,10 @@ class Inbox:
         consuming client stays on the main thread, and the numbers are the ones any
         operator tool (kafka-consumer-groups) would show.
         """
-        observer = Consumer({**self.config.kafka, "group.id": self.config.group,
-                             "client.id": "poimen-inbox-lag", "enable.auto.commit": False,
-                             "logger": logging.getLogger("rdkafka")})
+        settings: dict[str, Any] = {**self.config.kafka, "group.id": self.config.group,
+                                    "client.id": "poimen-inbox-lag", "enable.auto.commit": False,
+                                    "logger": logging.getLogger("rdkafka")}
+        observer = Consumer(settings)
         try:
             while not self._closed.wait(self.config.lag_interval):
                 # The clients nothing else polls: their librdkafka log lines are served here.
@@ -1133,7 +740,7 @@ class Inbox:
             tps = [w.tp for w in self._works.values()]
         if tps:
             try:
-                lags = {}
+                lags: dict[tuple[str, int], int] = {}
                 for tp in observer.committed(tps, timeout=5):
                     low, high = observer.get_watermark_offsets(
                         TopicPartition(tp.topic, tp.partition), timeout=5, cached=False)
@@ -1178,7 +785,3 @@ def main() -> int:
         logging.shutdown()
         os._exit(0)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

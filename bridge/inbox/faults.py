@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-DETAIL_CHARS = 1000
+from ..deadletter import DETAIL_CHARS
 
 # The API's 4xx that describe the request itself: the same request can never succeed.
 MESSAGE_FAULT_STATUSES = frozenset({400, 409, 413, 415, 422})
@@ -155,9 +155,8 @@ def api_error_code(document: Any) -> str | None:
     if not isinstance(document, dict):
         return None
     error = document.get("error")
-    if isinstance(error, dict) and isinstance(error.get("code"), str) and "message" in error:
-        return error["code"]
-    return None
+    code = error.get("code") if isinstance(error, dict) and "message" in error else None
+    return code if isinstance(code, str) else None
 
 
 def _excerpt(text: bytes) -> str:
