@@ -482,7 +482,7 @@ def topic_replication(env: Mapping[str, str] | None = None) -> int:
     return get_int(env, "POIMEN_TOPIC_REPLICATION")
 
 
-# -- the inbox relay (bridge/inbox.py) ---------------------------------------------------------
+# -- the inbox relay (bridge/inbox/) ------------------------------------------------------------
 
 @dataclass(frozen=True)
 class InboxSettings:
