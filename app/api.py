@@ -37,6 +37,8 @@ from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
 from .state import runs as state_runs
 from .state.direct import single_statements
+from .state.executor import Executor, on_session
+from .state.runs import AdmittedRun
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def _json(body: Any, status: int = 200) -> Response:
                                       mimetype="application/json")
 
 
-def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
+def serialize_run(run: Run | AdmittedRun, tenant_name: str) -> dict[str, Any]:
     def ts(value: datetime | None) -> str | None:
         return value.isoformat() if value else None
 
@@ -225,13 +227,14 @@ REFUSALS = (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.Dat
             AdmissionConflict)
 
 
-def admit_one(principal, body: Any, headers, started: float, store,
+def admit_one(principal, body: Any, headers, started: float, store: Executor,
               note=None) -> Admission:
     """``POST /v1/runs``'s work on a parsed body, whoever serves the request: the view
     above, or ``app/fastpath.py`` in front of Flask. Raises ``ApiError`` for a refusal.
 
-    ``headers`` is the request's (werkzeug's ``EnvironHeaders``); ``store`` is
-    ``single_statements(...)``, whose ``commit()`` hands a new run to the sender;
+    ``headers`` is the request's (werkzeug's ``EnvironHeaders``); ``store`` is an
+    ``Executor`` (``single_statements(...)``), whose ``commit()`` hands a new run to the
+    sender;
     ``note`` adds fields to the request's log records.
     """
     if not isinstance(body, dict):
@@ -354,7 +357,8 @@ def create_runs():
     # keys it found taken): autocommit, as the single endpoint's admission.
     autocommit_next(db.session)  # a batch: ADMIT_MANY, then HOLDERS if a key was taken
     try:
-        outcomes: list[Any] = admit_many(db.session, [req for _, _, req in valid], **common)
+        outcomes: list[Any] = admit_many(on_session(db.session),
+                                         [req for _, _, req in valid], **common)
     except sa_exc.DataError:
         # Postgres refused a value of some item, which failed the whole statement (nothing
         # was admitted): admit each alone, in a savepoint, so only that item is refused.
@@ -385,8 +389,9 @@ def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
     """One batch item admitted alone (``admit_run``), its refusal returned, not raised."""
     try:
         with db.session.begin_nested():
-            return admit_run(db.session, workflow_ref=req.workflow_ref, input=req.input,
-                             goal_id=req.goal_id, dispatch_key=req.dispatch_key,
+            return admit_run(on_session(db.session), workflow_ref=req.workflow_ref,
+                             input=req.input, goal_id=req.goal_id,
+                             dispatch_key=req.dispatch_key,
                              concurrency_key=req.concurrency_key, trace=req.trace, **common)
     except REFUSALS as err:
         return err
@@ -488,7 +493,7 @@ def cancel_run(run_id: str):
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
     # left as it is.
-    changed = state_runs.cancel_run(db.session, run.tenant_id, run.id)
+    changed = state_runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
     db.session.commit()
     if changed is not None:
         db.session.refresh(run)
