@@ -13,6 +13,7 @@ import json
 
 import requests
 
+from app.state.executor import on_session
 from tests.app.test_idempotent_admission import count_runs
 
 LONG_DECIMAL = "0.1000000000000000055511151231257827"
@@ -115,7 +116,7 @@ def test_workflows_still_read_floats(app, tx_tenant, db_session):
     from app.admission import admit_run
     from app.models import Run
 
-    run = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="echo",
+    run = admit_run(on_session(db_session), tenant_id=tx_tenant.id, workflow_ref="echo",
                     input={"x": 0.25, "n": 3}).run
     db_session.expire_all()
     loaded = db_session.get(Run, run.id).input
