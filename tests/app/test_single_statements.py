@@ -2,7 +2,7 @@
 
 Deterministic witnesses of what the stand-in must keep of a session: sends only
 after commit (forgotten on rollback), SQLAlchemy's errors, a connection the server
-cut dropped from the pool, and the session itself wherever it has a transaction.
+cut dropped from the pool, and the session (its executor) wherever it has a transaction.
 """
 
 from __future__ import annotations
