@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: install run check test mutations services down status lint docs bench clean
+.PHONY: install run check test mutations services down status lint types docs bench clean
 
 install: $(VENV)/.installed
 
@@ -28,17 +28,17 @@ services: install
 run: install
 	$(BIN)/poimen-dev run
 
-# The fast lane: every test that starts no process (tests/process_guard.py keeps the
-# `processes` mark complete) -- in-process tests on the savepoint fixture, statement
-# witnesses, pure tables, config and docs checks. Any non-zero pytest status fails it,
-# 5 (no tests collected) included.
-check: services
+# The fast lane: the type check (`types`), then every test that starts no process
+# (tests/process_guard.py keeps the `processes` mark complete) -- in-process tests on the
+# savepoint fixture, statement witnesses, pure tables, config and docs checks. Any
+# non-zero pytest status fails it, 5 (no tests collected) included.
+check: services types
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
 		$(BIN)/python -m pytest -m "not processes" $(PYTEST_ARGS)
 
 # The console's browser tests drive Debian's chromium, the partition tests iptables; without
 # them they skip (and say so).
-test: services
+test: services types
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| apt-get install -y chromium chromium-driver \
 		|| { apt-get update && apt-get install -y chromium chromium-driver; } \
@@ -62,6 +62,11 @@ bench: services
 
 lint: install
 	$(BIN)/ruff check .
+
+# mypy --strict on the packages setup.cfg's [mypy] names (`files`); a type error fails
+# `make check` and `make test` (CI) before any test runs.
+types: install
+	$(BIN)/mypy
 
 # docs/operations/configuration.md, generated from settings_table.py (the one table of variables).
 docs: install

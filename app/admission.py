@@ -27,14 +27,14 @@ from json.encoder import (  # the C string encoders the json module uses itself
 from typing import Any
 
 from psycopg.types.json import set_json_loads
-from sqlalchemy import Row
-from sqlalchemy.orm import Session
 
 from workers import registry
 
 from .models import AdmissionOrigin, RunStatus
 from .state import runs as state_runs
 from .state.compose import send_row_after_commit
+from .state.executor import Executor
+from .state.runs import AdmittedRun, KeyHolder
 from .tracecontext import TraceContext
 
 _COMPARED = ("workflow_ref", "input", "goal_id")
@@ -189,17 +189,17 @@ def unstorable_number(value: float) -> str | None:
 
 @dataclass(frozen=True)
 class Admission:
-    """The outcome: the run's row (every column of ``runs``; a replay's also carries
+    """The outcome: the run (every column of ``runs``; a replay's is the ``KeyHolder``, with
     the ``same_*`` comparison columns), and whether this call created it (else a replay)."""
 
-    run: Row
+    run: AdmittedRun
     created: bool
 
 
 class AdmissionConflict(Exception):
     """``dispatch_key`` is taken by a run admitted with a different request."""
 
-    def __init__(self, existing: Row, fields: list[str]):
+    def __init__(self, existing: KeyHolder, fields: list[str]):
         self.existing = existing
         self.fields = fields
         super().__init__(
@@ -209,7 +209,7 @@ class AdmissionConflict(Exception):
 
 
 def admit_run(
-    session: Session,
+    session: Executor,
     *,
     tenant_id: int,
     workflow_ref: str,
@@ -301,7 +301,7 @@ def admit_run(
     raise RuntimeError(f"dispatch_key changed hands {_KEY_ROUNDS} times during one admission")
 
 
-def _replay(session: Session, tenant_id: int, dispatch_key: str, workflow_ref: str,
+def _replay(session: Executor, tenant_id: int, dispatch_key: str, workflow_ref: str,
             input_json: str, goal_id: str | None) -> Admission | None:
     """Return the run ``dispatch_key`` already names as a replay, None if there is none.
 
@@ -335,7 +335,7 @@ Outcome = Admission | AdmissionConflict | registry.UnknownWorkflow | registry.In
 
 
 def admit_many(
-    session: Session,
+    session: Executor,
     requests: Sequence[RunRequest],
     *,
     tenant_id: int,
@@ -423,7 +423,7 @@ def admit_many(
     return outcomes  # type: ignore[return-value]
 
 
-def _admit_alone(session: Session, req: RunRequest, **common: Any) -> Outcome:
+def _admit_alone(session: Executor, req: RunRequest, **common: Any) -> Outcome:
     try:
         return admit_run(session, workflow_ref=req.workflow_ref, input=req.input,
                          goal_id=req.goal_id, dispatch_key=req.dispatch_key,
@@ -432,7 +432,7 @@ def _admit_alone(session: Session, req: RunRequest, **common: Any) -> Outcome:
         return err
 
 
-def _replay_of(session: Session, existing: Row) -> Admission | AdmissionConflict:
+def _replay_of(session: Executor, existing: KeyHolder) -> Admission | AdmissionConflict:
     """The outcome of a request whose key ``existing`` holds (with its ``same_*`` columns)."""
     diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
     if diffs:

@@ -31,6 +31,8 @@ from . import metrics, tracecontext
 from .admission import Admission, AdmissionConflict, admit_run, dumps, loads, unstorable_number
 from .apierror import ApiError, error_body
 from .models import AdmissionOrigin, Run
+from .state.executor import Executor
+from .state.runs import AdmittedRun
 
 API_PREFIX = "/v1"
 RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"}
@@ -60,7 +62,7 @@ class Answer:
     run_id: str | None = None
 
 
-def admit_request(principal: Any, body: bytes, headers: Headers, started: float, store: Any,
+def admit_request(principal: Any, body: bytes, headers: Headers, started: float, store: Executor,
                   *, script_root: str = "", note: Note | None = None) -> Answer:
     """Answer one ``POST /v1/runs`` whose JSON body is ``body`` (its content type checked
     by the caller). ``started`` is ``time.perf_counter()`` at the request's start;
@@ -81,7 +83,7 @@ def refused(err: ApiError) -> Answer:
                   error_body(err.code, err.message, err.details))
 
 
-def serialize_run(run: Run, tenant_name: str) -> dict[str, Any]:
+def serialize_run(run: Run | AdmittedRun, tenant_name: str) -> dict[str, Any]:
     def ts(value: datetime | None) -> str | None:
         return value.isoformat() if value else None
 
@@ -209,7 +211,7 @@ REFUSALS = (registry.UnknownWorkflow, registry.InvalidConcurrencyKey, sa_exc.Dat
             AdmissionConflict)
 
 
-def admit_one(principal: Any, body: Any, headers: Headers, started: float, store: Any,
+def admit_one(principal: Any, body: Any, headers: Headers, started: float, store: Executor,
               note: Note | None = None) -> Admission:
     """``POST /v1/runs``'s work on a parsed body (``admit_request`` is the whole request).
     Raises ``ApiError`` for a refusal.

@@ -44,6 +44,7 @@ from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
 from .state import runs as state_runs
 from .state.direct import single_statements
+from .state.executor import on_session
 
 bp = Blueprint("v1", __name__, url_prefix=API_PREFIX)
 log = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ def create_runs():
     # keys it found taken): autocommit, as the single endpoint's admission.
     autocommit_next(db.session)  # a batch: ADMIT_MANY, then HOLDERS if a key was taken
     try:
-        outcomes: list[Any] = admit_many(db.session, [req for _, _, req in valid], **common)
+        outcomes: list[Any] = admit_many(on_session(db.session),
+                                         [req for _, _, req in valid], **common)
     except sa_exc.DataError:
         # Postgres refused a value of some item, which failed the whole statement (nothing
         # was admitted): admit each alone, in a savepoint, so only that item is refused.
@@ -192,8 +194,9 @@ def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
     """One batch item admitted alone (``admit_run``), its refusal returned, not raised."""
     try:
         with db.session.begin_nested():
-            return admit_run(db.session, workflow_ref=req.workflow_ref, input=req.input,
-                             goal_id=req.goal_id, dispatch_key=req.dispatch_key,
+            return admit_run(on_session(db.session), workflow_ref=req.workflow_ref,
+                             input=req.input, goal_id=req.goal_id,
+                             dispatch_key=req.dispatch_key,
                              concurrency_key=req.concurrency_key, trace=req.trace, **common)
     except REFUSALS as err:
         return err
@@ -295,7 +298,7 @@ def cancel_run(run_id: str):
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
     # left as it is.
-    changed = state_runs.cancel_run(db.session, run.tenant_id, run.id)
+    changed = state_runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
     db.session.commit()
     if changed is not None:
         db.session.refresh(run)

@@ -37,6 +37,7 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
     """
     from app.extensions import db
     from app.runs import tenant_of
+    from app.state.executor import on_session
     from app.state.runs import cancel_run
 
     if task_ids is None:
@@ -53,7 +54,7 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
                 tenant_id = tenant_of(db.session, run_id)
                 if tenant_id is None:
                     continue
-                cancel_run(db.session, tenant_id, run_id)
+                cancel_run(on_session(db.session), tenant_id, run_id)
                 cancelled.append(run_id)
             db.session.commit()
         except Exception:

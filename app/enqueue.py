@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from flask import current_app
@@ -38,16 +39,15 @@ from sqlalchemy.orm import Session
 from workers import registry
 
 from . import telemetry
-from .state.compose import PENDING_SENDS
 from .state.compose import tree_of as compose_tree_of
+from .state.executor import Send, forget_pending, take_pending
 from .task_names import EXECUTE_RUN, execute_shadow
 from .tracecontext import TraceContext
 
 log = logging.getLogger(__name__)
 
-# Transitions leave their runs to send on the session (``app/state/compose.py``:
-# ``send_after_commit``); the hooks below send them after commit.
-_PENDING = PENDING_SENDS
+# Transitions leave their runs to send on their executor (``app/state/executor.py``:
+# ``pending``); for a session, the hooks below send them after commit.
 
 
 class Tree(NamedTuple):
@@ -730,22 +730,23 @@ def sender(celery_app) -> Sender:
 
 @event.listens_for(Session, "after_commit")
 def _send_after_commit(session: Session) -> None:
-    pending = session.info.pop(_PENDING, None)
+    pending = take_pending(session)
     if pending:
         send_pending(pending)
 
 
-def send_pending(pending: dict, celery_app=None) -> None:
-    """Hand the runs a committed write left to send (``compose.send_after_commit``) to this
+def send_pending(pending: Mapping[uuid.UUID, Send], celery_app=None) -> None:
+    """Hand the runs a committed write left to send (``Executor.pending``) to this
     process's sender: the session's ``after_commit``, and ``state.direct``'s statements.
     ``celery_app``: the app's (``current_app``'s when None, which needs an app context)."""
     out = sender(celery_app if celery_app is not None else current_app.extensions["celery"])
-    for run_id, (workflow_ref, traceparent, tracestate, *tree) in pending.items():
-        out.put(run_id, workflow_ref,
-                TraceContext(traceparent, tracestate) if traceparent else None, Tree(*tree))
+    for run_id, send in pending.items():
+        out.put(run_id, send.workflow_ref,
+                TraceContext(send.traceparent, send.tracestate) if send.traceparent else None,
+                Tree(send.retries, send.parent_id, send.root_id))
 
 
 @event.listens_for(Session, "after_rollback")
 def _forget_after_rollback(session: Session) -> None:
     # Fires on the real database rollback only, not on a savepoint's.
-    session.info.pop(_PENDING, None)
+    forget_pending(session)

@@ -31,10 +31,13 @@ boot without its lock claims nothing at once.
 from __future__ import annotations
 
 import uuid
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from app.state.executor import Executor
 
 # "POIM": the first key of every boot's two-key advisory lock.
 LOCK_NAMESPACE = 0x504F494D
@@ -138,7 +141,7 @@ _PROBE_AGES = text(_PROBE_AGES_SQL + " ORDER BY b.boot_id")
 _PROBE_AGE = text(_PROBE_AGES_SQL + " WHERE b.boot_id = :boot_id")
 
 
-def boot_alive(session: Session, boot_id: uuid.UUID) -> bool:
+def boot_alive(session: Executor | Session, boot_id: uuid.UUID) -> bool:
     """Return whether ``boot_id``'s process still holds its advisory lock."""
     return bool(session.execute(_BOOT_ALIVE, {"boot_id": boot_id}).scalar_one())
 

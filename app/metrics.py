@@ -168,6 +168,7 @@ class GlobalGauges:
         from .extensions import db
         from .liveness import boot_probe_ages, live_boot_count
         from .models import Run, RunStatus, WaitReason
+        from .state.executor import on_session
         from .state.runs import waiting_by_reason
 
         runs = GaugeMetricFamily("poimen_runs", "Runs by status (all tenants).",
@@ -199,7 +200,7 @@ class GlobalGauges:
                     select(Run.status, func.count()).group_by(Run.status)).all())
                 for status in RunStatus:  # every status, at 0 too: no series appears late
                     runs.add_metric([str(status)], counts.get(status, 0))
-                reasons = waiting_by_reason(db.session)
+                reasons = waiting_by_reason(on_session(db.session))
                 for reason in WaitReason:
                     waiting.add_metric([str(reason)], reasons.get(reason, 0))
                 boots.add_metric([], live_boot_count(db.session))

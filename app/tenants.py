@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from .auth import SCOPES, hash_token, new_token
 from .extensions import db
 from .models import ApiToken, Tenant
+from .state.executor import on_session
 from .state.runs import change_tenant_cap
 
 # Tenant names appear in topic names: lowercase, digits, '_' and '-'.
@@ -73,7 +74,7 @@ def set_max_running(name: str, max_running: int | None) -> CapChange:
     if max_running is not None and (isinstance(max_running, bool) or max_running < 1):
         raise InvalidCap("--max-running must be a positive integer")
     tenant = find_tenant(name)
-    woken = change_tenant_cap(db.session, tenant.id, max_running)
+    woken = change_tenant_cap(on_session(db.session), tenant.id, max_running)
     db.session.commit()
     db.session.refresh(tenant)
     return CapChange(tenant, [row.id for row in woken])

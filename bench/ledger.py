@@ -112,11 +112,13 @@ def count_succeeded(db_url: str, workflow: str | None = None) -> int:
 def admit_many(flask_app, tenant_id: int, ref: str, input: dict, count: int) -> None:
     from app.admission import admit_run
     from app.extensions import db
+    from app.state.executor import on_session
 
     with flask_app.app_context():
         for start in range(0, count, BATCH):
             for _ in range(min(BATCH, count - start)):
-                admit_run(db.session, tenant_id=tenant_id, workflow_ref=ref, input=input)
+                admit_run(on_session(db.session), tenant_id=tenant_id, workflow_ref=ref,
+                          input=input)
             db.session.commit()  # sent to the worker after this commit
 
 
@@ -181,13 +183,14 @@ def measure(flask_app, tenant_id: int, label: str, ref: str, samples: int) -> Co
 
     from app.admission import admit_run
     from app.extensions import db
+    from app.state.executor import on_session
     from workers.execution import execute_run
 
     with flask_app.app_context():
         run_ids = []
         for _ in range(samples):
-            run_ids.append(admit_run(db.session, tenant_id=tenant_id, workflow_ref=ref,
-                                     input={}).run.id)
+            run_ids.append(admit_run(on_session(db.session), tenant_id=tenant_id,
+                                     workflow_ref=ref, input={}).run.id)
         db.session.commit()
         execute_run(str(run_ids[0]))  # warm: the boot, the pool, the statement caches
         counts: Counter = Counter()

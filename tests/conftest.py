@@ -274,11 +274,12 @@ def admit(app, tenant):
     """Admit a run (through the one admission function) and return its id."""
     from app.admission import admit_run
     from app.extensions import db
+    from app.state.executor import on_session
 
     def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs) -> uuid.UUID:
         with app.app_context():
-            admission = admit_run(db.session, tenant_id=tenant.id, workflow_ref=workflow_ref,
-                                  input=input or {}, **kwargs)
+            admission = admit_run(on_session(db.session), tenant_id=tenant.id,
+                                  workflow_ref=workflow_ref, input=input or {}, **kwargs)
             run_id = admission.run.id
             db.session.commit()
             return run_id

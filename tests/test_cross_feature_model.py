@@ -63,6 +63,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
+from app.state.executor import on_session
 from poimenconfig import libpq_url
 
 # -- the workflows it admits ------------------------------------------------------------------
@@ -425,7 +426,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         input = {"v": v, "g": g}
         expected = self._expect_caller(tenant, workflow, key, input)
         try:
-            admission = admit_run(self.db.session, tenant_id=self.tenant_ids[tenant],
+            admission = admit_run(on_session(self.db.session), tenant_id=self.tenant_ids[tenant],
                                   workflow_ref=workflow, input=input, dispatch_key=key)
             self.db.session.commit()
         except AdmissionConflict:
@@ -510,7 +511,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         # must not meet (Hypothesis needs each step to decide the same again).
         for key, wf, child_input in requests:
             [outcome] = admit_many(
-                self.db.session, [RunRequest(workflow_ref=wf, input=child_input,
+                on_session(self.db.session), [RunRequest(workflow_ref=wf, input=child_input,
                                              dispatch_key=key)],
                 tenant_id=self.tenant_ids[parent.tenant], origin=AdmissionOrigin.FANOUT,
                 origin_detail=f"spawn_each {idem}", parent_run_id=parent.id)
@@ -605,7 +606,8 @@ class CrossFeatureModel(RuleBasedStateMachine):
         run = self.world.runs[data.draw(st.sampled_from(open_runs or list(self.world.runs)),
                                         label="run")]
         previous = run.holder
-        claim = claim_run(self.db.session, run.id, boot_id, max_takeovers=max_takeovers_of)
+        claim = claim_run(on_session(self.db.session), run.id, boot_id,
+                          max_takeovers=max_takeovers_of)
         self.db.session.commit()
         note(f"delivery: {claim.outcome}")
         if claim.outcome in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER):
@@ -635,7 +637,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
                                 cancel_requested=run.cancel_requested,
                                 workflow_name=run.workflow, workflow_version="1",
                                 claimer_live=True, due=True, slots=False)
-        claim = _decide(self.db.session, run.id, boot_id, stale, max_takeovers_of)
+        claim = _decide(on_session(self.db.session), run.id, boot_id, stale, max_takeovers_of)
         self.db.session.commit()
         note(f"racing rescuer: {claim.outcome}")
         if claim.outcome.execute:
@@ -668,12 +670,12 @@ class CrossFeatureModel(RuleBasedStateMachine):
         if how == "cancelled" and not run.cancel_requested:
             how = "failed"
         if how == "retry":
-            ok = schedule_retry(self.db.session, run_id, boot_id, delay=0,
+            ok = schedule_retry(on_session(self.db.session), run_id, boot_id, delay=0,
                                 error={"type": "Flaky"})
         elif how == "release":
-            ok = release_claim(self.db.session, run_id, boot_id)
+            ok = release_claim(on_session(self.db.session), run_id, boot_id)
         else:
-            ok = finish_run(self.db.session, run_id, boot_id, status=how,
+            ok = finish_run(on_session(self.db.session), run_id, boot_id, status=how,
                             error={"type": "Boom"} if how == "failed" else None,
                             slots=run.slots)
         self.db.session.commit()
@@ -694,11 +696,13 @@ class CrossFeatureModel(RuleBasedStateMachine):
 
         run_id, boot_id = data.draw(st.sampled_from(self._lost_claims()), label="writer")
         if how == "retry":
-            ok = schedule_retry(self.db.session, run_id, boot_id, delay=0, error={"type": "x"})
+            ok = schedule_retry(on_session(self.db.session), run_id, boot_id, delay=0,
+                                error={"type": "x"})
         elif how == "release":
-            ok = release_claim(self.db.session, run_id, boot_id)
+            ok = release_claim(on_session(self.db.session), run_id, boot_id)
         else:
-            ok = finish_run(self.db.session, run_id, boot_id, status="succeeded", slots=True)
+            ok = finish_run(on_session(self.db.session), run_id, boot_id, status="succeeded",
+                            slots=True)
         self.db.session.commit()
         note(f"late write: {how} {'accepted' if ok else 'refused'}")
         if ok:
@@ -730,7 +734,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         runs = sorted(self.world.runs.values(),
                       key=lambda r: (r.status in TERMINAL, r.derived is None))
         run = data.draw(st.sampled_from(runs), label="run")
-        row = cancel_run(self.db.session, self.tenant_ids[run.tenant], run.id)
+        row = cancel_run(on_session(self.db.session), self.tenant_ids[run.tenant], run.id)
         self.db.session.commit()
         if run.status in TERMINAL:
             assert row is None, f"cancel changed ended run {run.id}"
@@ -758,7 +762,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         """Beat's repair tick: the wake statement (the backstop for freed slots)."""
         from app.state.runs import wake_waiting_runs
 
-        wake_waiting_runs(self.db.session, limit=1000)
+        wake_waiting_runs(on_session(self.db.session), limit=1000)
         self.db.session.commit()
 
     # -- the checks ---------------------------------------------------------------------------
@@ -886,13 +890,14 @@ class CrossFeatureModel(RuleBasedStateMachine):
             session = Session(bind=conn)
             try:
                 for _ in range(1 if strict else 20):
-                    rows = wake_waiting_runs(session, limit=1000)
+                    rows = wake_waiting_runs(on_session(session), limit=1000)
                     woken |= {row.id for row in rows}
                     if strict or claimer is None:
                         break
                     queued = session.execute(QUEUED_DUE).scalars().all()
                     for run_id in queued:
-                        claim_run(session, run_id, claimer, max_takeovers=max_takeovers_of)
+                        claim_run(on_session(session), run_id, claimer,
+                                  max_takeovers=max_takeovers_of)
                     if not rows and not queued:
                         break
             finally:

@@ -43,6 +43,7 @@ from celery.worker.request import Request
 from sqlalchemy import text
 
 from app.state import runs as state_runs
+from app.state.executor import on_session
 from app.task_names import EXECUTE_RUN
 
 from . import boots
@@ -203,8 +204,9 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
             if tenant_id is None:
                 db.session.rollback()
                 return None
-            row = cancel_run(db.session, tenant_id, run_uuid)
-            ended = state_runs.end_abandoned(db.session, run_uuid)
+            store = on_session(db.session)
+            row = cancel_run(store, tenant_id, run_uuid)
+            ended = state_runs.end_abandoned(store, run_uuid)
             db.session.commit()
         except Exception:  # noqa: BLE001 - the revoke stands; repair and the API remain
             db.session.rollback()
@@ -231,7 +233,7 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     with flask_app.app_context():
         while time.monotonic() < deadline:
             try:
-                if state_runs.end_abandoned(db.session, run_uuid):
+                if state_runs.end_abandoned(on_session(db.session), run_uuid):
                     db.session.commit()
                     log.info("run %s: cancelled (its terminated process is gone)", run_id)
                     return
@@ -262,15 +264,16 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         run_uuid = uuid.UUID(run_id)
         with flask_app.app_context():
             try:
-                row = state_runs.fail_time_limit(db.session, run_uuid, node=boots.NODE, pid=pid,
-                                                 error=json.dumps(error))
+                failed = state_runs.fail_time_limit(on_session(db.session), run_uuid,
+                                                    node=boots.NODE, pid=pid,
+                                                    error=json.dumps(error))
                 db.session.commit()
             finally:
                 db.session.remove()
     except Exception:  # noqa: BLE001 - the process is killed anyway; takeover would resume it
         log.exception("run %s: hard time limit; could not record its failure", run_id)
         return
-    if row is not None:
+    if failed:
         log.error("run %s: failed: time_limit (%gs)", run_id, timeout)
 
 

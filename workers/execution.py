@@ -31,7 +31,8 @@ from app.state.claims import (
     claim_slot,
     decide_slot,
 )
-from app.state.direct import single_statements
+from app.state.direct import SingleStatements, single_statements
+from app.state.executor import on_session
 from app.state.ledger import EntryClose
 from app.task_names import ref_of_shadow
 from app.telemetry import report_exception
@@ -221,7 +222,7 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
             # Its commit is still inside this try.
             # On psycopg without the session's machinery (app/state/direct.py).
             store = single_statements(session, send_pending)
-            in_transaction = store is session
+            in_transaction = not isinstance(store, SingleStatements)
             if limited:
                 claim = claim_slot(store, run_id, boot.boot_id,
                                    max_takeovers=registry.max_takeovers_of,
@@ -234,7 +235,7 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
             if claim.outcome == ClaimOutcome.SLOTS:
                 # A limited run the claim did not take (a dead holder's, a duplicate):
                 # decided under its group's locks, which last until this commit.
-                claim = decide_slot(session, run_id, boot.boot_id,
+                claim = decide_slot(on_session(session), run_id, boot.boot_id,
                                     max_takeovers=registry.max_takeovers_of)
                 session.commit()
         except Exception:
@@ -416,7 +417,8 @@ def _adopt_runs(flask_app, lost: boots.Boot) -> None:
                     boots.hold_if_held(run_id, new.boot_id)
                 # The lost boot is ours whatever happened since: a run this process
                 # finished under it meanwhile is ours too, not lost.
-                outcomes = {run_id: adopt_run(db.session, run_id, lost.boot_id, new.boot_id,
+                store = on_session(db.session)
+                outcomes = {run_id: adopt_run(store, run_id, lost.boot_id, new.boot_id,
                                               {lost.boot_id, *boots.holders(run_id)})
                             for run_id in runs}
                 db.session.commit()

@@ -25,7 +25,6 @@ from typing import Any
 from flask import current_app
 from psycopg import Error as PsycopgError
 from sqlalchemy import Row, text
-from sqlalchemy.orm import Session
 
 from app.admission import Admission, RunRequest, admit_many
 from app.enqueue import send_pending
@@ -34,7 +33,8 @@ from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
 from app.state.direct import single_statements
-from app.state.ledger import EntryClose, MarkerClaim
+from app.state.executor import Executor, on_session
+from app.state.ledger import Child, Entered, EntryClose, MarkerClaim, PastEntry
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
 from app.tracecontext import TraceContext
@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 
 _RUN_HOLDER = text("SELECT status, claimed_by FROM runs WHERE id = :run")
 
-# write(session, ours, retrying) -> (commit, value): one transaction's worth of fenced writes.
-Write = Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]
+# write(store, ours, retrying) -> (commit, value): one transaction's worth of fenced writes.
+Write = Callable[[Executor, list[uuid.UUID], bool], tuple[bool, Any]]
 
 
 class ClaimLost(RuntimeError):
@@ -86,7 +86,7 @@ class Fence:
         # so the run it wakes is seen (app/state/sql/README.md, "An end frees a slot").
         self.slots = slots
 
-    def _lock_slots(self, session: Session) -> None:
+    def _lock_slots(self, session: Executor) -> None:
         if self.slots:
             lock_slots(session, self.run_id)
 
@@ -103,11 +103,11 @@ class Fence:
         retrying = False
         delay = 0.2
         while True:
-            session = db.session
             try:
-                if autocommit:
-                    # Each statement on its own, on psycopg (app/state/direct.py).
-                    session = single_statements(session, send_pending)
+                # Each statement on its own, on psycopg (app/state/direct.py), or the
+                # session's transaction.
+                session = (single_statements(db.session, send_pending) if autocommit
+                           else on_session(db.session))
                 commit, value = write(session, boots.holders(self.run_id), retrying)
                 if commit:
                     session.commit()
@@ -124,7 +124,7 @@ class Fence:
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
 
-    def _end(self, write: Callable[[Session, list[uuid.UUID]], bool],
+    def _end(self, write: Callable[[Executor, list[uuid.UUID]], bool],
              already_done: Callable[[Row], bool], *, single: bool = False) -> bool:
         """One fenced write that ends the run's hold; False if the claim was lost.
 
@@ -134,7 +134,7 @@ class Fence:
         ``poimen_finish_slot``: the locks, then the end, in one call), so the run
         ends in autocommit, one round trip. Otherwise the locks come first here.
         """
-        def attempt(session: Session, ours: list[uuid.UUID], retrying: bool
+        def attempt(session: Executor, ours: list[uuid.UUID], retrying: bool
                     ) -> tuple[bool, bool]:
             if not single:
                 self._lock_slots(session)
@@ -189,7 +189,7 @@ class Fence:
 
     # -- the ledger ---------------------------------------------------------------------------
 
-    def enter(self, step, entry_no: int, *, events: bool) -> Row:
+    def enter(self, step, entry_no: int, *, events: bool) -> Entered:
         """Append entry ``entry_no`` into ``step``; its row (``id``, ``cancel_requested``)."""
         def write(session, ours, retrying):
             row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
@@ -232,7 +232,7 @@ class Fence:
 
         return self._commit(write)
 
-    def _write_effect(self, session: Session, effect: Output | Emit | Spawn, key: str,
+    def _write_effect(self, session: Executor, effect: Output | Emit | Spawn, key: str,
                       step_id: str, entry_no: int) -> tuple[Any, list | None]:
         if isinstance(effect, Output):
             return effect.value, None
@@ -314,11 +314,11 @@ class Fence:
             raise ClaimLost(f"waiting for the children of entry {entry_no} was refused")
         return waited
 
-    def children(self, entry_id: int) -> list[Row]:
+    def children(self, entry_id: int) -> list[Child]:
         return self._commit(lambda session, ours, retrying: (
             False, ledger_store.children(session, entry_id)))
 
-    def history(self) -> list[Row]:
+    def history(self) -> list[PastEntry]:
         return self._commit(lambda session, ours, retrying: (
             False, ledger_store.history(session, self.run_id, 1 << 30)))
 
@@ -347,7 +347,7 @@ class Fence:
                                             error=error),
                          self._requeued)
 
-    def _closed(self, session: Session, ours: list[uuid.UUID], close: EntryClose | None) -> bool:
+    def _closed(self, session: Executor, ours: list[uuid.UUID], close: EntryClose | None) -> bool:
         """Close the run's last step entry in this transaction (True if none to close)."""
         return close is None or ledger_store.close_entry(
             session, self.run_id, ours, close) is not None

@@ -43,10 +43,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Row
 from sqlalchemy.exc import DataError
 
 from app.admission import AdmissionConflict
+from app.state.claims import ClaimedRun
 from app.state.ledger import EntryClose, EntryStatus, MarkerClaim, MarkerOutcome
 
 from . import actions, registry
@@ -120,7 +120,7 @@ class _Cancelled(Exception):
 class Dispatcher:
     """Executes one claimed run's entries, from where its ledger says it is."""
 
-    def __init__(self, run: RunContext, row: Row, fence: Fence):
+    def __init__(self, run: RunContext, row: ClaimedRun, fence: Fence):
         self.run = run
         self.row = row
         self.workflow: Workflow = run.workflow
@@ -403,6 +403,6 @@ class Dispatcher:
         return [e for e in self._history if e["entry"] < before_entry]
 
 
-def dispatch(run: RunContext, row: Row, fence: Fence) -> Outcome:
+def dispatch(run: RunContext, row: ClaimedRun, fence: Fence) -> Outcome:
     """Execute the claimed run ``row`` from where its ledger says it is."""
     return Dispatcher(run, row, fence).dispatch()

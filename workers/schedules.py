@@ -68,6 +68,7 @@ def admit_tick(wf: registry.Workflow, tick: datetime) -> bool:
     from app.admission import AdmissionConflict, admit_run
     from app.extensions import db
     from app.models import AdmissionOrigin
+    from app.state.executor import on_session
     from app.tenants import UnknownTenant, find_tenant
 
     try:
@@ -79,7 +80,7 @@ def admit_tick(wf: registry.Workflow, tick: datetime) -> bool:
         return False
     key = tick_key(wf.name, tick)
     try:
-        admission = admit_run(db.session, tenant_id=tenant_id, workflow_ref=wf.name,
+        admission = admit_run(on_session(db.session), tenant_id=tenant_id, workflow_ref=wf.name,
                               input=schedule_input(wf, tick), dispatch_key=key,
                               origin=AdmissionOrigin.SCHEDULE, origin_detail=key[:255])
         db.session.commit()

@@ -21,6 +21,7 @@ from flask import current_app
 from app.extensions import db, prepare_if_direct
 from app.runs import redrive_stranded_runs
 from app.state.boots import prune_dead_boots
+from app.state.executor import on_session
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS
 from lease import LeaseOrderingError
 
@@ -64,7 +65,7 @@ def repair() -> int:
     sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
                                     min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"],
                                     takeover_delay=current_app.config["POIMEN_TAKEOVER_DELAY"])
-    pruned = prune_dead_boots(db.session)
+    pruned = prune_dead_boots(on_session(db.session))
     db.session.commit()
     if pruned:
         log.info("repair: pruned %d dead worker boot(s) no run refers to", pruned)

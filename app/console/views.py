@@ -38,6 +38,7 @@ from ..errors import ApiError
 from ..extensions import db
 from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus, WaitReason
 from ..state import runs as state_runs
+from ..state.executor import on_session
 from . import reads
 from .session import (
     CSRF_FIELD,
@@ -283,7 +284,7 @@ def cancel(run_id: str):
         raise ConsoleError(403, "forbidden", "this token may not cancel runs")
     run = _load_run(run_id)
     # The API's cancel: one statement, its run.cancelled event, a waiting parent woken.
-    changed = state_runs.cancel_run(db.session, run.tenant_id, run.id)
+    changed = state_runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
     db.session.commit()
     if changed is None:
         flash("The run had already finished; nothing to cancel.", "info")
@@ -307,7 +308,7 @@ def redrive(run_id: str):
                            {"run_id": str(run.id), "status": run.status})
     try:
         admission = admit_run(
-            db.session, tenant_id=run.tenant_id, workflow_ref=run.workflow_ref,
+            on_session(db.session), tenant_id=run.tenant_id, workflow_ref=run.workflow_ref,
             input=run.input, goal_id=run.goal_id, dispatch_key=redrive_key(run.id),
             origin=AdmissionOrigin.HTTP, origin_detail=f"console re-drive of {run.id}")
     except registry.UnknownWorkflow as err:

@@ -35,18 +35,17 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
-
-from sqlalchemy import Row
-from sqlalchemy.orm import Session
 
 from app.liveness import boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
 from .boots import mark_boot_dead
-from .compose import send_woken, to_json
+from .compose import send_woken, to_json, woken_of
+from .executor import Executor, build
 from .ledger import EntryClose
 from .runs import finish_requested_cancel, lock_slots
 from .statements import Function, function, statement
@@ -74,13 +73,63 @@ class ClaimOutcome(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ClaimedRun:
+    """A run as its claim (or takeover) returns it: everything the worker needs to run
+    the workflow, so executing it costs no extra read. ``last_entry``: its latest step
+    entry (a ``step_entries`` row as JSON), None before the first."""
+
+    id: uuid.UUID
+    tenant_id: int
+    attempt: int
+    workflow_name: str
+    workflow_version: str
+    input: Any
+    failures: int
+    cancel_requested: bool
+    concurrency_key: str | None
+    concurrency_limit: int | None
+    goal_id: str | None
+    definition_hash: str | None
+    created_at: datetime
+    started_at: datetime | None
+    traceparent: str | None
+    tracestate: str | None
+    last_entry: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EndedRun:
+    """A run a takeover ended instead of resuming it (cancelled while its worker was
+    lost, or poisoned), for the poisoned runs' counter."""
+
+    status: str
+    tenant_id: int
+    workflow_name: str
+    takeovers: int
+
+
+@dataclass(frozen=True)
+class _State:
+    """Why a claim changed nothing: the run's state and the claimer's liveness."""
+
+    status: str
+    claimed_by: uuid.UUID | None
+    cancel_requested: bool
+    workflow_name: str
+    workflow_version: str
+    claimer_live: bool
+    due: bool
+    slots: bool
+
+
+@dataclass(frozen=True)
 class Claim:
     outcome: ClaimOutcome
     run_id: uuid.UUID
     boot_id: uuid.UUID
     attempt: int | None = None
     holder: uuid.UUID | None = None  # the boot that holds it, for a DUPLICATE
-    run: Row | None = None  # the claimed run's row (what CLAIM_QUEUED returns), when claimed
+    run: ClaimedRun | None = None  # the claimed run, when claimed
     # The run is in a limited group: every end of this hold takes the slot locks first.
     slots: bool = False
     wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
@@ -88,10 +137,9 @@ class Claim:
     # workflow ``ref``) again in ``gone_in`` seconds, when it may be taken over.
     gone_in: float | None = None
     ref: str | None = None
-    # FINISHED by this delivery's takeover: the run's row as it ended it (status,
-    # tenant_id, workflow_name), for the poisoned runs' counter; an observation, not
-    # part of what the claim decided (not compared).
-    ended: Row | None = field(default=None, compare=False)
+    # FINISHED by this delivery's takeover: the run as it ended it, for the poisoned
+    # runs' counter; an observation, not part of what the claim decided (not compared).
+    ended: EndedRun | None = field(default=None, compare=False)
 
 
 # The statements of ``sql/claims.sql``, in its order. What a claim returns is everything
@@ -126,7 +174,7 @@ FINISH_CLOSED_UNLIMITED = statement("finish_closed_unlimited")
 SLOT_FUNCTIONS: tuple[Function, ...] = (
     CLAIM_SLOT_LOCKED, FINISH_LOCKED, FINISH_INSERTED_LOCKED, FINISH_CLOSED_LOCKED)
 
-_FINISHES = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED_LOCKED.call,
+_FINISHES: dict[tuple[str | None, bool], Any] = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED_LOCKED.call,
              ("update", True): FINISH_CLOSED_LOCKED.call, (None, False): FINISH_UNLIMITED,
              ("insert", False): FINISH_INSERTED_UNLIMITED,
              ("update", False): FINISH_CLOSED_UNLIMITED}
@@ -138,7 +186,7 @@ HOLDER = statement("holder")
 GONE_IN = statement("gone_in")
 
 
-def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+def claim_run(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, *,
               max_takeovers: Callable[[str, str], int], transaction: bool = True) -> Claim:
     """Try to claim ``run_id`` for ``boot_id`` in ``session``'s transaction; caller commits.
 
@@ -150,11 +198,12 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
     """
     row = session.execute(CLAIM_QUEUED, {"run": run_id, "boot": boot_id}).one_or_none()
     if row is not None:
-        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row)
-    current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
+        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt,
+                     run=build(ClaimedRun, row))
+    current = _state(session, run_id, boot_id)
     if current is not None and current.slots and current.claimer_live and (
             (current.status == RunStatus.RUNNING and current.claimed_by != boot_id
-             and not boot_alive(session, current.claimed_by))
+             and current.claimed_by is not None and not boot_alive(session, current.claimed_by))
             or (current.status == RunStatus.QUEUED and current.due
                 and not current.cancel_requested)):
         # A queued run to claim, or a dead holder's run to take over: under the locks.
@@ -163,7 +212,7 @@ def claim_run(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
     return _decide(session, run_id, boot_id, current, max_takeovers)
 
 
-def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+def claim_slot(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, *,
                max_takeovers: Callable[[str, str], int], transaction: bool = True) -> Claim:
     """Claim ``run_id`` of a limited group, or park it ``waiting`` when it has no slot.
 
@@ -180,23 +229,29 @@ def claim_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
         if row.status == RunStatus.WAITING:
             return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, slots=True,
                          wait_reason=row.wait_reason)
-        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt, run=row, slots=True)
+        return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt,
+                     run=build(ClaimedRun, row), slots=True)
     if not transaction:
         return Claim(ClaimOutcome.SLOTS, run_id, boot_id)
     return decide_slot(session, run_id, boot_id, max_takeovers=max_takeovers)
 
 
-def decide_slot(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, *,
+def decide_slot(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, *,
                 max_takeovers: Callable[[str, str], int]) -> Claim:
     """What a delivery does with a limited run ``claim_slot`` did not claim, decided
     under the group's locks (a takeover counts the slots like a claim). In
     ``session``'s transaction, never in autocommit; caller commits."""
     lock_slots(session, run_id)
-    current = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
+    current = _state(session, run_id, boot_id)
     return _decide(session, run_id, boot_id, current, max_takeovers, slots=True)
 
 
-def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Row | None,
+def _state(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID) -> _State | None:
+    row = session.execute(CLAIM_STATE, {"run": run_id, "boot": boot_id}).one_or_none()
+    return None if row is None else build(_State, row)
+
+
+def _decide(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, current: _State | None,
             max_takeovers: Callable[[str, str], int], *, slots: bool = False) -> Claim:
     """What a delivery does with a run its claim statement did not claim (``current``)."""
     if current is None:
@@ -217,6 +272,7 @@ def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Ro
         return Claim(ClaimOutcome.NOT_DUE, run_id, boot_id)
 
     holder = current.claimed_by
+    assert holder is not None  # a running run is held
     if holder == boot_id or boot_alive(session, holder):
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder)
 
@@ -234,22 +290,23 @@ def _decide(session: Session, run_id: uuid.UUID, boot_id: uuid.UUID, current: Ro
     if row is None:
         # Another rescuer won, or the holder is not gone yet: then its run is to be
         # delivered again when it is (nobody else may be sending it).
-        gone_in = session.execute(GONE_IN, {"boot": holder}).scalar()
+        gone_in: float | None = session.execute(GONE_IN, {"boot": holder}).scalar()
         if gone_in:
             return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id, holder=holder,
                          gone_in=gone_in,
                          ref=f"{current.workflow_name}@{current.workflow_version}")
         return Claim(ClaimOutcome.DUPLICATE, run_id, boot_id)
-    send_woken(session, row)
+    send_woken(session, row.woken)
     if row.status == RunStatus.WAITING:
         return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, holder=holder, slots=True,
                      wait_reason=row.wait_reason)
     if row.status != RunStatus.RUNNING:
         # Cancelled while its worker was lost, or too many workers lost (poisoned): ended,
         # not resumed.
-        return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder, ended=row)
-    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder, run=row,
-                 slots=slots)
+        return Claim(ClaimOutcome.FINISHED, run_id, boot_id, holder=holder,
+                     ended=build(EndedRun, row))
+    return Claim(ClaimOutcome.TAKEN_OVER, run_id, boot_id, row.attempt, holder=holder,
+                 run=build(ClaimedRun, row), slots=slots)
 
 
 class Adoption(enum.StrEnum):
@@ -261,7 +318,7 @@ class Adoption(enum.StrEnum):
     NO_SLOT = "no_slot"
 
 
-def adopt_run(session: Session, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uuid.UUID,
+def adopt_run(session: Executor, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uuid.UUID,
               ours: Collection[uuid.UUID]) -> Adoption:
     """Move ``run_id`` from this process's lost boot ``dead`` to its new boot ``boot_id``.
 
@@ -288,7 +345,7 @@ def _fence(boot_id: uuid.UUID | Collection[uuid.UUID]) -> list[uuid.UUID]:
     return [boot_id] if isinstance(boot_id, uuid.UUID) else list(boot_id)
 
 
-def release_claim(session: Session, run_id: uuid.UUID,
+def release_claim(session: Executor, run_id: uuid.UUID,
                   boot_id: uuid.UUID | Collection[uuid.UUID]) -> bool:
     """Put a run this boot claimed back to ``queued`` (a failure before user code started).
 
@@ -299,18 +356,18 @@ def release_claim(session: Session, run_id: uuid.UUID,
     changes nothing, so a release can never steal another delivery's claim.
     """
     row = session.execute(RELEASE, {"run": run_id, "boots": _fence(boot_id)}).one_or_none()
-    send_woken(session, row)
+    send_woken(session, woken_of(row))
     return row is not None
 
 
 def finish_run(
-    session: Session,
+    session: Executor,
     run_id: uuid.UUID,
     boot_id: uuid.UUID | Collection[uuid.UUID],
     *,
     status: str,
     result: Any = None,
-    error: dict | None = None,
+    error: dict[str, Any] | None = None,
     close: EntryClose | None = None,
     slots: bool = True,
 ) -> bool:
@@ -321,7 +378,7 @@ def finish_run(
     outside every limited group (no slot to hand on).
     """
     assert status in TERMINAL_STATUSES
-    params = {
+    params: dict[str, Any] = {
         "run": run_id, "boots": _fence(boot_id), "status": status, "result": to_json(result),
         "error": to_json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": to_json({"error": error} if error else None),
@@ -335,17 +392,17 @@ def finish_run(
                       next_step=close.next_step, events=close.events,
                       entry_event=f"step.{close.status}")
     row = session.execute(_FINISHES[kind, slots], params).one_or_none()
-    send_woken(session, row)
+    send_woken(session, woken_of(row))
     return row is not None
 
 
-def schedule_retry(session: Session, run_id: uuid.UUID,
+def schedule_retry(session: Executor, run_id: uuid.UUID,
                    boot_id: uuid.UUID | Collection[uuid.UUID], *,
-                   delay: float, error: dict) -> bool:
+                   delay: float, error: dict[str, Any]) -> bool:
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
         RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
                  "error": to_json(error)},
     ).one_or_none()
-    send_woken(session, row)
+    send_woken(session, woken_of(row))
     return row is not None

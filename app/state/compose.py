@@ -2,27 +2,19 @@
 
 The statements themselves are in ``app/state/sql/*.sql``; ``sql/README.md`` describes
 the parts many of them share (the event, the join release, the slot release). A
-statement that re-queues runs returns them (``woken``): ``send_woken`` sends them once
-the transaction commits.
+statement that re-queues runs returns them (``woken``): ``send_woken`` asks for their
+sends, which go once the transaction commits (``Executor.pending``).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row
-from sqlalchemy.orm import Session
-
-# Where a transition leaves the runs to send once its transaction commits
-# (``{run_id: (workflow_ref, traceparent, tracestate, retries, parent_id, root_id)}`` on
-# ``session.info``): ``app/enqueue.py`` hands them to the sender after commit and forgets
-# them on rollback. The trace context is the run's (its columns), carried as plain values;
-# retries, parent_id and root_id are what the message tells Celery (and Flower) of the
-# run's attempt and run tree (``tree_of``).
-PENDING_SENDS = "poimen_pending_enqueue"
-
+from .executor import Executor, Send
 
 # json.dumps(value, default=str) made once: json.dumps with an argument makes an encoder
 # per call, more than half of a small value's CPU.
@@ -35,15 +27,34 @@ def to_json(value: Any) -> str | None:
     return None if value is None else _ENCODE(value)
 
 
-def send_after_commit(session: Session, run_id: uuid.UUID, workflow_ref: str,
+@dataclass(frozen=True)
+class RunToSend:
+    """A run a statement marked sent (repair), or re-queued: what its message needs."""
+
+    id: uuid.UUID
+    workflow_name: str
+    workflow_version: str
+    traceparent: str | None
+    tracestate: str | None
+    attempt: int
+    parent_run_id: uuid.UUID | None
+    root_run_id: uuid.UUID | None
+
+
+# A woken parent or slot waiter as a statement's ``woken`` column lists it (jsonb objects:
+# ``id``, ``ref``, the trace context, ``attempt``, ``parent_run_id``, ``root_run_id``).
+Woken = Sequence[Mapping[str, Any]]
+
+
+def send_after_commit(executor: Executor, run_id: uuid.UUID, workflow_ref: str,
                       traceparent: str | None = None, tracestate: str | None = None,
                       retries: int = 0, parent_id: str | None = None,
                       root_id: str | None = None) -> None:
-    """Send ``run_id`` to the workers once ``session``'s transaction commits; its message
+    """Send ``run_id`` to the workers once ``executor``'s work commits; its message
     carries the run's W3C Trace Context (``traceparent``, ``tracestate``) as headers, and
     Celery's ``retries``, ``parent_id`` and ``root_id`` (None: the run itself) of the run."""
-    session.info.setdefault(PENDING_SENDS, {})[run_id] = (
-        workflow_ref, traceparent, tracestate, retries, parent_id, root_id)
+    executor.pending.add(run_id, Send(workflow_ref, traceparent, tracestate, retries,
+                                      parent_id, root_id))
 
 
 def tree_of(row: Any) -> tuple[int, str | None, str | None]:
@@ -58,16 +69,22 @@ def tree_of(row: Any) -> tuple[int, str | None, str | None]:
             str(root) if root else None)
 
 
-def send_row_after_commit(session: Session, row: Any) -> None:
+def send_row_after_commit(executor: Executor, row: Any) -> None:
     """``send_after_commit`` of the run ``row`` (its id, ref, trace context and tree)."""
-    send_after_commit(session, row.id, f"{row.workflow_name}@{row.workflow_version}",
+    send_after_commit(executor, row.id, f"{row.workflow_name}@{row.workflow_version}",
                       row.traceparent, row.tracestate, *tree_of(row))
 
 
-def send_woken(session: Session, row: Row | None) -> None:
-    """Send the parents a run's end re-queued (``row.woken``) once ``session`` commits."""
-    for parent in (row.woken if row is not None else None) or ():
-        send_after_commit(session, uuid.UUID(parent["id"]), parent["ref"],
+def send_woken(executor: Executor, woken: Woken | None) -> None:
+    """Send the parents a run's end re-queued (a statement's ``woken`` column) once
+    ``executor``'s work commits."""
+    for parent in woken or ():
+        send_after_commit(executor, uuid.UUID(parent["id"]), parent["ref"],
                           parent.get("traceparent"), parent.get("tracestate"),
                           parent.get("attempt") or 0, parent.get("parent_run_id"),
                           parent.get("root_run_id") or parent.get("parent_run_id"))
+
+
+def woken_of(row: Any) -> Woken | None:
+    """The ``woken`` column of ``row`` (None: no row)."""
+    return None if row is None else row.woken

@@ -7,52 +7,57 @@ around it: a transaction object, a connection checked out and characterised as
 commit hooks: more than twice the CPU of the statement run here, with the same pool
 checkout (bench/RESULTS.md, "single statements on psycopg directly").
 
-:func:`single_statements` gives the store's functions an object that has what they
-use of a session, ``execute`` and ``info``: each statement is a transaction of its
-own on a pooled connection, and ``commit()`` hands the runs the writes left to send
-(``compose.send_after_commit``) to ``after_commit``, as a session's commit does.
+:func:`single_statements` gives the store's functions an ``Executor``
+(``app/state/executor.py``): each statement is a transaction of its own on a pooled
+connection, and ``commit()`` hands the runs the writes left to send (its ``pending``)
+to ``after_commit``, as a session's commit does.
 Errors are SQLAlchemy's, as through the session (``OperationalError`` for a lost
 server, ``DataError`` for a value the column refuses), and a connection that lost its
 server is dropped from the pool.
 
 Where a session could not run autocommit (``extensions.autocommit_engine``) the
-session itself is returned, and the work runs in its transaction, as before.
+session is returned as an executor (``executor.on_session``), and the work runs in its
+transaction.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import exc
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.sql.elements import TextClause
+from sqlalchemy.sql.expression import Executable
 
 from app.extensions import autocommit_engine
 
-from .compose import PENDING_SENDS
+from .executor import Executor, PendingSends, Send, on_session
 
 # A statement that returned rows (looked up once, not per statement).
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
-AfterCommit = Callable[[dict], None]
+# Hands the runs a committed write left to send to the sender (``enqueue.send_pending``).
+AfterCommit = Callable[[Mapping[uuid.UUID, Send]], None]
 
 # Who watches the statements run here, all in autocommit (tests: ``conftest.statements``,
 # which watches the engine's too): called with the SQL before each runs.
 OBSERVERS: list[Callable[[str], None]] = []
 
 
-def single_statements(session, after_commit: AfterCommit):
+def single_statements(session: scoped_session[Session], after_commit: AfterCommit) -> Executor:
     """An autocommit stand-in for ``session`` (a ``scoped_session``) running each
-    statement on its own, or ``session`` where that cannot be chosen.
+    statement on its own, or ``session`` (as an executor) where that cannot be chosen.
 
     Either way the caller ends with ``commit()`` (``rollback()`` for reads only):
     a no-op for the stand-in, whose statements committed as they ran.
     """
     engine = autocommit_engine(session)
-    return session if engine is None else SingleStatements(engine, after_commit)
+    return on_session(session) if engine is None else SingleStatements(engine, after_commit)
 
 
 class Result:
@@ -60,17 +65,17 @@ class Result:
 
     __slots__ = ("_rows", "rowcount")
 
-    def __init__(self, rows: list, rowcount: int):
+    def __init__(self, rows: list[Any], rowcount: int):
         self._rows = rows
         self.rowcount = rowcount
 
-    def one_or_none(self):
+    def one_or_none(self) -> Any:
         if len(self._rows) > 1:
             raise exc.MultipleResultsFound("Multiple rows were found when one or none "
                                            "was required")
         return self._rows[0] if self._rows else None
 
-    def one(self):
+    def one(self) -> Any:
         if len(self._rows) != 1:
             raise (exc.NoResultFound("No row was found when one was required")
                    if not self._rows else
@@ -78,13 +83,13 @@ class Result:
                                             "was required"))
         return self._rows[0]
 
-    def scalar(self):
+    def scalar(self) -> Any:
         return self._rows[0][0] if self._rows else None
 
-    def scalar_one(self):
+    def scalar_one(self) -> Any:
         return self.one()[0]
 
-    def all(self) -> list:
+    def all(self) -> list[Any]:
         return self._rows
 
 
@@ -93,10 +98,12 @@ class SingleStatements:
 
     def __init__(self, engine: Engine, after_commit: AfterCommit):
         self.engine = engine
-        self.info: dict = {}
+        self.pending = PendingSends()
         self._after_commit = after_commit
 
-    def execute(self, statement: TextClause, params: Mapping[str, Any] | None = None) -> Result:
+    def execute(self, statement: Executable,
+                params: Mapping[str, Any] | None = None) -> Result:
+        assert isinstance(statement, TextClause), "the store's statements are text"
         sql = _compiled(statement, self.engine)
         for observe in OBSERVERS:
             observe(sql)
@@ -107,7 +114,7 @@ class SingleStatements:
         except psycopg.Error as err:
             raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
                                           connection_invalidated=True) from err
-        conn = fairy.driver_connection
+        conn = cast(psycopg.Connection[Any], fairy.driver_connection)
         try:
             conn.autocommit = True
             try:
@@ -123,7 +130,8 @@ class SingleStatements:
                 if not conn.closed:
                     conn.autocommit = False  # as the pool hands it to a session
         except psycopg.Error as err:
-            lost = self.engine.dialect.is_disconnect(err, conn, None) or conn.closed
+            lost = self.engine.dialect.is_disconnect(cast(Any, err), cast(Any, conn), None) \
+                or conn.closed
             if lost:
                 fairy.invalidate(err)
             raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
@@ -135,14 +143,14 @@ class SingleStatements:
     def commit(self) -> None:
         """Every statement committed as it ran: send the runs they left to send, as a
         session's ``after_commit`` does."""
-        pending = self.info.pop(PENDING_SENDS, None)
+        pending = self.pending.take()
         if pending:
             self._after_commit(pending)
 
     def rollback(self) -> None:
         """What ran was whole on its own; the runs it left to send are forgotten, as a
         session's ``after_rollback`` forgets them (beat re-sends queued runs)."""
-        self.info.pop(PENDING_SENDS, None)
+        self.pending.clear()
 
 
 _COMPILED: dict[tuple[int, int], tuple[TextClause, str]] = {}

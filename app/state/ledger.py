@@ -17,10 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sqlalchemy import Row
-from sqlalchemy.orm import Session
-
-from .compose import send_woken, to_json
+from .compose import Woken, send_woken, to_json
+from .executor import Executor, build
 from .statements import statement
 
 
@@ -60,11 +58,11 @@ class EntryClose:
     status: str
     actions: list[dict[str, Any]]
     outputs: Any
-    error: dict | None
+    error: dict[str, Any] | None
     next_step: str | None
     events: bool
 
-    def without_outputs(self, error: dict) -> EntryClose:
+    def without_outputs(self, error: dict[str, Any]) -> EntryClose:
         """The same end, failed with ``error`` and no outputs (Postgres refused them)."""
         return dataclasses.replace(
             self, status=EntryStatus.FAILED, error=error, outputs={},
@@ -93,7 +91,64 @@ class MarkerClaim:
     claims: int = 0
     holder: uuid.UUID | None = None
     result: Any = None
-    error: dict | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Entered:
+    """An entry written (``enter_step``, ``close_entry``): its id, and whether the run's
+    cancellation was requested (read in the same statement)."""
+
+    id: int
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
+class MarkerState:
+    """A marker as it stands, and whether the boot that claimed it is live."""
+
+    status: str
+    claimed_by: uuid.UUID
+    claims: int
+    result: Any
+    error: dict[str, Any] | None
+    holder_live: bool
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What ``wait_for_children`` did: ``entry_waits`` (1: the entry waits for children),
+    ``run_waits`` (1: the run released its worker to wait); ``woken``, the runs its freed
+    slot re-queued (sent after the commit)."""
+
+    entry_waits: int
+    run_waits: int
+    woken: Woken
+
+
+@dataclass(frozen=True)
+class Child:
+    """A child run an entry spawned, as the join reads it."""
+
+    child_run_id: uuid.UUID
+    position: int
+    item_key: str
+    status: str
+    result: Any
+    error: dict[str, Any] | None
+    dispatch_key: str | None
+
+
+@dataclass(frozen=True)
+class PastEntry:
+    """An entry of a run's history (``ctx.history``)."""
+
+    id: int
+    entry_no: int
+    step_id: str
+    status: str
+    outputs: Any
+    next_step: str | None
 
 
 # The statements of ``sql/ledger.sql``. Every write's first part is the fence:
@@ -121,16 +176,17 @@ def declared_actions(step: DeclaredStep) -> list[dict[str, Any]]:
             for a in step.actions]
 
 
-def enter_step(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], step: DeclaredStep,
-               entry_no: int, *, events: bool = True) -> Row | None:
+def enter_step(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID],
+               step: DeclaredStep, entry_no: int, *, events: bool = True) -> Entered | None:
     """Append entry ``entry_no`` into ``step`` (fenced); None if the run is not ours."""
-    return session.execute(ENTER, {
+    row = session.execute(ENTER, {
         "run": run_id, "boots": ours, "entry_no": entry_no, "step": step.id,
         "actions": to_json(declared_actions(step)), "events": events,
     }).one_or_none()
+    return None if row is None else build(Entered, row)
 
 
-def claim_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
+def claim_marker(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
                  position: int, claimer: uuid.UUID, *, retrying: bool = False) -> MarkerClaim:
     """Claim marker ``(entry_id, position)`` for boot ``claimer`` (which must be live).
 
@@ -165,9 +221,9 @@ def claim_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], ent
     return MarkerClaim(MarkerOutcome.TAKEN_OVER, taken.claims, state.claimed_by)
 
 
-def finish_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
+def finish_marker(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID], entry_id: int,
                   position: int, *, step_id: str, entry_no: int, name: str, key: str,
-                  result: Any = None, error: dict | None = None,
+                  result: Any = None, error: dict[str, Any] | None = None,
                   children: list[tuple[uuid.UUID, int, str]] | None = None) -> bool:
     """Complete (or, with ``error``, fail) a marker this process holds; False if it does not.
 
@@ -175,7 +231,8 @@ def finish_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], en
     transaction, linked to the entry in the same statement.
     """
     status = "failed" if error is not None else "completed"
-    params = {"run": run_id, "boots": ours, "entry": entry_id, "position": position,
+    params: dict[str, Any] = {
+              "run": run_id, "boots": ours, "entry": entry_id, "position": position,
               "status": status, "result": to_json(result), "error": to_json(error),
               "event_type": f"action.{status}", "step": step_id, "entry_no": entry_no,
               "name": name, "key": key}
@@ -184,16 +241,18 @@ def finish_marker(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], en
         statement = COMPLETE_SPAWN
         params.update(children=[c[0] for c in children], ordinals=[c[1] for c in children],
                       item_keys=[c[2] for c in children])
-    return session.execute(statement, params).scalar_one() == 1
+    return int(session.execute(statement, params).scalar_one()) == 1
 
 
-def marker_state(session: Session, entry_id: int, position: int) -> Row | None:
-    return session.execute(MARKER_STATE, {"entry": entry_id, "position": position}
-                           ).one_or_none()
+def marker_state(session: Executor, entry_id: int, position: int) -> MarkerState | None:
+    """Marker ``(entry_id, position)`` as it stands; None if it has no row."""
+    row = session.execute(MARKER_STATE, {"entry": entry_id, "position": position}
+                          ).one_or_none()
+    return None if row is None else build(MarkerState, row)
 
 
-def close_entry(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID],
-                close: EntryClose) -> Row | None:
+def close_entry(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID],
+                close: EntryClose) -> Entered | None:
     """End an entry (fenced) with its actions' outcomes; None if the run is not ours.
 
     An entry that needed no row while it ran (``entry_id`` None) is written now,
@@ -204,13 +263,15 @@ def close_entry(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID],
               "error": to_json(close.error), "next_step": close.next_step,
               "events": close.events, "event_type": f"step.{close.status}"}
     if close.entry_id is None:
-        return session.execute(INSERT_CLOSED, {**params, "entry_no": close.entry_no,
-                                               "step": close.step_id}).one_or_none()
-    return session.execute(CLOSE_ENTRY, {**params, "entry": close.entry_id}).one_or_none()
+        row = session.execute(INSERT_CLOSED, {**params, "entry_no": close.entry_no,
+                                              "step": close.step_id}).one_or_none()
+    else:
+        row = session.execute(CLOSE_ENTRY, {**params, "entry": close.entry_id}).one_or_none()
+    return None if row is None else build(Entered, row)
 
 
-def wait_for_children(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID], *,
-                      entry_id: int, actions: list[dict[str, Any]], outputs: Any) -> Row:
+def wait_for_children(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID], *,
+                      entry_id: int, actions: list[dict[str, Any]], outputs: Any) -> Wait:
     """Let the run wait for entry ``entry_id``'s children, releasing its worker (fenced).
 
     In a transaction after ``runs.lock_slots`` when the run holds a slot (the
@@ -218,19 +279,21 @@ def wait_for_children(session: Session, run_id: uuid.UUID, ours: list[uuid.UUID]
     already ended (nothing to wait for); an entry that would wait for a run that
     is not ours has ``entry_waits`` without ``run_waits`` (the caller rolls back).
     """
-    row = session.execute(WAIT, {"run": run_id, "boots": ours, "entry": entry_id,
-                                 "actions": to_json(actions), "outputs": to_json(outputs)}).one()
+    wait = build(Wait, session.execute(WAIT, {
+        "run": run_id, "boots": ours, "entry": entry_id, "actions": to_json(actions),
+        "outputs": to_json(outputs)}).one())
     # A run of a limited group that waits for its children gives its slot up:
     # the next run waiting for it is sent once this commits.
-    send_woken(session, row)
-    return row
+    send_woken(session, wait.woken)
+    return wait
 
 
-def children(session: Session, entry_id: int) -> list[Row]:
+def children(session: Executor, entry_id: int) -> list[Child]:
     """The child runs entry ``entry_id`` spawned, in position and item order."""
-    return session.execute(CHILDREN, {"entry": entry_id}).all()
+    return [build(Child, row) for row in session.execute(CHILDREN, {"entry": entry_id}).all()]
 
 
-def history(session: Session, run_id: uuid.UUID, before_entry: int) -> list[Row]:
+def history(session: Executor, run_id: uuid.UUID, before_entry: int) -> list[PastEntry]:
     """The run's entries numbered below ``before_entry``, oldest first."""
-    return session.execute(HISTORY, {"run": run_id, "entry_no": before_entry}).all()
+    return [build(PastEntry, row) for row in session.execute(
+        HISTORY, {"run": run_id, "entry_no": before_entry}).all()]

@@ -20,8 +20,7 @@ import json
 import uuid
 from typing import Any
 
-from sqlalchemy.orm import Session
-
+from .executor import Executor
 from .statements import function, statement
 
 INSERT_EVENT = statement("insert_event")
@@ -44,7 +43,7 @@ def event_payload(run_id: uuid.UUID, event_type: str, **fields: Any) -> dict[str
 
 
 def record_event(
-    session: Session, *, tenant_id: int, run_id: uuid.UUID, event_type: str, **fields: Any
+    session: Executor, *, tenant_id: int, run_id: uuid.UUID, event_type: str, **fields: Any
 ) -> None:
     """Append ``event_type`` for ``run_id`` to the outbox in ``session``'s transaction."""
     session.execute(INSERT_EVENT, {

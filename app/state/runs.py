@@ -24,13 +24,103 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
 
-from sqlalchemy import Row
-from sqlalchemy.orm import Session
+from sqlalchemy.engine import Engine
 
 from .boots import mark_dead_boots
-from .compose import send_row_after_commit, send_woken
+from .compose import RunToSend, send_row_after_commit, send_woken, woken_of
+from .executor import Executor, build
 from .statements import statement
+
+
+@dataclass(frozen=True)
+class AdmittedRun:
+    """A run as admission inserted it (or found it under its key): every column."""
+
+    id: uuid.UUID
+    tenant_id: int
+    workflow_ref: str
+    workflow_name: str
+    workflow_version: str
+    input: Any
+    goal_id: str | None
+    dispatch_key: str | None
+    released_key: str | None
+    status: str
+    attempt: int
+    failures: int
+    takeovers: int
+    claimed_by: uuid.UUID | None
+    cancel_requested: bool
+    result: Any
+    error: dict[str, Any] | None
+    origin: str
+    origin_detail: str | None
+    parent_run_id: uuid.UUID | None
+    root_run_id: uuid.UUID | None
+    definition_hash: str | None
+    traceparent: str | None
+    tracestate: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    not_before: datetime | None
+    last_sent_at: datetime
+    concurrency_key: str | None
+    concurrency_limit: int | None
+    wait_reason: str | None
+
+
+@dataclass(frozen=True)
+class KeyHolder(AdmittedRun):
+    """The run that holds a requested key, compared with the request by Postgres
+    (``same_*``: the stored value equals the request's)."""
+
+    same_workflow_ref: bool
+    same_input: bool
+    same_goal_id: bool
+
+
+@dataclass(frozen=True)
+class BatchKeyHolder(KeyHolder):
+    """A ``KeyHolder`` of a batch's request ``request_ord``."""
+
+    request_ord: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """What a cancel did to a run that had not ended: ``status`` ``cancelled`` (it was
+    queued or waiting), or still ``running`` with ``cancel_requested``."""
+
+    id: uuid.UUID
+    tenant_id: int
+    status: str
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
+class WokenRun(RunToSend):
+    """A waiting run re-queued for a slot (marked sent): the caller sends it."""
+
+    tenant_id: int
+
+
+@dataclass(frozen=True)
+class StrandedRun(RunToSend):
+    """A run held by a boot seen dead, marked sent: ``gone_in``, the seconds until its
+    boot is gone (a delivery before then takes nothing over)."""
+
+    gone_in: float
+
+
+class WorkflowVersion(NamedTuple):
+    workflow_name: str
+    workflow_version: str
 
 # -- admit ------------------------------------------------------------------------------------
 
@@ -42,7 +132,7 @@ HOLDERS = statement("holders")
 RELEASE_KEY = statement("release_key")
 
 
-def release_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow_name: str,
+def release_key(session: Executor, *, tenant_id: int, dispatch_key: str, workflow_name: str,
                 reusable: tuple[str, ...], ttl: float) -> bool:
     """Free ``dispatch_key`` from its run if that run (of ``workflow_name``) ended in one of
     ``reusable`` at least ``ttl`` seconds ago; True if it did."""
@@ -53,18 +143,21 @@ def release_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow
         "reusable": list(reusable), "ttl": ttl}).one_or_none() is not None
 
 
-def admit(session: Session, values: dict, *, input_json: str, event_json: str) -> Row | None:
+def admit(session: Executor, values: dict[str, Any], *, input_json: str,
+          event_json: str) -> AdmittedRun | None:
     """Insert the run ``values`` describe with its ``run.admitted`` event; None if its key
     is taken. The run is sent to the workers once ``session`` commits."""
     row = session.execute(ADMIT, {**values, "input": input_json, "event": event_json}
                           ).one_or_none()
-    if row is not None:
-        send_row_after_commit(session, row)
-    return row
+    if row is None:
+        return None
+    send_row_after_commit(session, row)
+    return build(AdmittedRun, row)
 
 
-def admit_many(session: Session, *, tenant_id: int, runs_json: str, origin: str,
-               origin_detail: str | None, parent_run_id: uuid.UUID | None) -> list[Row]:
+def admit_many(session: Executor, *, tenant_id: int, runs_json: str, origin: str,
+               origin_detail: str | None, parent_run_id: uuid.UUID | None
+               ) -> list[AdmittedRun]:
     """Insert the runs ``runs_json`` describes (a JSON array of objects: ``ord``, ``id``
     and the per-run columns), each with its ``run.admitted`` event; return the rows
     inserted (a request whose key is taken has none). Each is sent once ``session``
@@ -74,23 +167,26 @@ def admit_many(session: Session, *, tenant_id: int, runs_json: str, origin: str,
         "origin_detail": origin_detail, "parent_run_id": parent_run_id}).all()
     for row in rows:
         send_row_after_commit(session, row)
-    return rows
+    return [build(AdmittedRun, row) for row in rows]
 
 
-def holders_of_keys(session: Session, *, tenant_id: int, requests_json: str) -> list[Row]:
+def holders_of_keys(session: Executor, *, tenant_id: int, requests_json: str
+                    ) -> list[BatchKeyHolder]:
     """The runs holding the keys of ``requests_json`` (a JSON array of objects: ``ord``,
     ``dispatch_key``, ``workflow_ref``, ``input``, ``goal_id``), each with ``request_ord``
     and the ``same_*`` columns comparing that request."""
-    return session.execute(HOLDERS, {"tenant_id": tenant_id,
-                                     "requests": requests_json}).all()
+    return [build(BatchKeyHolder, row) for row in session.execute(
+        HOLDERS, {"tenant_id": tenant_id, "requests": requests_json}).all()]
 
-def holder_of_key(session: Session, *, tenant_id: int, dispatch_key: str, workflow_ref: str,
-                  input_json: str, goal_id: str | None) -> Row | None:
+
+def holder_of_key(session: Executor, *, tenant_id: int, dispatch_key: str, workflow_ref: str,
+                  input_json: str, goal_id: str | None) -> KeyHolder | None:
     """The run that holds ``dispatch_key``, with ``same_*`` columns comparing this request."""
-    return session.execute(EXISTING, {
+    row = session.execute(EXISTING, {
         "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_ref": workflow_ref,
         "input": input_json, "goal_id": goal_id,
     }).one_or_none()
+    return None if row is None else build(KeyHolder, row)
 
 
 # -- cancel -----------------------------------------------------------------------------------
@@ -106,7 +202,7 @@ TIME_LIMIT = statement("time_limit")
 LOCK_SLOTS = statement("lock_slots")
 
 
-def lock_slots(session: Session, run_id: uuid.UUID) -> int:
+def lock_slots(session: Executor, run_id: uuid.UUID) -> int:
     """Take the slot locks of ``run_id``'s groups until ``session``'s transaction ends.
 
     Must run in a transaction (not autocommit): the statements after it decide
@@ -116,29 +212,29 @@ def lock_slots(session: Session, run_id: uuid.UUID) -> int:
     return int(session.execute(LOCK_SLOTS, {"run": run_id}).scalar_one())
 
 
-def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID) -> Row | None:
+def cancel_run(session: Executor, tenant_id: int, run_id: uuid.UUID) -> Cancel | None:
     """Cancel ``run_id`` (queued or waiting: at once; running: at its next checkpoint).
 
-    Return the changed row, or None when the run was already finished (then
+    Return what changed, or None when the run was already finished (then
     there is nothing to cancel). The caller commits; a parent whose join this
     run completes is sent after the commit.
     """
     row = session.execute(CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
-    send_woken(session, row)
-    return row
+    send_woken(session, woken_of(row))
+    return None if row is None else build(Cancel, row)
 
 
-def finish_requested_cancel(session: Session, run_id: uuid.UUID) -> bool:
+def finish_requested_cancel(session: Executor, run_id: uuid.UUID) -> bool:
     """End a queued run whose cancellation was requested; True if it was."""
     row = session.execute(CANCEL_QUEUED, {"run": run_id}).one_or_none()
-    send_woken(session, row)
+    send_woken(session, woken_of(row))
     return row is not None
 
 
 MARK_HOLDER_DEAD = statement("mark_holder_dead")
 
 
-def end_abandoned(session: Session, run_id: uuid.UUID) -> bool:
+def end_abandoned(session: Executor, run_id: uuid.UUID) -> bool:
     """End as cancelled a revoked run whose holder is gone; True if it was (in a
     transaction: a run of a limited group wakes the next one under its slot locks).
     A holder whose lock is free is stamped first seen dead (the revoke's caller asks
@@ -146,19 +242,19 @@ def end_abandoned(session: Session, run_id: uuid.UUID) -> bool:
     session.execute(MARK_HOLDER_DEAD, {"run": run_id})
     lock_slots(session, run_id)
     row = session.execute(END_ABANDONED, {"run": run_id}).one_or_none()
-    send_woken(session, row)
+    send_woken(session, woken_of(row))
     return row is not None
 
 
-def fail_time_limit(session: Session, run_id: uuid.UUID, *, node: uuid.UUID, pid: int,
-                    error: str) -> Row | None:
+def fail_time_limit(session: Executor, run_id: uuid.UUID, *, node: uuid.UUID, pid: int,
+                    error: str) -> bool:
     """Fail ``run_id`` for Celery's hard time limit if pool process (``node``, ``pid``)
-    holds it; the changed row, or None (in a transaction, like ``end_abandoned``)."""
+    holds it; True if it did (in a transaction, like ``end_abandoned``)."""
     lock_slots(session, run_id)
     row = session.execute(TIME_LIMIT, {"run": run_id, "node": node, "pid": pid,
                                        "error": error}).one_or_none()
-    send_woken(session, row)
-    return row
+    send_woken(session, woken_of(row))
+    return row is not None
 
 
 # -- repair -----------------------------------------------------------------------------------
@@ -179,10 +275,10 @@ WAIT_REPAIR_LOCK = statement("wait_repair_lock")
 
 
 @contextlib.contextmanager
-def repair_lock(session: Session, *, wait: bool) -> Iterator[bool]:
-    """Hold the repair lock for the ``with`` block; yield whether it is held (``wait``: block
-    until it is)."""
-    conn = session.get_bind().connect()
+def repair_lock(engine: Engine, *, wait: bool) -> Iterator[bool]:
+    """Hold the repair lock for the ``with`` block, on a connection of ``engine``'s of its
+    own; yield whether it is held (``wait``: block until it is)."""
+    conn = engine.connect()
     try:
         with conn.begin():
             statement = WAIT_REPAIR_LOCK if wait else TRY_REPAIR_LOCK
@@ -198,45 +294,52 @@ WAKE_TENANT = statement("wake_tenant")
 WAITING_BY_REASON = statement("waiting_by_reason")
 
 
-def wake_waiting_runs(session: Session, *, limit: int | None) -> list[Row]:
+def wake_waiting_runs(session: Executor, *, limit: int | None) -> list[WokenRun]:
     """Re-queue (and mark sent) the waiting runs each group has free slots for, oldest
-    first, and every run waiting for a cap that was lifted; at most ``limit``."""
-    return session.execute(WAKE_WAITING, {"limit": limit}).all()
+    first, and every run waiting for a cap that was lifted; at most ``limit``. The caller
+    sends them after its commit."""
+    return [build(WokenRun, row)
+            for row in session.execute(WAKE_WAITING, {"limit": limit}).all()]
 
 
-def change_tenant_cap(session: Session, tenant_id: int, max_running: int | None) -> list[Row]:
+def change_tenant_cap(session: Executor, tenant_id: int, max_running: int | None
+                      ) -> list[WokenRun]:
     """Set tenant ``tenant_id``'s cap to ``max_running`` (None: no cap) in ``session``'s
     transaction, and re-queue the runs waiting for its slots that the new cap frees:
     every one if it was lifted, oldest first. They are sent once the caller commits;
     return them."""
     session.execute(LOCK_TENANT, {"tenant": tenant_id})
     session.execute(SET_TENANT_CAP, {"tenant": tenant_id, "max_running": max_running})
-    woken = session.execute(WAKE_TENANT, {"tenant": tenant_id, "limit": None}).all()
-    for row in woken:
-        send_row_after_commit(session, row)
+    woken = [build(WokenRun, row) for row in session.execute(
+        WAKE_TENANT, {"tenant": tenant_id, "limit": None}).all()]
+    for run in woken:
+        send_row_after_commit(session, run)
     return woken
 
 
-def waiting_by_reason(session_or_conn) -> dict[str, int]:
+def waiting_by_reason(session: Executor) -> dict[str, int]:
     """How many runs wait, by what they wait for."""
-    return {row.reason: int(row.runs) for row in session_or_conn.execute(WAITING_BY_REASON)}
+    return {row.reason: int(row.runs) for row in session.execute(WAITING_BY_REASON).all()}
 
 
-def mark_dead_boot_runs_sent(session: Session, *, min_age: float, limit: int | None) -> list[Row]:
+def mark_dead_boot_runs_sent(session: Executor, *, min_age: float, limit: int | None
+                             ) -> list[StrandedRun]:
     """Stamp the boots whose lock is free, then pick (and mark sent) up to ``limit`` runs
     held by boots seen dead, due for a re-send; each with ``gone_in``, the seconds until
     its boot is gone (a delivery before then takes nothing over)."""
     mark_dead_boots(session)
-    return session.execute(DEAD_BOOT_RUNS, {"min_age": min_age, "limit": limit}).all()
+    return [build(StrandedRun, row) for row in session.execute(
+        DEAD_BOOT_RUNS, {"min_age": min_age, "limit": limit}).all()]
 
 
-def queued_workflows_due(session: Session, *, min_age: float) -> list[Row]:
+def queued_workflows_due(session: Executor, *, min_age: float) -> list[WorkflowVersion]:
     """The (workflow_name, workflow_version) pairs with queued runs due for a re-send."""
-    return session.execute(QUEUED_WORKFLOWS, {"min_age": min_age}).all()
+    return [WorkflowVersion(row.workflow_name, row.workflow_version)
+            for row in session.execute(QUEUED_WORKFLOWS, {"min_age": min_age}).all()]
 
 
-def mark_queued_runs_sent(session: Session, *, min_age: float, limit: int | None,
-                          names: list[str], versions: list[str]) -> list[Row]:
+def mark_queued_runs_sent(session: Executor, *, min_age: float, limit: int | None,
+                          names: list[str], versions: list[str]) -> list[RunToSend]:
     """Pick (and mark sent) up to ``limit`` queued runs of these workflows, due for a re-send."""
-    return session.execute(QUEUED_RUNS, {"min_age": min_age, "limit": limit, "names": names,
-                                         "versions": versions}).all()
+    return [build(RunToSend, row) for row in session.execute(QUEUED_RUNS, {
+        "min_age": min_age, "limit": limit, "names": names, "versions": versions}).all()]

@@ -53,7 +53,9 @@ def parse(path: Path) -> list[Named]:
         # What follows the statement's ``;``: blank lines and comments for the reader.
         while block and (not block[-1].strip() or block[-1].startswith("--")):
             block.pop()
-        name = _NAME.match(lines[start])[1]
+        named = _NAME.match(lines[start])
+        assert named is not None  # ``starts`` are the lines it matches
+        name = named[1]
         where = f"{path.name}:{start + 1} ({name})"
         if not block or not block[-1].endswith(";"):
             raise ValueError(f"{where}: a statement ends with ';'")

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import tests.workflows.reuse  # noqa: F401 - registers the reuse-* workflows
+from app.state.executor import on_session
 from tests.app.test_idempotent_admission import count_runs, queued_task_ids
 from tests.conftest import wait_until_waiting_on_a_lock
 
@@ -200,7 +201,7 @@ def _batch(app, engine, tenant_id, keys, outcome, *, before_commit=None):
 
     with app.app_context(), Session(bind=engine) as session:
         try:
-            results = admit_many(session, [RunRequest("echo", {"k": k}, dispatch_key=k)
+            results = admit_many(on_session(session), [RunRequest("echo", {"k": k}, dispatch_key=k)
                                            for k in keys], tenant_id=tenant_id)
             outcome["results"] = [(r.run.id, r.created) if isinstance(r, Admission) else r
                                   for r in results]
@@ -260,7 +261,7 @@ def test_batches_with_overlapping_keys_in_reverse_order_do_not_deadlock(app, ten
     engines = {name: _engine(database_url, name) for name in ("holder", "rev-a", "rev-b")}
     a, b = {}, {}
     with app.app_context(), Session(bind=engines["holder"]) as holder:
-        admit_run(holder, tenant_id=tenant.id, workflow_ref="echo", input={"k": middle},
+        admit_run(on_session(holder), tenant_id=tenant.id, workflow_ref="echo", input={"k": middle},
                   dispatch_key=middle)
         a_thread = threading.Thread(target=_batch,
                                     args=(app, engines["rev-a"], tenant.id, keys, a))

@@ -20,6 +20,7 @@ from sqlalchemy import text
 
 import tests.workflows.reuse  # noqa: F401 - registers the reuse-* workflows
 from app.models import AdmissionOrigin
+from app.state.executor import on_session
 from tests.app import admission_paths
 
 TICK_KEY = "schedule:reuse-after-end:2026-12-05T01:00:00Z"
@@ -52,11 +53,13 @@ def test_a_derived_key_is_never_released(app, db_session, tx_tenant, origin, key
     from app.admission import admit_run
 
     with app.app_context():
-        first = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="reuse-after-end",
+        first = admit_run(on_session(db_session), tenant_id=tx_tenant.id,
+                          workflow_ref="reuse-after-end",
                           input={"n": 1}, dispatch_key=key, origin=origin)
         assert first.created
         end(db_session, first.run.id, status)
-        again = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="reuse-after-end",
+        again = admit_run(on_session(db_session), tenant_id=tx_tenant.id,
+                          workflow_ref="reuse-after-end",
                           input={"n": 1}, dispatch_key=key, origin=origin)
         count = db_session.execute(text("SELECT count(*) FROM runs WHERE tenant_id = :t"),
                                    {"t": tx_tenant.id}).scalar()
@@ -69,10 +72,12 @@ def test_a_caller_key_is_still_released_by_its_policy(app, db_session, tx_tenant
     from app.admission import admit_run
 
     with app.app_context():
-        first = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="reuse-after-end",
+        first = admit_run(on_session(db_session), tenant_id=tx_tenant.id,
+                          workflow_ref="reuse-after-end",
                           input={"n": 1}, dispatch_key="order-7", origin=AdmissionOrigin.HTTP)
         end(db_session, first.run.id)
-        again = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="reuse-after-end",
+        again = admit_run(on_session(db_session), tenant_id=tx_tenant.id,
+                          workflow_ref="reuse-after-end",
                           input={"n": 1}, dispatch_key="order-7", origin=AdmissionOrigin.HTTP)
     assert again.created and again.run.id != first.run.id
 
@@ -102,7 +107,8 @@ def test_a_key_released_between_the_insert_and_the_read_ends_on_a_run(app, tenan
     from app.state.direct import OBSERVERS, SingleStatements, single_statements
 
     with app.app_context():
-        failed = admit_run(db.session, tenant_id=tenant.id, workflow_ref="reuse-after-failure",
+        failed = admit_run(on_session(db.session), tenant_id=tenant.id,
+                           workflow_ref="reuse-after-failure",
                            input={}, dispatch_key="between").run.id
         db.session.commit()
         db.session.remove()

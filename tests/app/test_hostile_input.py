@@ -13,6 +13,7 @@ import json
 
 import requests
 
+from app.state.executor import on_session
 from tests.app import admission_paths
 from tests.app.test_idempotent_admission import count_runs
 
@@ -121,7 +122,7 @@ def test_workflows_still_read_floats(app, tx_tenant, db_session):
     from app.admission import admit_run
     from app.models import Run
 
-    run = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref="echo",
+    run = admit_run(on_session(db_session), tenant_id=tx_tenant.id, workflow_ref="echo",
                     input={"x": 0.25, "n": 3}).run
     db_session.expire_all()
     loaded = db_session.get(Run, run.id).input

@@ -11,12 +11,14 @@ import psycopg
 import pytest
 import requests
 
+from app.state.executor import on_session
 from tests.app import admission_paths
 
 # Each admission test on both HTTP layers: Flask's view, and the fast path.
 admission_path = admission_paths.admission_path
 client = admission_paths.client
 db_session = admission_paths.db_session
+
 
 def post_run(client, creds, **body):
     return client.post("/v1/runs", json=body, headers=creds.headers)
@@ -107,7 +109,7 @@ def test_concurrent_admission_calls_on_separate_connections_create_one_run(app, 
         with app.app_context(), Session(bind=engine) as session:
             session.connection()  # connect before the barrier, so the race is the insert
             barrier.wait()
-            admission = admit_run(session, tenant_id=tenant.id, workflow_ref="echo",
+            admission = admit_run(on_session(session), tenant_id=tenant.id, workflow_ref="echo",
                                   input={"race": "fn"}, dispatch_key="race-fn")
             run_id, created = admission.run.id, admission.created
             session.commit()
@@ -305,12 +307,13 @@ def test_a_run_whose_transaction_fails_is_not_enqueued(app, tenant, redis_client
 
     redis_client.delete(queue_name)
     with app.app_context():
-        admission = admit_run(db.session, tenant_id=tenant.id, workflow_ref="echo", input={},
+        admission = admit_run(on_session(db.session), tenant_id=tenant.id, workflow_ref="echo",
+                              input={},
                               dispatch_key="doomed")
         doomed = str(admission.run.id)
         db.session.rollback()  # the admitting transaction fails
 
-        kept = admit_run(db.session, tenant_id=tenant.id, workflow_ref="echo", input={},
+        kept = admit_run(on_session(db.session), tenant_id=tenant.id, workflow_ref="echo", input={},
                          dispatch_key="kept")
         sent()
         assert queued_task_ids(redis_client, queue_name) == []  # nothing before commit
@@ -452,7 +455,7 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
                            connect_args={"options": f"-c default_transaction_isolation={default}"})
     args = dict(tenant_id=tenant.id, workflow_ref="echo", input={"d": 1}, dispatch_key="held")
     with app.app_context(), Session(bind=engine) as a_session:
-        a = admit_run(a_session, **args)
+        a = admit_run(on_session(a_session), **args)
         assert a.created
 
         outcome = {}
@@ -460,7 +463,7 @@ def test_the_index_decides_a_key_held_by_an_uncommitted_admission(app, tenant, p
         def caller_b():
             with app.app_context(), Session(bind=engine) as b_session:
                 try:
-                    b = admit_run(b_session, **args)
+                    b = admit_run(on_session(b_session), **args)
                     outcome["run"], outcome["created"] = b.run.id, b.created
                     b_session.commit()
                 except Exception as err:  # noqa: BLE001 - reported below

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import tests.workflows.reuse  # noqa: F401 - registers the reuse-* workflows
+from app.state.executor import on_session
 from tests.app import admission_paths
 from workers.registry import InvalidDefinition, Step, Workflow, action
 
@@ -144,7 +145,8 @@ def test_racing_readmissions_after_a_failure_make_exactly_one_new_run(app, tenan
     from app.extensions import db
 
     with app.app_context():
-        failed = admit_run(db.session, tenant_id=tenant.id, workflow_ref="reuse-after-failure",
+        failed = admit_run(on_session(db.session), tenant_id=tenant.id,
+                           workflow_ref="reuse-after-failure",
                            input={}, dispatch_key="race").run.id
         db.session.commit()
     pg.execute("UPDATE runs SET status = 'failed', finished_at = now() WHERE id = %s", [failed])
@@ -156,7 +158,7 @@ def test_racing_readmissions_after_a_failure_make_exactly_one_new_run(app, tenan
         with app.app_context(), Session(bind=engine) as session:
             session.connection()
             barrier.wait()
-            admission = admit_run(session, tenant_id=tenant.id,
+            admission = admit_run(on_session(session), tenant_id=tenant.id,
                                   workflow_ref="reuse-after-failure", input={"retry": True},
                                   dispatch_key="race")
             session.commit()
@@ -188,7 +190,8 @@ def test_a_readmission_waiting_on_an_uncommitted_one_replays_it(app, tenant, pg,
     with app.app_context():
         from app.extensions import db
 
-        failed = admit_run(db.session, tenant_id=tenant.id, workflow_ref="reuse-after-failure",
+        failed = admit_run(on_session(db.session), tenant_id=tenant.id,
+                           workflow_ref="reuse-after-failure",
                            input={}, dispatch_key="order").run.id
         db.session.commit()
     pg.execute("UPDATE runs SET status = 'failed', finished_at = now() WHERE id = %s", [failed])
@@ -196,12 +199,13 @@ def test_a_readmission_waiting_on_an_uncommitted_one_replays_it(app, tenant, pg,
     engine = create_engine(database_url, poolclass=NullPool,
                            connect_args={"application_name": "reuse-b"})
     with app.app_context(), Session(bind=engine_a) as a, Session(bind=engine) as b:
-        first = admit_run(a, tenant_id=tenant.id, workflow_ref="reuse-after-failure",
+        first = admit_run(on_session(a), tenant_id=tenant.id, workflow_ref="reuse-after-failure",
                           input={"retry": True}, dispatch_key="order")
         assert first.created
         outcome = {}
         waiter = threading.Thread(target=lambda: outcome.update(second=admit_run(
-            b, tenant_id=tenant.id, workflow_ref="reuse-after-failure", input={"retry": True},
+            on_session(b), tenant_id=tenant.id, workflow_ref="reuse-after-failure",
+            input={"retry": True},
             dispatch_key="order")))
         waiter.start()
         wait_until_waiting_on_a_lock(pg, "reuse-b")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from app.state.executor import on_session
 from tests.conftest import connect, wait_until_waiting_on_a_lock
 
 
@@ -29,7 +30,7 @@ def test_cancel_racing_a_release_still_cancels(app, admit, pg, database_url):
     def cancel():
         with app.app_context():
             db.session.execute(db.text("SET application_name = 'test-canceller'"))
-            outcome["row"] = cancel_run(db.session, tenant_id, run_id)
+            outcome["row"] = cancel_run(on_session(db.session), tenant_id, run_id)
             db.session.commit()
 
     canceller = threading.Thread(target=cancel)
@@ -57,7 +58,7 @@ def test_cancel_of_a_finished_run_changes_nothing(app, admit, pg):
     pg.execute("UPDATE runs SET status = 'succeeded' WHERE id = %s", [run_id])
     tenant_id = pg.execute("SELECT tenant_id FROM runs WHERE id = %s", [run_id]).fetchone()[0]
     with app.app_context():
-        assert cancel_run(db.session, tenant_id, run_id) is None
+        assert cancel_run(on_session(db.session), tenant_id, run_id) is None
         db.session.commit()
     assert pg.execute("SELECT status, cancel_requested FROM runs WHERE id = %s",
                       [run_id]).fetchone() == ("succeeded", False)

@@ -2,7 +2,7 @@
 
 Deterministic witnesses of what the stand-in must keep of a session: sends only
 after commit (forgotten on rollback), SQLAlchemy's errors, a connection the server
-cut dropped from the pool, and the session itself wherever it has a transaction.
+cut dropped from the pool, and the session (its executor) wherever it has a transaction.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import uuid
 import pytest
 from sqlalchemy import exc, text
 
-from app.state.compose import PENDING_SENDS, send_after_commit
+from app.state.compose import send_after_commit
 
 SELECT_ONE = text("SELECT :x AS x, pg_backend_pid() AS pid")
 BAD_JSON = text("SELECT CAST(:doc AS jsonb) AS doc")
@@ -52,7 +52,7 @@ def test_sends_go_at_commit_and_are_forgotten_at_rollback(store):
     send_after_commit(stand_in, uuid.uuid4(), "noop@1")
     stand_in.rollback()
     stand_in.commit()
-    assert len(sent) == 1 and PENDING_SENDS not in stand_in.info
+    assert len(sent) == 1 and len(stand_in.pending) == 0
 
 
 def test_a_value_postgres_refuses_is_sqlalchemys_data_error(store):
@@ -74,10 +74,12 @@ def test_a_connection_cut_server_side_is_dropped_and_the_next_statement_runs(sto
 def test_a_session_with_a_transaction_open_is_used_as_it_is(app):
     from app.extensions import db
     from app.state.direct import single_statements
+    from app.state.executor import SessionExecutor
 
     with app.app_context():
         db.session.execute(text("SELECT 1"))  # a transaction is open now
-        assert single_statements(db.session, lambda pending: None) is db.session
+        store = single_statements(db.session, lambda pending: None)
+        assert isinstance(store, SessionExecutor) and store.session is db.session()
         db.session.rollback()
         db.session.remove()
 

@@ -27,6 +27,7 @@ import pytest
 import requests
 from confluent_kafka import Consumer, TopicPartition
 
+from app.state.executor import on_session
 from bridge.outbox import OUTBOX_LOCK_KEY, OUTBOX_LOCK_NAMESPACE
 from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
@@ -848,7 +849,7 @@ def record_big_event(world: World, run_id: uuid.UUID, size: int,
     engine = create_engine(world.database_url)
     try:
         with Session(engine) as session:
-            record_event(session, tenant_id=world.tenant_id, run_id=run_id,
+            record_event(on_session(session), tenant_id=world.tenant_id, run_id=run_id,
                          event_type=event_type, detail="y" * size)
             session.commit()
     finally:

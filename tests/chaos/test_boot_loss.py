@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.state.executor import on_session
 from lease import KILL_SECONDS
 from tests.processes import start_beat, start_worker, wait_until
 
@@ -111,7 +112,7 @@ def test_a_cancelled_run_whose_worker_dies_ends_cancelled(app, admit, side_effec
     wait_until(lambda: side_effects(run_id, "start") == 1, timeout=60, what="the run to start")
     tenant_id = pg.execute("SELECT tenant_id FROM runs WHERE id = %s", [run_id]).fetchone()[0]
     with app.app_context():
-        assert cancel_run(db.session, tenant_id, run_id) is not None
+        assert cancel_run(on_session(db.session), tenant_id, run_id) is not None
         db.session.commit()
     victim.kill()
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from app.state.executor import on_session
 from tests.chaos.test_partition import LONG_RUN_SECONDS, TAKEOVER_BOUND, run_state, ticks
 from tests.processes import free_port, start_beat, start_worker, wait_until
 from tests.proxy import StallingProxy
@@ -37,7 +38,8 @@ def test_a_worker_behind_a_hung_proxy_stops_before_its_run_is_started_elsewhere(
         processes.append(start_worker({**env, "DATABASE_URL": via_proxy,
                                        "METRICS_PORT": str(free_port())}, tmp_path, "victim"))
         with chaos_app.app_context():
-            run_id = admit_run(db.session, tenant_id=chaos_tenant.id, workflow_ref="tick",
+            run_id = admit_run(on_session(db.session), tenant_id=chaos_tenant.id,
+                               workflow_ref="tick",
                                input={"path": str(path), "seconds": LONG_RUN_SECONDS,
                                       "every": 0.25}).run.id
             db.session.commit()

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 import redis as redis_lib
 
+from app.state.executor import on_session
 from tests.chaos import netns
 from tests.chaos.conftest import PrivatePostgres, environment
 from tests.conftest import TABLES
@@ -137,7 +138,7 @@ def admit_tick(net_app, tenant_id: int, path: Path, seconds: float) -> uuid.UUID
     from app.extensions import db
 
     with net_app.app_context():
-        admission = admit_run(db.session, tenant_id=tenant_id, workflow_ref="tick",
+        admission = admit_run(on_session(db.session), tenant_id=tenant_id, workflow_ref="tick",
                               input={"path": str(path), "seconds": seconds, "every": 0.25})
         db.session.commit()
         return admission.run.id

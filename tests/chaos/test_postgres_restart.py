@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from app.state.executor import on_session
 from tests.processes import start_beat, start_worker, wait_until
 
 RUNS = 16
@@ -25,7 +26,8 @@ def _admit(chaos_app, tenant_id: int, n: int):
     while True:
         try:
             with chaos_app.app_context():
-                admission = admit_run(db.session, tenant_id=tenant_id, workflow_ref="blind",
+                admission = admit_run(on_session(db.session), tenant_id=tenant_id,
+                                      workflow_ref="blind",
                                       input={"seconds": RUN_SECONDS}, dispatch_key=f"stream-{n}")
                 db.session.commit()
                 return admission.run.id

@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import pytest
 
+from app.state.executor import on_session
+
 pytestmark = pytest.mark.slow
 
 BACKLOG = 5000
@@ -35,7 +37,8 @@ def admit_backlog(app, tenant_id: int, n: int, batch: int = 500) -> list[uuid.UU
     with app.app_context():
         for start in range(0, n, batch):
             for _ in range(min(batch, n - start)):
-                ids.append(admit_run(db.session, tenant_id=tenant_id, workflow_ref="noop",
+                ids.append(admit_run(on_session(db.session), tenant_id=tenant_id,
+                                     workflow_ref="noop",
                                      input={}).run.id)
             db.session.commit()
         # Admission hands runs to this process's sender thread after commit.

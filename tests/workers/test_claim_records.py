@@ -21,6 +21,7 @@ from app.state.claims import (
     finish_run,
     schedule_retry,
 )
+from app.state.executor import on_session
 from workers.registry import max_takeovers_of, workflow
 
 
@@ -39,7 +40,7 @@ def session(app):
 
 
 def claim(session, run_id, boot_id) -> Claim:
-    result = claim_run(session, run_id, boot_id, max_takeovers=max_takeovers_of)
+    result = claim_run(on_session(session), run_id, boot_id, max_takeovers=max_takeovers_of)
     session.commit()
     return result
 
@@ -67,7 +68,7 @@ def test_each_claim_names_its_outcome_run_boot_and_attempt(session, admit, boot_
         ClaimOutcome.CLAIMED, run_id, boot.boot_id, 1)
     assert claimed.run is not None and claimed.run.id == run_id
 
-    assert finish_run(session, run_id, boot.boot_id, status="succeeded")
+    assert finish_run(on_session(session), run_id, boot.boot_id, status="succeeded")
     session.commit()
     assert claim(session, run_id, boot.boot_id) == Claim(ClaimOutcome.FINISHED, run_id,
                                                          boot.boot_id)
@@ -109,7 +110,7 @@ def test_a_retry_requeues_the_run_after_its_delay_with_its_error(session, admit,
     run_id, boot = admit(), boot_factory()
     assert claim(session, run_id, boot.boot_id).outcome == ClaimOutcome.CLAIMED
     error = {"code": "ValueError", "message": "boom"}
-    assert schedule_retry(session, run_id, boot.boot_id, delay=30, error=error)
+    assert schedule_retry(on_session(session), run_id, boot.boot_id, delay=30, error=error)
     session.commit()
     row = row_of(pg, run_id)
     assert (row["status"], row["claimed_by"], row["failures"], row["error"]) == (
@@ -131,7 +132,7 @@ def test_a_finish_counts_a_failure_only_when_it_failed_and_its_event_carries_the
         session, admit, boot_factory, pg, status, error, failures):
     run_id, boot = admit(), boot_factory()
     claim(session, run_id, boot.boot_id)
-    assert finish_run(session, run_id, boot.boot_id, status=status, result={"r": 1},
+    assert finish_run(on_session(session), run_id, boot.boot_id, status=status, result={"r": 1},
                       error=error)
     session.commit()
     row = row_of(pg, run_id)
@@ -148,10 +149,11 @@ def test_adopting_a_run_one_of_our_boots_already_holds_is_ours(session, admit, b
     pg.execute("UPDATE runs SET status = 'running', claimed_by = %s, attempt = 1 "
                "WHERE id = %s", [lost, run_id])
     new = boot_factory()
-    assert adopt_run(session, run_id, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    assert adopt_run(on_session(session), run_id, lost, new.boot_id, [lost]) == Adoption.ADOPTED
     session.commit()
     # A second adoption (a retried write) finds it already under this process's boot.
-    assert adopt_run(session, run_id, lost, new.boot_id, [lost, new.boot_id]) == Adoption.OURS
+    assert adopt_run(on_session(session), run_id, lost, new.boot_id,
+                     [lost, new.boot_id]) == Adoption.OURS
     session.commit()
     assert row_of(pg, run_id)["claimed_by"] == new.boot_id
 
@@ -179,7 +181,8 @@ def test_claims_that_do_nothing_still_name_run_boot_and_holder(session, admit, b
     assert claim(session, run_id, other.boot_id) == Claim(
         ClaimOutcome.DUPLICATE, run_id, other.boot_id, holder=holder.boot_id)
 
-    assert schedule_retry(session, run_id, holder.boot_id, delay=30, error={"code": "x"})
+    assert schedule_retry(on_session(session), run_id, holder.boot_id, delay=30,
+                          error={"code": "x"})
     session.commit()
     assert claim(session, run_id, other.boot_id) == Claim(ClaimOutcome.NOT_DUE, run_id,
                                                           other.boot_id)
@@ -199,7 +202,7 @@ def test_a_result_with_values_json_lacks_is_stored_as_their_text(session, admit,
     run_id, boot = admit(), boot_factory()
     claim(session, run_id, boot.boot_id)
     at = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
-    assert finish_run(session, run_id, boot.boot_id, status="succeeded",
+    assert finish_run(on_session(session), run_id, boot.boot_id, status="succeeded",
                       result={"at": at, "id": run_id})
     session.commit()
     stored = pg.execute("SELECT result FROM runs WHERE id = %s", [run_id]).fetchone()[0]

@@ -8,6 +8,7 @@ import psycopg
 import pytest
 
 from app.state.claims import ClaimOutcome, claim_run, finish_run, release_claim
+from app.state.executor import on_session
 from workers.registry import max_takeovers_of
 
 from .conftest import long_gone
@@ -23,7 +24,7 @@ def session(app):
 
 
 def claim(session, run_id, boot_id):
-    result = claim_run(session, run_id, boot_id, max_takeovers=max_takeovers_of)
+    result = claim_run(on_session(session), run_id, boot_id, max_takeovers=max_takeovers_of)
     session.commit()
     return result
 
@@ -115,7 +116,7 @@ def test_a_finished_run_is_never_executed_again(session, admit, boot_factory, de
     """4: terminal runs ignore every delivery, from live and fresh boots alike."""
     run_id, boot = admit(), boot_factory()
     claim(session, run_id, boot.boot_id)
-    assert finish_run(session, run_id, boot.boot_id, status=final, result={"ok": True})
+    assert finish_run(on_session(session), run_id, boot.boot_id, status=final, result={"ok": True})
     session.commit()
     for deliverer in (boot.boot_id, boot_factory().boot_id):
         assert claim(session, run_id, deliverer).outcome == ClaimOutcome.FINISHED
@@ -131,11 +132,11 @@ def test_release_is_scoped_to_the_claiming_boot(session, admit, boot_factory, pg
     second = boot_factory()
     assert claim(session, run_id, second.boot_id).outcome == ClaimOutcome.TAKEN_OVER
 
-    assert release_claim(session, run_id, first.boot_id) is False
+    assert release_claim(on_session(session), run_id, first.boot_id) is False
     session.commit()
     assert status_of(pg, run_id) == ("running", second.boot_id, 2)
 
-    assert release_claim(session, run_id, second.boot_id) is True
+    assert release_claim(on_session(session), run_id, second.boot_id) is True
     session.commit()
     assert status_of(pg, run_id) == ("queued", None, 1)  # a release gives its attempt back
 
@@ -148,10 +149,12 @@ def test_finish_is_fenced_by_the_claim(session, admit, boot_factory, pg):
     long_gone(pg, first.boot_id)
     second = boot_factory()
     claim(session, run_id, second.boot_id)
-    assert finish_run(session, run_id, first.boot_id, status="succeeded", result=1) is False
+    assert finish_run(on_session(session), run_id, first.boot_id, status="succeeded",
+                      result=1) is False
     session.commit()
     assert status_of(pg, run_id)[0] == "running"
-    assert finish_run(session, run_id, second.boot_id, status="succeeded", result=2) is True
+    assert finish_run(on_session(session), run_id, second.boot_id, status="succeeded",
+                      result=2) is True
     session.commit()
     row = pg.execute("SELECT status, result FROM runs WHERE id = %s", [run_id]).fetchone()
     assert row == ("succeeded", 2)
@@ -442,10 +445,10 @@ def test_adoption_moves_the_claim_to_the_new_boot(session, admit, boot_factory, 
     run_id, lost = admit(), dead_boot()
     hold_as(pg, run_id, lost)
     new = boot_factory()
-    assert adopt_run(session, run_id, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    assert adopt_run(on_session(session), run_id, lost, new.boot_id, [lost]) == Adoption.ADOPTED
     session.commit()
     assert status_of(pg, run_id) == ("running", new.boot_id, 1)  # not a new attempt
-    assert finish_run(session, run_id, [lost, new.boot_id], status="succeeded")
+    assert finish_run(on_session(session), run_id, [lost, new.boot_id], status="succeeded")
     session.commit()
 
 
@@ -457,11 +460,11 @@ def test_adoption_after_a_takeover_is_refused(session, admit, boot_factory, dead
     rescuer = boot_factory()
     assert claim(session, run_id, rescuer.boot_id).outcome == ClaimOutcome.TAKEN_OVER
     new = boot_factory()
-    assert adopt_run(session, run_id, lost, new.boot_id, [lost]) == Adoption.LOST
+    assert adopt_run(on_session(session), run_id, lost, new.boot_id, [lost]) == Adoption.LOST
     session.commit()
     assert status_of(pg, run_id)[1] == rescuer.boot_id
     # ... and the lost boot's late finish is refused by the fence.
-    assert not finish_run(session, run_id, [lost, new.boot_id], status="succeeded")
+    assert not finish_run(on_session(session), run_id, [lost, new.boot_id], status="succeeded")
     session.rollback()
 
 
@@ -479,7 +482,8 @@ def _blocked_claim(app, run_id, boot_id, pg):
     def deliver():
         with app.app_context():
             db.session.execute(db.text("SET application_name = 'test-second-claimer'"))
-            outcome["claim"] = claim_run(db.session, run_id, boot_id, max_takeovers=max_takeovers_of)
+            outcome["claim"] = claim_run(on_session(db.session), run_id, boot_id,
+                                         max_takeovers=max_takeovers_of)
             db.session.commit()
 
     thread = threading.Thread(target=deliver)
@@ -500,7 +504,8 @@ def test_a_claim_waiting_on_an_uncommitted_claim_does_not_claim_again(app, admit
 
     run_id, a, b = admit(), boot_factory(), boot_factory()
     with app.app_context():
-        first = claim_run(db.session, run_id, a.boot_id, max_takeovers=max_takeovers_of)  # not committed yet
+        first = claim_run(on_session(db.session), run_id, a.boot_id,
+                          max_takeovers=max_takeovers_of)  # not committed yet
         assert first.outcome == ClaimOutcome.CLAIMED
         thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
         db.session.commit()
@@ -520,7 +525,8 @@ def test_two_rescuers_of_one_dead_boots_run_take_it_over_once(app, admit, boot_f
     hold_as(pg, run_id, dead)
     a, b = boot_factory(), boot_factory()
     with app.app_context():
-        assert claim_run(db.session, run_id, a.boot_id, max_takeovers=max_takeovers_of).outcome == ClaimOutcome.TAKEN_OVER
+        assert claim_run(on_session(db.session), run_id, a.boot_id,
+                         max_takeovers=max_takeovers_of).outcome == ClaimOutcome.TAKEN_OVER
         thread, outcome = _blocked_claim(app, run_id, b.boot_id, pg)
         db.session.commit()
     thread.join(10)
@@ -537,10 +543,11 @@ def test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused(session, ad
     run_id, first, second = admit(), boot_factory(), boot_factory()
     hold_as(pg, run_id, second.boot_id)  # taken over by ``second`` while ``first`` was cut off
     refused = {
-        "retry": lambda: schedule_retry(session, run_id, first.boot_id, delay=1,
+        "retry": lambda: schedule_retry(on_session(session), run_id, first.boot_id, delay=1,
                                         error={"type": "x"}),
-        "release": lambda: release_claim(session, run_id, first.boot_id),
-        "finish": lambda: finish_run(session, run_id, first.boot_id, status="succeeded"),
+        "release": lambda: release_claim(on_session(session), run_id, first.boot_id),
+        "finish": lambda: finish_run(on_session(session), run_id, first.boot_id,
+                                     status="succeeded"),
     }[write]()
     session.commit()
     assert refused is False
@@ -585,7 +592,7 @@ def test_repair_prunes_dead_boots_that_no_run_refers_to(session, admit, boot_fac
     run_id = admit()
     hold_as(pg, run_id, referenced)
     live = boot_factory()
-    assert prune_dead_boots(session) == 1000
+    assert prune_dead_boots(on_session(session)) == 1000
     session.commit()
     left = {r[0] for r in pg.execute("SELECT boot_id FROM worker_boots")}
     assert left == {referenced, live.boot_id}
@@ -627,7 +634,7 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
 
                     assert adopt_run(Session(bind=conn), run_id, lost, new.boot_id, ours)
             adopted.append(True)
-        return finish_run(session, run_id, ours, status="succeeded")
+        return finish_run(on_session(session), run_id, ours, status="succeeded")
 
     try:
         with app.app_context():

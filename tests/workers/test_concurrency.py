@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from app.state.claims import ClaimOutcome, claim_run, finish_run, release_claim, schedule_retry
+from app.state.executor import on_session
 from tests.conftest import wait_until_waiting_on_a_lock
 from workers.registry import max_takeovers_of
 
@@ -32,9 +33,8 @@ def state(pg, run_id):
 
 
 def pending_sends(session) -> set:
-    from app.state.compose import PENDING_SENDS
-
-    return set(session.info.get(PENDING_SENDS, {}))
+    """The runs ``session``'s transaction is to send once it commits."""
+    return set(on_session(session).pending)
 
 
 def keyed(admit, customer="c1", **input):
@@ -116,7 +116,7 @@ def test_a_run_without_a_slot_waits_unclaimed_and_the_holders_end_wakes_it(
     assert events_of(pg, second) == ["run.admitted", "run.waiting"]
     assert claim(session, second, boot.boot_id).outcome == ClaimOutcome.WAITING
 
-    assert finish_run(session, first, boot.boot_id, status="succeeded", result=1)
+    assert finish_run(on_session(session), first, boot.boot_id, status="succeeded", result=1)
     assert pending_sends(session) == {second}  # sent once the finish commits
     session.commit()
     assert state(pg, second) == ("queued", None, None, 0)
@@ -125,7 +125,6 @@ def test_a_run_without_a_slot_waits_unclaimed_and_the_holders_end_wakes_it(
 
 
 def test_a_run_woken_for_a_slot_is_sent_with_its_trace_context(session, admit, boot_factory):
-    from app.state.compose import PENDING_SENDS
     from app.tracecontext import TraceContext
 
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -134,9 +133,10 @@ def test_a_run_woken_for_a_slot_is_sent_with_its_trace_context(session, admit, b
     boot = boot_factory()
     claim(session, first, boot.boot_id)
     claim(session, second, boot.boot_id)
-    finish_run(session, first, boot.boot_id, status="succeeded")
+    finish_run(on_session(session), first, boot.boot_id, status="succeeded")
     # Its slot wait started no execution: still Celery's retries 0; top-level.
-    assert session.info[PENDING_SENDS][second] == ("keyed@1", traceparent, "k=v", 0, None, None)
+    assert on_session(session).pending.runs[second] == (
+        "keyed@1", traceparent, "k=v", 0, None, None)
     session.commit()
 
 
@@ -147,9 +147,10 @@ def test_a_retry_or_a_release_gives_the_slot_up(session, admit, boot_factory, pg
     claim(session, first, boot.boot_id)
     claim(session, second, boot.boot_id)
     if leave == "retry":
-        assert schedule_retry(session, first, boot.boot_id, delay=60, error={"type": "x"})
+        assert schedule_retry(on_session(session), first, boot.boot_id, delay=60,
+                              error={"type": "x"})
     else:
-        assert release_claim(session, first, boot.boot_id)
+        assert release_claim(on_session(session), first, boot.boot_id)
     session.commit()
     assert state(pg, second)[:2] == ("queued", None)
 
@@ -174,7 +175,7 @@ def test_fifo_a_newcomer_does_not_overtake_an_older_run_woken_for_the_slot(
     first, second = keyed(admit), keyed(admit)
     claim(session, first, boot.boot_id)
     claim(session, second, boot.boot_id)  # waits
-    finish_run(session, first, boot.boot_id, status="succeeded")
+    finish_run(on_session(session), first, boot.boot_id, status="succeeded")
     session.commit()  # second is queued again, its message on the way
     newcomer = keyed(admit)
     assert claim(session, newcomer, boot.boot_id).outcome == ClaimOutcome.SLOT_WAIT
@@ -200,7 +201,7 @@ def test_a_takeover_respects_the_limit_and_waits_when_the_slot_was_taken(
     assert pg.execute("SELECT takeovers FROM runs WHERE id = %s", [first]).fetchone() == (1,)
     assert events_of(pg, first) == ["run.admitted", "run.waiting"]
 
-    finish_run(session, second, boot.boot_id, status="succeeded")
+    finish_run(on_session(session), second, boot.boot_id, status="succeeded")
     session.commit()
     resumed = claim(session, first, boot.boot_id)
     assert (resumed.outcome, resumed.attempt) == (ClaimOutcome.CLAIMED, 2)
@@ -253,7 +254,7 @@ def _claim_in_thread(app, run_id, boot_id, pg, name="test-slot-claimer"):
     def deliver():
         with app.app_context():
             db.session.execute(db.text(f"SET application_name = '{name}'"))
-            outcome["claim"] = claim_run(db.session, run_id, boot_id,
+            outcome["claim"] = claim_run(on_session(db.session), run_id, boot_id,
                                          max_takeovers=max_takeovers_of)
             db.session.commit()
             db.session.remove()
@@ -276,7 +277,7 @@ def _b_claims_while_a_holds_the_lock(app, pg, a_run, a, b_run, b):
     from app.extensions import db
 
     with app.app_context():
-        first = claim_run(db.session, a_run, a.boot_id, max_takeovers=max_takeovers_of)
+        first = claim_run(on_session(db.session), a_run, a.boot_id, max_takeovers=max_takeovers_of)
         thread, outcome = _claim_in_thread(app, b_run, b.boot_id, pg)
         db.session.commit()
     thread.join(10)
@@ -324,7 +325,7 @@ def test_an_end_racing_a_claim_that_parks_still_wakes_it(app, admit, boot_factor
     a, b = boot_factory(), boot_factory()
     with app.app_context():
         assert claim(db.session, a_run, a.boot_id).outcome == ClaimOutcome.CLAIMED
-        parked = claim_run(db.session, b_run, b.boot_id, max_takeovers=max_takeovers_of)
+        parked = claim_run(on_session(db.session), b_run, b.boot_id, max_takeovers=max_takeovers_of)
         assert parked.outcome == ClaimOutcome.SLOT_WAIT  # not committed: B holds the lock
 
         done = {}
@@ -375,11 +376,12 @@ def test_a_tenant_cap_parks_the_tenants_runs_but_not_another_tenants(
     with app.app_context():
         from app.extensions import db
 
-        theirs = admit_run(db.session, tenant_id=other.id, workflow_ref="echo", input={}).run.id
+        theirs = admit_run(on_session(db.session), tenant_id=other.id, workflow_ref="echo",
+                           input={}).run.id
         db.session.commit()
     assert claim(session, theirs, boot.boot_id).outcome == ClaimOutcome.CLAIMED
 
-    finish_run(session, runs[0], boot.boot_id, status="succeeded")
+    finish_run(on_session(session), runs[0], boot.boot_id, status="succeeded")
     session.commit()
     assert state(pg, runs[2])[:2] == ("queued", None)
     assert claim(session, runs[2], boot.boot_id).outcome == ClaimOutcome.CLAIMED
@@ -441,7 +443,7 @@ def test_the_waiting_gauge_counts_by_reason(app, session, admit, boot_factory, p
     boot = boot_factory()
     for _ in range(3):
         claim(session, keyed(admit), boot.boot_id)
-    assert waiting_by_reason(session) == {"concurrency": 2}
+    assert waiting_by_reason(on_session(session)) == {"concurrency": 2}
 
 
 def test_the_console_says_what_a_waiting_run_waits_for(database_url, tenant, admit,
@@ -479,8 +481,8 @@ def test_adoption_keeps_the_slot_only_if_no_run_took_it_while_the_boot_was_dead(
     hold_as(pg, alone, lost)
     rival, new = boot_factory(), boot_factory()
     assert claim(session, other, rival.boot_id).outcome == ClaimOutcome.CLAIMED
-    assert adopt_run(session, mine, lost, new.boot_id, [lost]) == Adoption.NO_SLOT
-    assert adopt_run(session, alone, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    assert adopt_run(on_session(session), mine, lost, new.boot_id, [lost]) == Adoption.NO_SLOT
+    assert adopt_run(on_session(session), alone, lost, new.boot_id, [lost]) == Adoption.ADOPTED
     session.commit()
     assert state(pg, mine)[:3] == ("running", None, lost)
     assert state(pg, alone)[:3] == ("running", None, new.boot_id)
@@ -500,7 +502,8 @@ def tx_admit(db_session, tx_tenant):
     from app.admission import admit_run
 
     def make(workflow_ref: str = "echo", input: dict | None = None, **kwargs):
-        run_id = admit_run(db_session, tenant_id=tx_tenant.id, workflow_ref=workflow_ref,
+        run_id = admit_run(on_session(db_session), tenant_id=tx_tenant.id,
+                           workflow_ref=workflow_ref,
                            input=input or {}, **kwargs).run.id
         # created_at is now(), the transaction's start: one instant for every run of the
         # test. Admitted in their own transactions, runs line up in admission order.
@@ -621,7 +624,7 @@ def test_repair_wakes_runs_left_waiting_for_a_cap_that_is_gone(db_session, tx_ad
     first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 4)
     db_session.execute(text("UPDATE tenants SET max_running = NULL WHERE id = :id"),
                        {"id": tx_tenant.id})
-    woken = {row.id for row in wake_waiting_runs(db_session, limit=None)}
+    woken = {row.id for row in wake_waiting_runs(on_session(db_session), limit=None)}
     assert set(waiting) <= woken
     assert [tx_state(db_session, r) for r in waiting] == [("queued", None)] * 3
 
@@ -638,7 +641,7 @@ def test_repair_wakes_as_many_as_a_raised_cap_frees(db_session, tx_admit, tx_ten
     first, *waiting = parked_behind_a_cap(db_session, tx_admit, tx_tenant, boot, 1, 7)
     db_session.execute(text("UPDATE tenants SET max_running = 5 WHERE id = :id"),
                        {"id": tx_tenant.id})
-    wake_waiting_runs(db_session, limit=None)
+    wake_waiting_runs(on_session(db_session), limit=None)
     assert [tx_state(db_session, r)[0] for r in waiting] == ["queued"] * 4 + ["waiting"] * 2
 
 
@@ -664,10 +667,10 @@ def test_a_run_left_waiting_for_a_gone_cap_does_not_block_its_group(db_session, 
     newer = tx_admit("keyed", {"customer": "k"})
     assert claim(db_session, newer, boot.boot_id).wait_reason == "concurrency"
 
-    woken = {row.id for row in wake_waiting_runs(db_session, limit=None)}
+    woken = {row.id for row in wake_waiting_runs(on_session(db_session), limit=None)}
     assert stranded in woken and newer not in woken  # newer stands behind it in k's line
     assert claim(db_session, stranded, boot.boot_id).outcome == ClaimOutcome.CLAIMED
-    assert finish_run(db_session, stranded, boot.boot_id, status="succeeded")
+    assert finish_run(on_session(db_session), stranded, boot.boot_id, status="succeeded")
     db_session.commit()
     assert claim(db_session, newer, boot.boot_id).outcome == ClaimOutcome.CLAIMED
 
@@ -684,7 +687,7 @@ def test_a_cap_lift_racing_a_claim_that_parks_still_wakes_it(app, admit, tenant,
     a, b = boot_factory(), boot_factory()
     with app.app_context():
         assert claim(db.session, a_run, a.boot_id).outcome == ClaimOutcome.CLAIMED
-        parked = claim_run(db.session, b_run, b.boot_id, max_takeovers=max_takeovers_of)
+        parked = claim_run(on_session(db.session), b_run, b.boot_id, max_takeovers=max_takeovers_of)
         assert parked.outcome == ClaimOutcome.SLOT_WAIT  # not committed: B holds the lock
 
         done = {}

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 
+from app.state.executor import on_session
 from tests.conftest import FAST_TIMINGS
 from tests.processes import start_beat, start_worker, wait_until
 
@@ -143,7 +144,7 @@ def test_a_capped_tenants_flood_does_not_hold_another_tenants_run(app, admit, ma
     flood = [admit("blind", {"seconds": 1.5}) for _ in range(20)]
     other = make_tenant()
     with app.app_context():
-        theirs = admit_run(db.session, tenant_id=other.id, workflow_ref="blind",
+        theirs = admit_run(on_session(db.session), tenant_id=other.id, workflow_ref="blind",
                            input={"seconds": 0.1}).run.id
         db.session.commit()
     processes.append(start_worker(fast_env, log_dir, "w1", concurrency=4))

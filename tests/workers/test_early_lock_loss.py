@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import text
 
 from app.state.claims import ClaimOutcome, claim_run
+from app.state.executor import on_session
 from tests.processes import ROOT, start_worker, wait_until
 from workers.registry import max_takeovers_of
 
@@ -29,7 +30,7 @@ def _admit_stamped(tenant_id, path: str = "/dev/null", customer: str = "k", seco
     from app.admission import admit_run
     from app.extensions import db
 
-    return admit_run(db.session, tenant_id=tenant_id, workflow_ref="stamped",
+    return admit_run(on_session(db.session), tenant_id=tenant_id, workflow_ref="stamped",
                      input={"customer": customer, "path": path, "seconds": seconds}).run.id
 
 
@@ -63,7 +64,8 @@ def test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run(
     nxt = _admit_stamped(tx_tenant.id)
 
     def deliver(run_id):
-        return claim_run(session, run_id, rescuer.boot_id, max_takeovers=max_takeovers_of)
+        return claim_run(on_session(session), run_id, rescuer.boot_id,
+                         max_takeovers=max_takeovers_of)
 
     # A delivery of the held run finds the lock free: it stamps when, and takes nothing.
     assert deliver(held).outcome == ClaimOutcome.DUPLICATE
@@ -77,22 +79,22 @@ def test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run(
     assert _row(session, nxt)[:2] == ("waiting", "concurrency")
 
     # Repair re-sends it to be delivered once the boot is gone, not before.
-    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    [resend] = mark_dead_boot_runs_sent(on_session(session), min_age=0, limit=None)
     assert resend.id == held and resend.gone_in >= bound - 1
 
     seen_dead = _seen_dead(session, holder)
     seen_dead(bound - 1)  # lost a moment short of its bound
     assert deliver(held).outcome == ClaimOutcome.DUPLICATE
-    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    [resend] = mark_dead_boot_runs_sent(on_session(session), min_age=0, limit=None)
     assert 0.9 <= resend.gone_in <= 1.1
-    assert wake_waiting_runs(session, limit=None) == []
+    assert wake_waiting_runs(on_session(session), limit=None) == []
     assert _row(session, held) == ("running", None, holder)
     assert _row(session, nxt)[:2] == ("waiting", "concurrency")
 
     seen_dead(bound + 1)  # past it: the process has been killed by its fence
-    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)
+    [resend] = mark_dead_boot_runs_sent(on_session(session), min_age=0, limit=None)
     assert resend.id == held and resend.gone_in == 0
-    assert [r.id for r in wake_waiting_runs(session, limit=None)] == [nxt]
+    assert [r.id for r in wake_waiting_runs(on_session(session), limit=None)] == [nxt]
     assert deliver(held).outcome == ClaimOutcome.TAKEN_OVER
     assert _row(session, held) == ("running", None, rescuer.boot_id)
 
@@ -109,9 +111,9 @@ def test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_hold
     mine = _admit_stamped(tx_tenant.id)
     session.execute(text("UPDATE runs SET status = 'running', claimed_by = :b, attempt = 1 "
                          "WHERE id = :r"), {"b": lost, "r": mine})
-    [resend] = mark_dead_boot_runs_sent(session, min_age=0, limit=None)  # repair's tick
+    [resend] = mark_dead_boot_runs_sent(on_session(session), min_age=0, limit=None)  # repair's tick
     assert resend.id == mine and resend.gone_in > 0  # it stamped the lost boot: not gone
-    assert adopt_run(session, mine, lost, new.boot_id, [lost]) == Adoption.ADOPTED
+    assert adopt_run(on_session(session), mine, lost, new.boot_id, [lost]) == Adoption.ADOPTED
     assert _row(session, mine) == ("running", None, new.boot_id)
 
 
@@ -126,12 +128,12 @@ def test_a_revoke_ends_a_lost_boots_run_only_once_the_boot_is_gone(
     run_id = _admit_stamped(tx_tenant.id)
     session.execute(text("UPDATE runs SET status = 'running', claimed_by = :b, attempt = 1, "
                          "cancel_requested = true WHERE id = :r"), {"b": lost, "r": run_id})
-    assert end_abandoned(session, run_id) is False  # it stamps the holder, ends nothing
+    assert end_abandoned(on_session(session), run_id) is False  # it stamps the holder, ends nothing
     assert _row(session, run_id) == ("running", None, lost)
     bound = session.execute(text("SELECT dead_after_seconds FROM worker_boots "
                                  "WHERE boot_id = :b"), {"b": lost}).scalar_one()
     _seen_dead(session, lost)(bound + 1)
-    assert end_abandoned(session, run_id) is True
+    assert end_abandoned(on_session(session), run_id) is True
     assert _row(session, run_id)[0] == "cancelled"
 
 
@@ -148,10 +150,10 @@ def test_repair_stamps_every_boot_whose_lock_is_free_and_never_moves_a_stamp(
         return session.execute(text("SELECT first_seen_dead_at FROM worker_boots "
                                     "WHERE boot_id = :b"), {"b": boot_id}).scalar_one()
 
-    assert mark_dead_boots(session) >= 1
+    assert mark_dead_boots(on_session(session)) >= 1
     first = stamp(lost)
     assert first is not None and stamp(live.boot_id) is None
-    mark_dead_boots(session)
+    mark_dead_boots(on_session(session))
     assert stamp(lost) == first
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from app.state.claims import ClaimOutcome, finish_run
+from app.state.executor import on_session
 from workers.registry import DEFAULT_MAX_TAKEOVERS
 
 from .test_claims import claim, events_of, hold_as
@@ -144,7 +145,7 @@ def test_poisoning_a_run_of_a_concurrency_key_frees_its_slot_and_wakes_the_next(
     from app.state.claims import claim_run
     from workers.registry import max_takeovers_of
 
-    poisoned = claim_run(session, first, boot.boot_id, max_takeovers=max_takeovers_of)
+    poisoned = claim_run(on_session(session), first, boot.boot_id, max_takeovers=max_takeovers_of)
     assert poisoned.outcome == ClaimOutcome.FINISHED
     assert pending_sends(session) == {second}  # sent once the takeover commits
     session.commit()
@@ -168,7 +169,7 @@ def test_poisoning_a_run_under_a_tenant_cap_frees_its_slot_and_wakes_the_next(
     assert state(pg, first)[0] == "poisoned"
     assert state(pg, second)[:2] == ("queued", None)
     assert claim(session, second, boot.boot_id).outcome == ClaimOutcome.CLAIMED
-    assert finish_run(session, second, boot.boot_id, status="succeeded")
+    assert finish_run(on_session(session), second, boot.boot_id, status="succeeded")
     session.commit()
 
 

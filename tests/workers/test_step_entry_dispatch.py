@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 
 import tests.workflows.ledger  # noqa: F401 - registers the ledger's test workflows
+from app.state.executor import on_session
 from tests.processes import start_beat, start_worker, wait_until
 from workers.actions import fanout_key, idempotency_key
 from workers.registry import max_takeovers_of
@@ -231,15 +232,16 @@ def hold_marker(app, run_id, boot, position: int, *, complete: bool = False) -> 
 
     with app.app_context():
         session = db.session
-        claim = claim_run(session, run_id, boot, max_takeovers=max_takeovers_of)
+        claim = claim_run(on_session(session), run_id, boot, max_takeovers=max_takeovers_of)
         assert claim.outcome == ClaimOutcome.CLAIMED
         session.commit()
         wf = registry.get(claim.run.workflow_name, claim.run.workflow_version)
-        entry = enter_step(session, run_id, [boot], wf.first_step, 1)
-        assert claim_marker(session, run_id, [boot], entry.id, position, boot).outcome \
+        entry = enter_step(on_session(session), run_id, [boot], wf.first_step, 1)
+        assert claim_marker(on_session(session), run_id, [boot], entry.id, position, boot).outcome \
             == MarkerOutcome.CLAIMED
         if complete:
-            assert finish_marker(session, run_id, [boot], entry.id, position, step_id="work",
+            assert finish_marker(on_session(session), run_id, [boot], entry.id, position,
+                                 step_id="work",
                                  entry_no=1, name="x", key="k", result={"done": True})
         session.commit()
         return entry.id
@@ -253,7 +255,7 @@ def test_a_marker_held_by_a_live_boot_elsewhere_abandons_the_rest_of_the_entry(
     run_id, elsewhere = admit("ledger-probe"), boot_factory()
     hold_marker(app, run_id, elsewhere.boot_id, 0)
     with app.app_context():  # the run goes back to the queue; the marker stays claimed
-        assert release_claim(db.session, run_id, elsewhere.boot_id)
+        assert release_claim(on_session(db.session), run_id, elsewhere.boot_id)
         db.session.commit()
 
     assert run_here(run_id) == "claimed"
@@ -323,8 +325,8 @@ def entry_held_by(app, admit):
     def make(boot) -> tuple[uuid.UUID, int]:
         run_id = admit("ledger-probe")
         with app.app_context():
-            claim_run(db.session, run_id, boot, max_takeovers=max_takeovers_of)
-            entry = enter_step(db.session, run_id, [boot],
+            claim_run(on_session(db.session), run_id, boot, max_takeovers=max_takeovers_of)
+            entry = enter_step(on_session(db.session), run_id, [boot],
                                registry.get("ledger-probe", "1").first_step, 1)
             db.session.commit()
             return run_id, entry.id
@@ -335,7 +337,7 @@ def entry_held_by(app, admit):
 def claim(session, run_id, ours, entry_id, position, claimer, **kwargs):
     from app.state.ledger import claim_marker
 
-    result = claim_marker(session, run_id, ours, entry_id, position, claimer, **kwargs)
+    result = claim_marker(on_session(session), run_id, ours, entry_id, position, claimer, **kwargs)
     session.commit()
     return result
 
@@ -405,7 +407,7 @@ def test_witness_a_completed_marker_is_skipped_and_a_failed_one_stops(
     for position, result, error in ((0, {"n": 1}, None), (5, None, {"message": "boom"})):
         assert claim(first, run_id, [boot], entry, position, boot).outcome \
             == MarkerOutcome.CLAIMED
-        assert finish_marker(first, run_id, [boot], entry, position, step_id="work",
+        assert finish_marker(on_session(first), run_id, [boot], entry, position, step_id="work",
                              entry_no=1, name="x", key="k", result=result, error=error)
         first.commit()
     later = boot_factory().boot_id  # a later execution, after a takeover
@@ -446,7 +448,8 @@ def test_witness_a_marker_claim_is_fenced_by_the_run_claim(two_sessions, boot_fa
     # A holder taken over mid-action cannot complete its marker afterwards.
     assert claim(first, run_id, [holder], entry, 0, holder).outcome == MarkerOutcome.CLAIMED
     pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [stranger, run_id])
-    assert not finish_marker(second, run_id, [holder], entry, 0, step_id="work", entry_no=1,
+    assert not finish_marker(on_session(second), run_id, [holder], entry, 0, step_id="work",
+                             entry_no=1,
                              name="x", key="k", result=1)
     second.commit()
     assert markers_of(pg, run_id)[(1, 0)][0] == "claimed"
@@ -727,20 +730,21 @@ def join_world(app, admit, boot_factory, pg):
     parent = admit("doc-review", {"participants": ["ana", "bo"]})
     with app.app_context():
         s = db.session
-        claim_run(s, parent, parent_boot, max_takeovers=max_takeovers_of)
+        claim_run(on_session(s), parent, parent_boot, max_takeovers=max_takeovers_of)
         s.commit()
         review = registry.get("doc-review", "1").step("review")
-        entry = enter_step(s, parent, [parent_boot], review, 1).id
-        claim_marker(s, parent, [parent_boot], entry, 2, parent_boot)
+        entry = enter_step(on_session(s), parent, [parent_boot], review, 1).id
+        claim_marker(on_session(s), parent, [parent_boot], entry, 2, parent_boot)
         s.commit()
         children = [admit("review-participant", {"participant": p, "round": 1},
                           parent_run_id=parent) for p in ("ana", "bo")]
-        assert finish_marker(s, parent, [parent_boot], entry, 2, step_id="review", entry_no=1,
+        assert finish_marker(on_session(s), parent, [parent_boot], entry, 2, step_id="review",
+                             entry_no=1,
                              name="spawn_each", key="k", result={},
                              children=[(c, n, str(n)) for n, c in enumerate(children)])
         s.commit()
         for child in children:
-            claim_run(s, child, child_boot, max_takeovers=max_takeovers_of)
+            claim_run(on_session(s), child, child_boot, max_takeovers=max_takeovers_of)
         s.commit()
     return parent, parent_boot, entry, children, child_boot
 
@@ -748,7 +752,8 @@ def join_world(app, admit, boot_factory, pg):
 def _finish_child(session, child, boot):
     from app.state.claims import finish_run
 
-    assert finish_run(session, child, [boot], status="succeeded", result={"decision": "approve"})
+    assert finish_run(on_session(session), child, [boot], status="succeeded",
+                      result={"decision": "approve"})
 
 
 def _wait(session, parent, boot, entry):
@@ -834,7 +839,8 @@ def test_join_a_cancelled_child_counts_and_a_cancelled_waiting_parent_stays_canc
     assert run_row(pg, parent)[0] == "waiting"
     (ana, *_), (bo, *_) = children_of(pg, parent)
     with app.app_context():
-        assert cancel_run(db.session, tenant.id, ana) is not None  # queued: cancelled at once
+        assert cancel_run(on_session(db.session), tenant.id,
+                          ana) is not None  # queued: cancelled at once
         db.session.commit()
     assert run_row(pg, parent)[0] == "waiting"
     run_here(bo)
@@ -848,7 +854,8 @@ def test_join_a_cancelled_child_counts_and_a_cancelled_waiting_parent_stays_canc
     other = admit("doc-review", {"participants": ["cy"]})
     run_here(other)
     with app.app_context():
-        assert cancel_run(db.session, tenant.id, other).status == "cancelled"  # waiting: at once
+        assert cancel_run(on_session(db.session), tenant.id,
+                          other).status == "cancelled"  # waiting: at once
         db.session.commit()
     (cy, *_), = children_of(pg, other)
     run_here(cy)
