@@ -31,7 +31,7 @@ from psycopg.types.json import set_json_loads
 from workers import registry
 
 from .models import AdmissionOrigin, RunStatus
-from .state import runs as state_runs
+from .state import runs
 from .state.compose import send_row_after_commit
 from .state.executor import Executor
 from .state.runs import AdmittedRun, KeyHolder
@@ -280,13 +280,13 @@ def admit_run(
     reusable = () if dispatch_key is None else reusable_statuses(workflow, dispatch_key,
                                                                   origin_value)
     for _ in range(_KEY_ROUNDS):
-        inserted = state_runs.admit(session, values, input_json=input_json,
+        inserted = runs.admit(session, values, input_json=input_json,
                                     event_json=event_json)
         if inserted is not None:
             return Admission(run=inserted, created=True)
         # The key is taken. A workflow whose policy lets a new request take an ended run's
         # key (key_reuse, caller keys only) tries that first; the index still decides.
-        if reusable and state_runs.release_key(
+        if reusable and runs.release_key(
                 session, tenant_id=tenant_id, dispatch_key=dispatch_key,
                 workflow_name=workflow.name, reusable=reusable, ttl=workflow.key_ttl or 0):
             continue
@@ -307,7 +307,7 @@ def _replay(session: Executor, tenant_id: int, dispatch_key: str, workflow_ref: 
 
     Raises ``AdmissionConflict`` when the stored request differs (compared by Postgres).
     """
-    existing = state_runs.holder_of_key(
+    existing = runs.holder_of_key(
         session, tenant_id=tenant_id, dispatch_key=dispatch_key, workflow_ref=workflow_ref,
         input_json=input_json, goal_id=goal_id)
     if existing is None:
@@ -384,7 +384,7 @@ def admit_many(
         ))
     origin_value = AdmissionOrigin(origin).value
     if inserts:
-        rows = state_runs.admit_many(session, tenant_id=tenant_id, runs_json=dumps(inserts),
+        rows = runs.admit_many(session, tenant_id=tenant_id, runs_json=dumps(inserts),
                                      origin=origin_value, origin_detail=origin_detail,
                                      parent_run_id=parent_run_id)
         by_id = {str(row.id): row for row in rows}
@@ -404,7 +404,7 @@ def admit_many(
     if taken:
         # Under READ COMMITTED this statement sees the rows ON CONFLICT waited for (and
         # those this batch inserted itself); Postgres compares them with each request.
-        holders = {row.request_ord: row for row in state_runs.holders_of_keys(
+        holders = {row.request_ord: row for row in runs.holders_of_keys(
             session, tenant_id=tenant_id, requests_json=dumps([
                 {"ord": i, "dispatch_key": requests[i].dispatch_key,
                  "workflow_ref": requests[i].workflow_ref, "input": requests[i].input,

@@ -14,8 +14,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 
-from . import logs, metrics, tracecontext
-from . import runs as run_service
+from . import logs, metrics, run_service, tracecontext
 from .admission import (
     Admission,
     AdmissionConflict,
@@ -42,7 +41,7 @@ from .errors import ApiError
 from .extensions import autocommit_next, db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
-from .state import runs as state_runs
+from .state import runs
 from .state.direct import single_statements
 from .state.executor import on_session
 
@@ -298,7 +297,7 @@ def cancel_run(run_id: str):
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
     # left as it is.
-    changed = state_runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
+    changed = runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
     db.session.commit()
     if changed is not None:
         db.session.refresh(run)

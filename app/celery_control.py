@@ -36,7 +36,7 @@ def record_revokes(flask_app, task_ids: str | Iterable[str] | None) -> list[uuid
     Ids that are no run (another task's, malformed) are left to Celery alone.
     """
     from app.extensions import db
-    from app.runs import tenant_of
+    from app.run_service import tenant_of
     from app.state.executor import on_session
     from app.state.runs import cancel_run
 

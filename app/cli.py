@@ -14,8 +14,7 @@ from flask import Flask, current_app
 
 from poimenconfig import DEFAULT_TOPIC_PARTITIONS
 
-from . import runs as run_service
-from . import tenants as tenant_service
+from . import run_service, tenant_service
 from .auth import SCOPES
 from .extensions import db
 

@@ -458,7 +458,7 @@ def credentials(env: Mapping[str, str], tenant: str, label: str) -> tuple[str, s
     from that environment); return (a token of the tenant, an admit-only service token)."""
     code = (
         "from app import create_app\n"
-        "from app.tenants import create_tenant, create_token\n"
+        "from app.tenant_service import create_tenant, create_token\n"
         "with create_app().app_context():\n"
         f"    t = create_tenant({tenant!r})\n"
         f"    print(create_token(t, False, label={label!r}))\n"

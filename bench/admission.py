@@ -474,7 +474,7 @@ def create_tenant_and_token(db_url: str, name: str) -> tuple[int, str]:
     """Create the benchmark's tenant and a token the operator way (``app.cli``)."""
     from app import create_app
     from app.extensions import db
-    from app.tenants import create_tenant, create_token
+    from app.tenant_service import create_tenant, create_token
     from poimenconfig import database_url
 
     app = create_app({"SQLALCHEMY_DATABASE_URI": database_url(db_url)})

@@ -326,7 +326,7 @@ def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, count
 def create_tenant_and_token(db_url: str) -> str:
     os.environ["DATABASE_URL"] = db_url
     from app import create_app
-    from app.tenants import create_tenant, create_token
+    from app.tenant_service import create_tenant, create_token
 
     flask_app = create_app()
     with flask_app.app_context():

@@ -53,7 +53,7 @@ def credentials(env: dict[str, str]) -> tuple[str, str]:
     """Create the tenants ``direct`` and ``inbox``; return (direct's token, a service token)."""
     code = (
         "from app import create_app\n"
-        "from app.tenants import create_tenant, create_token\n"
+        "from app.tenant_service import create_tenant, create_token\n"
         "with create_app().app_context():\n"
         "    d = create_tenant('direct'); create_tenant('inbox')\n"
         "    print(create_token(d, False)); print(create_token(None, True))\n"

@@ -232,7 +232,7 @@ def create_app_for(db_url: str, env: dict[str, str]):
                                                                          "CELERY"))})
     os.environ["DATABASE_URL"] = db_url
     from app import create_app
-    from app.tenants import create_tenant
+    from app.tenant_service import create_tenant
 
     flask_app = create_app()
     with flask_app.app_context():

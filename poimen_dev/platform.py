@@ -31,7 +31,7 @@ def _ensure_token(path: Path, tenant: str | None, service: bool, label: str,
                   scope: str | None = None) -> str:
     """Return the dev token stored at ``path``, registering it if the database lacks it."""
     from app.auth import new_token
-    from app.tenants import (
+    from app.tenant_service import (
         NoActiveToken,
         create_tenant,
         create_token,

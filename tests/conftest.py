@@ -253,7 +253,7 @@ def statements(app):
 @pytest.fixture
 def make_tenant(app):
     """Create a tenant and a token for it; ``service=True`` makes a service token."""
-    from app.tenants import create_tenant, create_token
+    from app.tenant_service import create_tenant, create_token
 
     def make(name: str | None = None, service: bool = False) -> TenantCreds:
         with app.app_context():

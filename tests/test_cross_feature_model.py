@@ -204,7 +204,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         from app.extensions import db
-        from app.tenants import create_tenant, create_token, set_max_running
+        from app.tenant_service import create_tenant, create_token, set_max_running
 
         self.db = db
         self.pg = psycopg.connect(self.dsn, autocommit=True)
@@ -748,7 +748,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
     def set_cap(self, data, tenant) -> None:
         """``tenants set --max-running``: set, lowered, raised; in cap_changes also lifted
         (``--no-max-running``), which comes first there."""
-        from app.tenants import set_max_running
+        from app.tenant_service import set_max_running
 
         choices = [None, 3, 1, 2] if self.family.cap_lift else [1, 2, 3]
         cap = data.draw(st.sampled_from(choices), label="cap")

@@ -115,7 +115,7 @@ def test_heroku_postgres_urls_are_accepted():
 @pytest.mark.processes  # a fresh interpreter: what importing loads
 def test_importing_the_packages_reads_no_settings():
     """Config is read by the factory, never at import: imports work with an empty env."""
-    code = ("import app, app.api, app.admission, app.runs, app.tenants, workers, app.state.claims, "
+    code = ("import app, app.api, app.admission, app.run_service, app.tenant_service, workers, app.state.claims, "
             "workers.tasks, bridge")
     proc = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"},
                           cwd=ROOT, capture_output=True, text=True, timeout=60)

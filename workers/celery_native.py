@@ -42,7 +42,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy import text
 
-from app.state import runs as state_runs
+from app.state import runs
 from app.state.executor import on_session
 from app.task_names import EXECUTE_RUN
 
@@ -191,7 +191,7 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
 def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
-    from app.runs import tenant_of
+    from app.run_service import tenant_of
     from app.state.runs import cancel_run
 
     try:
@@ -206,7 +206,7 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
                 return None
             store = on_session(db.session)
             row = cancel_run(store, tenant_id, run_uuid)
-            ended = state_runs.end_abandoned(store, run_uuid)
+            ended = runs.end_abandoned(store, run_uuid)
             db.session.commit()
         except Exception:  # noqa: BLE001 - the revoke stands; repair and the API remain
             db.session.rollback()
@@ -233,7 +233,7 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     with flask_app.app_context():
         while time.monotonic() < deadline:
             try:
-                if state_runs.end_abandoned(on_session(db.session), run_uuid):
+                if runs.end_abandoned(on_session(db.session), run_uuid):
                     db.session.commit()
                     log.info("run %s: cancelled (its terminated process is gone)", run_id)
                     return
@@ -264,7 +264,7 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         run_uuid = uuid.UUID(run_id)
         with flask_app.app_context():
             try:
-                failed = state_runs.fail_time_limit(on_session(db.session), run_uuid,
+                failed = runs.fail_time_limit(on_session(db.session), run_uuid,
                                                     node=boots.NODE, pid=pid,
                                                     error=json.dumps(error))
                 db.session.commit()

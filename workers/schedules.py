@@ -69,7 +69,7 @@ def admit_tick(wf: registry.Workflow, tick: datetime) -> bool:
     from app.extensions import db
     from app.models import AdmissionOrigin
     from app.state.executor import on_session
-    from app.tenants import UnknownTenant, find_tenant
+    from app.tenant_service import UnknownTenant, find_tenant
 
     try:
         tenant_id = find_tenant(wf.schedule_tenant).id

@@ -19,7 +19,7 @@ from celery.signals import (
 from flask import current_app
 
 from app.extensions import db, prepare_if_direct
-from app.runs import redrive_stranded_runs
+from app.run_service import redrive_stranded_runs
 from app.state.boots import prune_dead_boots
 from app.state.executor import on_session
 from app.task_names import EXECUTE_RUN, REPAIR_RUNS

@@ -5,7 +5,7 @@ leaves the server after sign-in: the session cookie (signed with
 ``POIMEN_CONSOLE_SECRET``, ``HttpOnly``, ``SameSite=Strict``, path
 ``/console``) keeps only its SHA-256, and every request checks it through
 ``app.auth.principal_for``, the API's own token check. Reads, cancel and
-re-drive call the same functions as the API (``app/runs.py``,
+re-drive call the same functions as the API (``app/run_service.py``,
 ``app/admission.py``). Rules and settings: ``docs/guide/console.md``.
 """
 

@@ -1,7 +1,7 @@
-"""What the console reads beyond ``app/runs.py``: each query scoped to one tenant.
+"""What the console reads beyond ``app/run_service.py``: each query scoped to one tenant.
 
 Runs themselves, their step entries and their children come from
-``app/runs.py`` (the API's reads); these are the few views only a person
+``app/run_service.py`` (the API's reads); these are the few views only a person
 needs: counts by status, a run's events, the worker boot holding a run.
 """
 

@@ -1,6 +1,6 @@
 """The console's pages: sign-in, the runs list, a run's page, cancel and re-drive.
 
-Views hold no SQL: runs, steps and children come from ``app/runs.py``,
+Views hold no SQL: runs, steps and children come from ``app/run_service.py``,
 cancel is ``app.state.runs.cancel_run`` (the API's), re-drive is ``admission.admit_run``
 with a key derived from the failed run, and the rest is ``reads.py``.
 """
@@ -28,8 +28,7 @@ from werkzeug.exceptions import HTTPException
 
 from workers import registry
 
-from .. import backlog
-from .. import runs as run_service
+from .. import backlog, run_service
 from ..admission import AdmissionConflict, admit_run, dumps
 from ..admission_handler import MAX_KEY_LEN, unstorable_reason
 from ..api import _decode_cursor, _encode_cursor
@@ -37,7 +36,7 @@ from ..auth import ADMIT, REPLAY_DLQ
 from ..errors import ApiError
 from ..extensions import db
 from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus, WaitReason
-from ..state import runs as state_runs
+from ..state import runs
 from ..state.executor import on_session
 from . import reads
 from .session import (
@@ -217,9 +216,9 @@ def _filters() -> tuple[dict[str, str], run_service.RunFilter]:
     )
 
 
-@bp.get("/runs")
+@bp.get("/runs", endpoint="runs")
 @signed_in
-def runs():
+def run_list():
     args, where = _filters()
     tenant_id = g.principal.tenant_id
     rows = run_service.list_runs(db.session, tenant_id, where, PAGE + 1)
@@ -284,7 +283,7 @@ def cancel(run_id: str):
         raise ConsoleError(403, "forbidden", "this token may not cancel runs")
     run = _load_run(run_id)
     # The API's cancel: one statement, its run.cancelled event, a waiting parent woken.
-    changed = state_runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
+    changed = runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
     db.session.commit()
     if changed is None:
         flash("The run had already finished; nothing to cancel.", "info")

@@ -18,7 +18,7 @@ METRICS_TOKEN = "metrics-" + uuid.uuid4().hex
 @pytest.fixture
 def admit_only(app, db_session, tx_tenant):
     """An admit-scoped service token (as the inbox's) and tenant token, in ``db_session``."""
-    from app.tenants import create_token, find_tenant
+    from app.tenant_service import create_token, find_tenant
 
     with app.app_context():
         tenant = find_tenant(tx_tenant.name)
@@ -90,7 +90,7 @@ def test_cli_creates_an_admit_scoped_token(app, client, db_session, tx_tenant):
 
 
 def test_create_token_refuses_an_unknown_scope(app, db_session):
-    from app.tenants import InvalidScope, create_token
+    from app.tenant_service import InvalidScope, create_token
 
     with app.app_context(), pytest.raises(InvalidScope):
         create_token(None, True, scope="read")
@@ -99,7 +99,7 @@ def test_create_token_refuses_an_unknown_scope(app, db_session):
 def test_make_run_gives_the_inbox_an_admit_scoped_token(app, db_session, tmp_path):
     """``make run``'s bootstrap: the inbox's token is admit-scoped, and one from before
     scopes is replaced (and revoked) rather than kept."""
-    from app.tenants import create_token, token_scope
+    from app.tenant_service import create_token, token_scope
     from poimen_dev.platform import _ensure_token
 
     with app.app_context():
@@ -202,7 +202,7 @@ def test_only_an_admin_scoped_token_replays_dead_letters_from_the_console(app, m
     scope starts it; any other tenant token gets a 403."""
     from confluent_kafka import Producer
 
-    from app.tenants import create_token, find_tenant
+    from app.tenant_service import create_token, find_tenant
     from bridge.topics import dead_letter_topic, declare_topics, dispatch_topic
     from poimenconfig import topic_prefix
     from tests.bridge.test_inbox_relay import topic_size

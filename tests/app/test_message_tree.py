@@ -50,7 +50,7 @@ def test_admitted_runs_carry_their_run_tree(admit, pg, redis_client, queue_name,
 def test_a_replay_and_a_repair_carry_the_runs_attempt_and_tree(app, admit, pg, redis_client,
                                                               queue_name, sent):
     from app.extensions import db
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     top = admit("echo", {"n": 1})
     child = admit("echo", {"n": 2}, parent_run_id=top, dispatch_key=f"c-{uuid.uuid4()}")

@@ -237,7 +237,7 @@ def test_auth_answers_conform(api, make_tenant, method, path, template, kwargs):
     assert acting == (201 if method == "POST" and template is None else
                       200 if template is None else 404)
     # An admit-scoped token (the inbox's) may only admit: every other operation is a 403.
-    from app.tenants import create_token
+    from app.tenant_service import create_token
 
     with api.client.application.app_context():
         admit_only = create_token(None, True, "inbox", scope="admit")

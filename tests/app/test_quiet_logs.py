@@ -29,11 +29,11 @@ def test_database_errors_do_not_carry_statement_parameters(db_session):
 def test_an_error_quoting_the_input_is_logged_without_it(app, client, tx_tenant, monkeypatch,
                                                           caplog):
     """A real refusal by Postgres whose message repeats the whole row, input included."""
-    from app.state import runs as state_runs
+    from app.state import runs
 
     # The admission statement with a status the check constraint refuses.
-    monkeypatch.setattr(state_runs, "ADMIT",
-                        text(state_runs.ADMIT.text.replace("'queued'", "'bogus'", 1)))
+    monkeypatch.setattr(runs, "ADMIT",
+                        text(runs.ADMIT.text.replace("'queued'", "'bogus'", 1)))
     caplog.set_level(logging.INFO)
     response = client.post("/v1/runs", headers=tx_tenant.headers, json={
         "workflow_ref": "echo", "input": {"api_key": SECRET}, "dispatch_key": "k"})

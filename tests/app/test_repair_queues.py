@@ -17,7 +17,7 @@ PAGE = 100
 
 @pytest.fixture
 def queues(app, celery_tasks, redis_client, queue_name):
-    from app.runs import _queue_depth
+    from app.run_service import _queue_depth
 
     celery_app = app.extensions["celery"]
     names = [queue_name, celery_tasks.SLOW_QUEUE]
@@ -46,7 +46,7 @@ def make_due(pg) -> None:
 
 def tick(app) -> int:
     from app.extensions import db
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     with app.app_context():
         sent, _ = redrive_stranded_runs(db.session, app.extensions["celery"], min_age=60,

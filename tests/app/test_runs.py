@@ -1,4 +1,4 @@
-"""Unfenced run transitions (``app/runs.py``): deterministic, two real sessions."""
+"""Unfenced run transitions (``app/run_service.py``): deterministic, two real sessions."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ import re
 
 import pytest
 
-from app.state import claims
-from app.state import runs as state_runs
+from app.state import claims, runs
 from app.state.statements import PARAMETER as _PARAMETER
 
 SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
@@ -40,7 +39,7 @@ STATEMENTS = {
     **{name: getattr(claims, name)
        for name in ("CLAIM_SLOT", "TAKE_OVER_SLOT", "ADOPT_SLOT", "FINISH", "FINISH_INSERTED",
                     "FINISH_CLOSED", "RELEASE", "RETRY")},
-    "WAKE_TENANT": state_runs.WAKE_TENANT,
+    "WAKE_TENANT": runs.WAKE_TENANT,
 }
 
 # The same statements of an unlimited run: they find their run by primary key only.

@@ -21,7 +21,7 @@ def _runs(client, headers):
 
 
 def _revoke(app, token):
-    from app.tenants import revoke_token
+    from app.tenant_service import revoke_token
 
     with app.app_context():
         assert revoke_token(token) == 1
@@ -59,7 +59,7 @@ def test_a_cache_period_of_zero_refuses_a_revoked_token_at_once(app, client, mak
 
 def test_an_unknown_token_is_not_cached_as_a_failure(app, client, make_tenant, monkeypatch):
     """A 401 is not remembered: the same token works the moment it exists."""
-    from app.tenants import create_token, find_tenant
+    from app.tenant_service import create_token, find_tenant
 
     monkeypatch.setitem(app.config, "POIMEN_TOKEN_CACHE_SECONDS", 60)
     owner = make_tenant()
@@ -75,7 +75,7 @@ def test_an_unknown_token_is_not_cached_as_a_failure(app, client, make_tenant, m
 
 def test_a_refused_tenant_name_is_not_cached_either(app, client, make_tenant, monkeypatch):
     """A service token naming a tenant that does not exist yet works once it does."""
-    from app.tenants import create_tenant
+    from app.tenant_service import create_tenant
 
     monkeypatch.setitem(app.config, "POIMEN_TOKEN_CACHE_SECONDS", 60)
     service = make_tenant(service=True)

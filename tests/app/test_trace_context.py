@@ -151,7 +151,7 @@ def test_a_replay_returns_the_run_unchanged_and_resends_it_with_the_first_tracep
 def test_a_repair_resend_carries_the_runs_traceparent(app, client, tenant, pg, redis_client,
                                                       queue_name, sent):
     from app.extensions import db
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     run_id = post(client, tenant, {"traceparent": PARENT, "tracestate": STATE}).json["id"]
     sent()

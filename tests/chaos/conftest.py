@@ -310,7 +310,7 @@ def chaos_tables(private_postgres):
 @pytest.fixture
 def chaos_tenant(chaos_app, chaos_tables) -> TenantCreds:
     from app.extensions import db
-    from app.tenants import create_tenant, create_token
+    from app.tenant_service import create_tenant, create_token
 
     with chaos_app.app_context():
         db.engine.dispose()  # an earlier test may have restarted the server under the pool

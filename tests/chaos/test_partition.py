@@ -113,7 +113,7 @@ def net_app(net_env):
 @pytest.fixture
 def net_tenant(net_app, net_pg) -> int:
     from app.extensions import db
-    from app.tenants import create_tenant
+    from app.tenant_service import create_tenant
 
     with net_pg.connect() as conn:
         conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")

@@ -49,7 +49,7 @@ def admit_backlog(app, tenant_id: int, n: int, batch: int = 500) -> list[uuid.UU
 def tick(app) -> tuple[int, int, float]:
     """One repair tick, as beat's task runs it; return (sent, found, seconds)."""
     from app.extensions import db
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     with app.app_context():
         t0 = time.monotonic()

@@ -341,7 +341,7 @@ def test_without_a_session_every_page_redirects_to_sign_in_and_back(console, api
 
 
 def test_the_session_cookie_is_httponly_strict_and_holds_no_token(console, make_tenant, app):
-    from app.tenants import create_token, revoke_token
+    from app.tenant_service import create_token, revoke_token
 
     creds = make_tenant()
     console.sign_in(creds.token)
@@ -356,7 +356,7 @@ def test_the_session_cookie_is_httponly_strict_and_holds_no_token(console, make_
 
     # Tokens the console does not take: unknown, a service token, an admit-only token.
     with app.app_context():
-        from app.tenants import create_tenant
+        from app.tenant_service import create_tenant
 
         service = create_token(None, True)
         admit_only = create_token(create_tenant(creds.name, exist_ok=True), False, scope="admit")

@@ -50,7 +50,7 @@ def _db_now(database_url) -> float:
 def test_backlog_by_tenant_queue_and_state_in_beats_gauges_and_on_the_console(
         console_env, console_url, console, api, run_until, make_tenant, app, database_url,
         queue_name, tmp_path):
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
     from tests.workflows.backlog import UNCONSUMED_QUEUE
 
     a, b, c = make_tenant(), make_tenant(), make_tenant()

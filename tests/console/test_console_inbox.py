@@ -56,7 +56,7 @@ def _letters(console) -> list[tuple[str, str, str]]:
 
 def test_the_inbox_page_lists_dead_letters_by_reason_and_replays_them_once(
         console, console_env, console_url, api, make_tenant, tmp_path, app):
-    from app.tenants import create_token, find_tenant
+    from app.tenant_service import create_token, find_tenant
 
     tenant, service = make_tenant(), make_tenant(service=True)
     with app.app_context():  # replaying is an operator's action: the admin scope

@@ -707,7 +707,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "repair_budget_from_the_default_queue",
         "repair re-sends only as far as each run's own queue has room",
-        "app/runs.py",
+        "app/run_service.py",
         "            depths[queue] = _queue_depth(celery_app, queue)\n",
         "            depths[queue] = _queue_depth(celery_app)\n",
         ("tests/app/test_repair_queues.py",),
@@ -760,7 +760,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "two_repairs_at_once",
         "one repair at a time: a second beat's repair re-sends nothing while one runs",
-        "app/runs.py",
+        "app/run_service.py",
         "        if not held:\n",
         "        if False:\n",
         ("tests/app/test_repair_queues.py::"

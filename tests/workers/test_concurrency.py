@@ -355,7 +355,7 @@ def test_an_end_racing_a_claim_that_parks_still_wakes_it(app, admit, boot_factor
 # -- tenant caps -------------------------------------------------------------------------------
 
 def set_cap(app, name, cap):
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
 
     with app.app_context():
         set_max_running(name, cap)
@@ -407,7 +407,7 @@ def test_the_cli_sets_and_removes_a_tenants_cap(app, tenant, pg):
 
 def test_repair_wakes_the_oldest_run_waiting_for_a_slot_whose_holder_died(
         app, session, admit, boot_factory, dead_boot, pg):
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     first, second, third = keyed(admit), keyed(admit), keyed(admit)
     boot = boot_factory()
@@ -426,7 +426,7 @@ def test_repair_wakes_the_oldest_run_waiting_for_a_slot_whose_holder_died(
 
 def test_repair_leaves_waiting_runs_alone_while_their_group_is_full(
         app, session, admit, boot_factory, pg):
-    from app.runs import redrive_stranded_runs
+    from app.run_service import redrive_stranded_runs
 
     first, second = keyed(admit), keyed(admit)
     boot = boot_factory()
@@ -531,7 +531,7 @@ def tx_events(session, run_id):
 
 def tx_set_cap(db_session, name, cap):
     """``set_max_running`` as the CLI calls it (its commit releases a savepoint here)."""
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
 
     set_max_running(name, cap)
     db_session.commit()
@@ -693,7 +693,7 @@ def test_a_cap_lift_racing_a_claim_that_parks_still_wakes_it(app, admit, tenant,
         done = {}
 
         def lift():
-            from app.tenants import set_max_running
+            from app.tenant_service import set_max_running
 
             with app.app_context():
                 db.session.execute(db.text("SET application_name = 'test-cap-lifter'"))

@@ -137,7 +137,7 @@ def test_a_capped_tenants_flood_does_not_hold_another_tenants_run(app, admit, ma
     after them: the other tenant's run starts at once, not after the flood."""
     from app.admission import admit_run
     from app.extensions import db
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
 
     with app.app_context():
         set_max_running(tenant.name, 2)
@@ -193,7 +193,7 @@ def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant
     cap with the CLI: both start beside the first at once. No beat: the wake-up is the
     cap change's own (in its transaction), not a repair tick's (10 s by default); without
     it the two would wait for good, since an end wakes nothing under no cap."""
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
 
     with app.app_context():
         set_max_running(tenant.name, 1)
@@ -234,7 +234,7 @@ def test_raising_a_tenant_cap_starts_as_many_waiting_runs_as_it_freed(app, admit
     once (5 running), the last two wait for an end. No beat: the cap change wakes as many
     as it freed, where ends and repair alone wake one at a time (one run per tenant per
     repair tick: 3 running after 15 s with the default interval)."""
-    from app.tenants import set_max_running
+    from app.tenant_service import set_max_running
 
     with app.app_context():
         set_max_running(tenant.name, 1)

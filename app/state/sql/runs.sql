@@ -398,7 +398,7 @@ UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
 -- first tick after the boot was seen dead, i.e. if not re-sent since the claim (a
 -- claim or takeover sets updated_at), and after that only once the repair age has
 -- passed again. Each comes with ``gone_in``: the seconds until its boot is gone (its
--- stamp T_c + kill + margin old), which the message waits out (``app/runs.py``): a
+-- stamp T_c + kill + margin old), which the message waits out (``app/run_service.py``): a
 -- boot whose lock went early may run its bodies until then, and a delivery before it
 -- takes nothing over (the claim decides; this only saves a repair tick).
 UPDATE runs SET last_sent_at = now()

@@ -21,7 +21,7 @@ from . import metrics
 from .enqueue import queue_of, send_run, tree_of
 from .liveness import GONE_SLACK
 from .models import Run, Tenant
-from .state import runs as state_runs
+from .state import runs
 from .state.executor import on_session
 from .tracecontext import of_run
 
@@ -219,7 +219,7 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
     whatever the queue holds. Commits the marks, then sends. Return
     ``(sent, found)``.
     """
-    with state_runs.repair_lock(session.get_bind(), wait=limit is None) as held:
+    with runs.repair_lock(session.get_bind(), wait=limit is None) as held:
         if not held:
             log.info("repair: another repair is running; this one does nothing")
             return 0, 0
@@ -230,23 +230,23 @@ def redrive_stranded_runs(session: Session, celery_app, *, min_age: float,
 def _redrive(session: Session, celery_app, *, min_age: float, limit: int | None,
              takeover_delay: float) -> tuple[int, int]:
     store = on_session(session)
-    dead = state_runs.mark_dead_boot_runs_sent(store, min_age=min_age, limit=limit)
+    dead = runs.mark_dead_boot_runs_sent(store, min_age=min_age, limit=limit)
     queued, depths = [], {}
     # Each queue is budgeted by its own depth: a backlog on one (a queue no worker
     # consumes, say) neither grows without bound nor stops re-sends on another.
     for queue, (names, versions) in _queues_of(
-            celery_app, state_runs.queued_workflows_due(store, min_age=min_age)).items():
+            celery_app, runs.queued_workflows_due(store, min_age=min_age)).items():
         room = limit
         if limit is not None:
             depths[queue] = _queue_depth(celery_app, queue)
             room = max(0, limit - (depths[queue] or 0))
         if room != 0:
-            queued += state_runs.mark_queued_runs_sent(store, min_age=min_age, limit=room,
+            queued += runs.mark_queued_runs_sent(store, min_age=min_age, limit=room,
                                                        names=names, versions=versions)
     # Runs waiting for a slot that is free (its holder's boot died, a run ahead
     # of them was cancelled): the oldest of each group. The end of a slot's
     # holder wakes the next run itself; this is the backstop.
-    woken = state_runs.wake_waiting_runs(store, limit=limit)
+    woken = runs.wake_waiting_runs(store, limit=limit)
     session.commit()
     sent = 0
     for row in woken:
