@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import current_app
 from psycopg import Error as PsycopgError
@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 
 from app.admission import Admission, RunRequest, admit_many
 from app.enqueue import send_pending
-from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger as ledger_store
 from app.state.claims import finish_run, release_claim, schedule_retry
@@ -41,16 +40,20 @@ from app.tracecontext import TraceContext
 from poimenconfig import libpq_url
 
 from . import boots
-from .actions import Emit, Output, Spawn, bound_error
+from .actions import Effect, Emit, Output, Spawn, bound_error
 from .boots import current_boot
-from .dberrors import retryable, rollback
+from .dberrors import db_session, retryable, rollback
+from .registry import Step
 
 log = logging.getLogger(__name__)
 
 _RUN_HOLDER = text("SELECT status, claimed_by FROM runs WHERE id = :run")
 
+T = TypeVar("T")
 # write(session, ours, retrying) -> (commit, value): one transaction's worth of fenced writes.
-Write = Callable[[Session, list[uuid.UUID], bool], tuple[bool, Any]]
+Write = Callable[[Session, list[uuid.UUID], bool], tuple[bool, T]]
+# A row the store returns (its columns by name).
+StoreRow = Row[Any]
 
 
 class ClaimLost(RuntimeError):
@@ -69,7 +72,8 @@ def boot_dsn() -> str:
 
 def record_deadline() -> float:
     """When a write that keeps meeting an unreachable database gives up (monotonic)."""
-    return time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
+    retry_for: float = current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
+    return time.monotonic() + retry_for
 
 
 class Fence:
@@ -92,7 +96,7 @@ class Fence:
 
     # -- the transaction -------------------------------------------------------------------
 
-    def _commit(self, write: Write, *, autocommit: bool = False) -> Any:
+    def _commit(self, write: Write[T], *, autocommit: bool = False) -> T:
         """Run ``write`` in one transaction, committed or rolled back as it says; retried
         while the database is unreachable. Return its value.
 
@@ -103,7 +107,7 @@ class Fence:
         retrying = False
         delay = 0.2
         while True:
-            session = db.session
+            session = db_session()
             try:
                 if autocommit:
                     # Each statement on its own, on psycopg (app/state/direct.py).
@@ -125,7 +129,7 @@ class Fence:
                 delay = min(2.0, delay * 2)
 
     def _end(self, write: Callable[[Session, list[uuid.UUID]], bool],
-             already_done: Callable[[Row], bool], *, single: bool = False) -> bool:
+             already_done: Callable[[StoreRow], bool], *, single: bool = False) -> bool:
         """One fenced write that ends the run's hold; False if the claim was lost.
 
         When an earlier try's commit may have applied with its reply lost,
@@ -150,12 +154,12 @@ class Fence:
 
         return self._commit(attempt, autocommit=single)
 
-    def _finished_by_us(self, row: Row) -> bool:
+    def _finished_by_us(self, row: StoreRow) -> bool:
         return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)
 
     @staticmethod
-    def _requeued(row: Row) -> bool:
-        return row.status == RunStatus.QUEUED
+    def _requeued(row: StoreRow) -> bool:
+        return bool(row.status == RunStatus.QUEUED)
 
     # -- boots ------------------------------------------------------------------------------
 
@@ -189,10 +193,11 @@ class Fence:
 
     # -- the ledger ---------------------------------------------------------------------------
 
-    def enter(self, step, entry_no: int, *, events: bool) -> Row:
+    def enter(self, step: Step, entry_no: int, *, events: bool) -> StoreRow:
         """Append entry ``entry_no`` into ``step``; its row (``id``, ``cancel_requested``)."""
-        def write(session, ours, retrying):
-            row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
+        def write(session: Session, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, StoreRow | None]:
+            row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,  # type: ignore[arg-type]  # frozen Step; DeclaredStep's fields are settable
                                           events=events)
             return row is not None, row
 
@@ -207,19 +212,19 @@ class Fence:
             session, self.run_id, ours, entry_id, position, claimer, retrying=retrying)))
 
     def complete_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
-                        name: str, key: str, effect: Output | Emit | Spawn) -> Any:
+                        name: str, key: str, effect: Effect) -> Any:
         """Complete a marker this process holds, writing a built-in's effect in the same
         transaction; return the action's recorded output.
 
         Raises what admission raises for a child it refuses (``AdmissionConflict``,
         ``UnknownWorkflow``) and ``DataError`` for an output Postgres refuses.
         """
-        common = dict(step_id=step_id, entry_no=entry_no, name=name, key=key)
-
-        def write(session, ours, retrying):
+        def write(session: Session, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, Any]:
             output, children = self._write_effect(session, effect, key, step_id, entry_no)
             if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
-                                          result=output, children=children, **common):
+                                          result=output, children=children, step_id=step_id,
+                                          entry_no=entry_no, name=name, key=key):
                 return True, output
             # Refused. After an uncertain commit the marker may be completed already by us.
             if retrying:
@@ -232,8 +237,8 @@ class Fence:
 
         return self._commit(write)
 
-    def _write_effect(self, session: Session, effect: Output | Emit | Spawn, key: str,
-                      step_id: str, entry_no: int) -> tuple[Any, list | None]:
+    def _write_effect(self, session: Session, effect: Effect, key: str, step_id: str,
+                      entry_no: int) -> tuple[Any, list[tuple[uuid.UUID, int, str]] | None]:
         if isinstance(effect, Output):
             return effect.value, None
         if isinstance(effect, Emit):
@@ -250,7 +255,9 @@ class Fence:
              for _, dispatch_key, child_input in effect.children],
             tenant_id=self.tenant_id, origin=AdmissionOrigin.FANOUT,
             origin_detail=f"spawn_each {key}"[:255], parent_run_id=self.run_id)
-        children, admitted, replayed = [], [], 0
+        children: list[tuple[uuid.UUID, int, str]] = []
+        admitted: list[str] = []
+        replayed = 0
         for ordinal, ((ikey, _, _), admission) in enumerate(zip(effect.children, outcomes, strict=True)):
             if not isinstance(admission, Admission):
                 raise admission  # a child admission refuses: the marker fails, as before
@@ -260,11 +267,12 @@ class Fence:
         return {"children": admitted, "replayed": replayed}, children
 
     def fail_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
-                    name: str, key: str, error: dict) -> None:
+                    name: str, key: str, error: dict[str, Any]) -> None:
         """Record a marker-bearing action's failure (the stop rule follows)."""
         error = bound_error(error)
 
-        def write(session, ours, retrying):
+        def write(session: Session, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, bool]:
             if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
                                           error=error, step_id=step_id, entry_no=entry_no,
                                           name=name, key=key):
@@ -275,19 +283,21 @@ class Fence:
         if not self._commit(write):
             raise ClaimLost("recording a failed marker was refused")
 
-    def advance(self, close: EntryClose, step, entry_no: int, *, enter: bool
+    def advance(self, close: EntryClose, step: Step, entry_no: int, *, enter: bool
                 ) -> tuple[bool, int | None]:
         """Close an entry and (``enter``) write the next one in one transaction.
 
         Return (cancel requested, the new entry's id or None).
         """
-        def write(session, ours, retrying):
+        def write(session: Session, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, tuple[bool, int | None] | None]:
             closed = ledger_store.close_entry(session, self.run_id, ours, close)
             if closed is None:
                 return False, None
             if enter:
-                entered = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
-                                                  events=close.events)
+                entered = ledger_store.enter_step(
+                    session, self.run_id, ours, step, entry_no,  # type: ignore[arg-type]  # frozen Step; DeclaredStep's fields are settable
+                    events=close.events)
                 if entered is None:
                     return False, None
                 return True, (closed.cancel_requested, entered.id)
@@ -301,7 +311,8 @@ class Fence:
     def wait(self, entry_id: int, entry_no: int, *, actions: list[dict[str, Any]],
              outputs: Any) -> bool:
         """Release the worker until the entry's children have finished; False if they have."""
-        def write(session, ours, retrying):
+        def write(session: Session, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, bool | None]:
             self._lock_slots(session)
             row = ledger_store.wait_for_children(session, self.run_id, ours, entry_id=entry_id,
                                                  actions=actions, outputs=outputs)
@@ -314,11 +325,11 @@ class Fence:
             raise ClaimLost(f"waiting for the children of entry {entry_no} was refused")
         return waited
 
-    def children(self, entry_id: int) -> list[Row]:
+    def children(self, entry_id: int) -> list[StoreRow]:
         return self._commit(lambda session, ours, retrying: (
             False, ledger_store.children(session, entry_id)))
 
-    def history(self) -> list[Row]:
+    def history(self) -> list[StoreRow]:
         return self._commit(lambda session, ours, retrying: (
             False, ledger_store.history(session, self.run_id, 1 << 30)))
 
@@ -330,7 +341,7 @@ class Fence:
                          self._requeued)
 
     def finish(self, close: EntryClose | None, *, status: str, result: Any = None,
-               error: dict | None = None) -> bool:
+               error: dict[str, Any] | None = None) -> bool:
         """Close the last entry and end the run in one statement; False if not ours."""
         # Every error text reaches the run and its event bounded (error_info bounds its
         # own; this also catches one built by hand).
@@ -339,7 +350,7 @@ class Fence:
             session, self.run_id, ours, status=status, result=result, error=error, close=close,
             slots=self.slots), self._finished_by_us, single=True)
 
-    def retry(self, close: EntryClose | None, *, delay: float, error: dict) -> bool:
+    def retry(self, close: EntryClose | None, *, delay: float, error: dict[str, Any]) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""
         error = bound_error(error)
         return self._end(lambda session, ours: self._closed(session, ours, close)
