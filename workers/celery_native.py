@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from celery.exceptions import Ignore, Retry
@@ -56,6 +56,14 @@ from .registry import (
     register,
 )
 
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from app.state.claims import Claim
+
+    from .context import RunContext
+    from .execution import Execution
+
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +81,7 @@ class RunRetrying(Exception):
 
 # -- what Celery is told -------------------------------------------------------------------------
 
-def report(task, execution) -> str:
+def report(task: Any, execution: Execution) -> str:
     """End ``runs.execute`` the way this delivery's execution of the run ended.
 
     Return (SUCCESS) only for a run this delivery finished ``succeeded``; raise
@@ -98,7 +106,7 @@ def report(task, execution) -> str:
     raise Ignore()  # LOST: another worker holds the run; nothing of ours was recorded
 
 
-def _not_executed(task, claim) -> str:
+def _not_executed(task: Any, claim: Claim) -> str:
     from app.extensions import db
     from app.state.claims import ClaimOutcome
 
@@ -121,7 +129,7 @@ def _not_executed(task, claim) -> str:
     raise Ignore()
 
 
-def _announce_cancelled(task) -> None:
+def _announce_cancelled(task: Any) -> None:
     # Celery's own revoke announces REVOKED; a run cancelled through the API
     # says the same, so Flower shows cancelled runs as REVOKED.
     try:
@@ -132,10 +140,10 @@ def _announce_cancelled(task) -> None:
 
 # -- revoke, terminate, hard time limits: in the worker's main process ---------------------------
 
-class RunRequest(Request):
+class RunRequest(Request):  # type: ignore[misc]  # celery: untyped
     """``runs.execute``'s request in the worker's main process (``Request=`` on the task)."""
 
-    def terminate(self, pool, signal=None):
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
         signum = platform_signals.signum(signal or "TERM")
         if self.time_start:
             # Cancel first: once the pool process is dead its boot is too, and a
@@ -151,7 +159,7 @@ class RunRequest(Request):
                 signum = signals_module.SIGKILL
         return super().terminate(pool, signum)
 
-    def cancel(self, pool, signal=None, **kwargs):
+    def cancel(self, pool: Any, signal: Any = None, **kwargs: Any) -> Any:
         # A cold shutdown (SIGQUIT, a second Ctrl-C) cancels every running task with
         # SIGTERM, which a pool process reads as a deploy's and outlives for the grace.
         # Cold means now: SIGKILL, and the pool process's guardian ends the body's
@@ -164,7 +172,7 @@ class RunRequest(Request):
             signum = signals_module.SIGKILL
         return super().cancel(pool, signum, **kwargs)
 
-    def on_timeout(self, soft, timeout):
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
         if not soft and self.worker_pid and not worker_state.should_terminate:
             # Before Celery kills the pool process: a dead boot's run would be taken
             # over and resumed; a failed one never is. (Not in a cold shutdown,
@@ -174,7 +182,8 @@ class RunRequest(Request):
 
 
 @signals.task_revoked.connect
-def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=False, **_):
+def _cancel_revoked_run(sender: Any = None, request: Any = None, terminated: bool = False,
+                        expired: bool = False, **_: Any) -> None:
     """``celery control revoke <run id>``: cancel the run (the API's cancel path)."""
     if sender is None or getattr(sender, "name", None) != EXECUTE_RUN or request is None:
         return
@@ -187,11 +196,13 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
                          name=f"poimen-revoke-{run_id}", daemon=True).start()
 
 
-def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
+def _cancel(flask_app: Flask, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
     from app.runs import tenant_of
     from app.state.runs import cancel_run
+
+    from .dberrors import db_session
 
     try:
         run_uuid = uuid.UUID(run_id)
@@ -199,12 +210,12 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
         return None
     with flask_app.app_context():
         try:
-            tenant_id = tenant_of(db.session, run_uuid)
+            tenant_id = tenant_of(db_session(), run_uuid)
             if tenant_id is None:
                 db.session.rollback()
                 return None
-            row = cancel_run(db.session, tenant_id, run_uuid)
-            ended = state_runs.end_abandoned(db.session, run_uuid)
+            row = cancel_run(db_session(), tenant_id, run_uuid)
+            ended = state_runs.end_abandoned(db_session(), run_uuid)
             db.session.commit()
         except Exception:  # noqa: BLE001 - the revoke stands; repair and the API remain
             db.session.rollback()
@@ -218,7 +229,7 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
     return status
 
 
-def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None:
+def _end_when_holder_dead(flask_app: Flask, run_id: str, timeout: float = 60.0) -> None:
     """After a terminate: end the run ``cancelled`` as soon as its pool process's boot is dead.
 
     Every message of a revoked id is dropped by the workers that got the
@@ -226,12 +237,14 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     """
     from app.extensions import db
 
+    from .dberrors import db_session
+
     run_uuid = uuid.UUID(run_id)
     deadline = time.monotonic() + timeout
     with flask_app.app_context():
         while time.monotonic() < deadline:
             try:
-                if state_runs.end_abandoned(db.session, run_uuid):
+                if state_runs.end_abandoned(db_session(), run_uuid):
                     db.session.commit()
                     log.info("run %s: cancelled (its terminated process is gone)", run_id)
                     return
@@ -249,10 +262,12 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     log.warning("run %s: still running %ss after terminate; left to repair", run_id, timeout)
 
 
-def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None:
+def _record_time_limit(flask_app: Flask, run_id: str, pid: int, timeout: float) -> None:
     import json
 
     from app.extensions import db
+
+    from .dberrors import db_session
 
     error = {"code": "time_limit", "type": "poimen.TimeLimitExceeded",
              "message": f"the run exceeded its hard time limit ({timeout:g}s); its worker "
@@ -262,7 +277,7 @@ def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None
         run_uuid = uuid.UUID(run_id)
         with flask_app.app_context():
             try:
-                row = state_runs.fail_time_limit(db.session, run_uuid, node=boots.NODE, pid=pid,
+                row = state_runs.fail_time_limit(db_session(), run_uuid, node=boots.NODE, pid=pid,
                                                  error=json.dumps(error))
                 db.session.commit()
             finally:
@@ -297,7 +312,7 @@ class TaskBody:
         self.__qualname__ = task_name
         self.__name__ = task_name
 
-    def __call__(self, ctx, input: dict) -> Any:
+    def __call__(self, ctx: RunContext, input: dict[str, Any]) -> Any:
         from flask import current_app
 
         from .execution import delivered_tree
@@ -366,7 +381,7 @@ def task_workflow(version: str = "1", **options: Any) -> Callable[[Any], Any]:
     return decorate
 
 
-def _resolve_task(ref: str):
+def _resolve_task(ref: str) -> Any:
     """The task named ``ref`` (a registered task name, or ``module.attribute``)."""
     from celery import current_app as celery_app
 

@@ -40,7 +40,7 @@ from app.tracecontext import TraceContext
 from poimenconfig import libpq_url
 
 from . import boots
-from .actions import Effect, Emit, Output, Spawn, bound_error
+from .actions import Effect, Emit, Output, bound_error
 from .boots import current_boot
 from .dberrors import db_session, retryable, rollback
 from .registry import Step
