@@ -188,7 +188,8 @@ class Boot:
             pass
 
 
-def _value(conn: psycopg.Connection[Any], query: LiteralString, params: Params | None = None) -> Any:
+def _value(conn: psycopg.Connection[Any], query: LiteralString,
+           params: Params | None = None) -> Any:
     """The first column of the one row ``query`` returns (a ``SELECT`` without ``FROM``)."""
     row = conn.execute(query, params).fetchone()
     if row is None:

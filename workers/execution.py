@@ -399,8 +399,9 @@ def _watch_boots() -> None:
     global _watching
     if _watching != os.getpid():
         _watching = os.getpid()
-        boots.on_lost = functools.partial(
-            _adopt_runs, current_app._get_current_object())  # type: ignore[attr-defined]  # a LocalProxy
+        # ignore: current_app is a LocalProxy, typed as the Flask app it stands for.
+        flask_app = current_app._get_current_object()  # type: ignore[attr-defined]
+        boots.on_lost = functools.partial(_adopt_runs, flask_app)
 
 
 def _adopt_runs(flask_app: Flask, lost: boots.Boot) -> None:

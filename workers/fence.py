@@ -197,8 +197,9 @@ class Fence:
         """Append entry ``entry_no`` into ``step``; its row (``id``, ``cancel_requested``)."""
         def write(session: Session, ours: list[uuid.UUID], retrying: bool
                   ) -> tuple[bool, StoreRow | None]:
-            row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,  # type: ignore[arg-type]  # frozen Step; DeclaredStep's fields are settable
-                                          events=events)
+            # ignore: the store's DeclaredStep declares settable fields; a Step is frozen.
+            row = ledger_store.enter_step(session, self.run_id, ours, step,  # type: ignore[arg-type]
+                                          entry_no, events=events)
             return row is not None, row
 
         row = self._commit(write)
@@ -296,8 +297,8 @@ class Fence:
                 return False, None
             if enter:
                 entered = ledger_store.enter_step(
-                    session, self.run_id, ours, step, entry_no,  # type: ignore[arg-type]  # frozen Step; DeclaredStep's fields are settable
-                    events=close.events)
+                    session, self.run_id, ours, step,  # type: ignore[arg-type]  # as in enter
+                    entry_no, events=close.events)
                 if entered is None:
                     return False, None
                 return True, (closed.cancel_requested, entered.id)

@@ -355,7 +355,8 @@ class Dispatcher:
             claimer = self.fence.await_new_boot(claimer)
         raise ClaimLost("no live boot to claim markers with")
 
-    def _fail_marker(self, entry: Entry, act: Action, key: str, error: dict[str, Any]) -> dict[str, Any]:
+    def _fail_marker(self, entry: Entry, act: Action, key: str, error: dict[str, Any]
+                     ) -> dict[str, Any]:
         log.warning("run %s: marker-bearing action %s/%s failed: %s; abandoning the rest of "
                     "entry %s", self.run.run_id, entry.step.id, act.name, error.get("message"),
                     entry.entry_no)
@@ -376,7 +377,8 @@ class Dispatcher:
                next_step: str | None) -> EntryClose:
         return entry.close(status, error, next_step, events=self.events)
 
-    def _advance(self, entry: Entry, status: str, error: dict[str, Any] | None, target: str) -> Entry:
+    def _advance(self, entry: Entry, status: str, error: dict[str, Any] | None, target: str
+                 ) -> Entry:
         """Close ``entry`` and enter ``target`` in one transaction; return the new entry."""
         nxt = Entry(self.workflow.step(target), entry.entry_no + 1)
         cancel_requested, nxt.id = self.fence.advance(

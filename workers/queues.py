@@ -26,8 +26,8 @@ class QueueArgumentsRefused(RuntimeError):
 
 
 def check_queue_arguments(celery_app: Celery, queues: Sequence[Any] | None = None) -> None:
-    """Declare ``queues`` (kombu ``Queue``s; default: those the worker consumes) as Celery will; raise
-    :class:`QueueArgumentsRefused` if RabbitMQ refuses one's arguments. Does nothing on
+    """Declare ``queues`` (kombu ``Queue``s; default: those the worker consumes) as Celery
+    will; raise :class:`QueueArgumentsRefused` if RabbitMQ refuses one's arguments. Does nothing on
     another broker, or when the broker does not answer (the worker's own retries wait)."""
     if broker_scheme(celery_app.conf.broker_url) not in AMQP_SCHEMES:
         return
