@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from app.state.claims import Claim
 
-    from .context import RunContext
+    from .context import StepContext
     from .execution import Execution
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ class TaskBody:
         self.__qualname__ = task_name
         self.__name__ = task_name
 
-    def __call__(self, ctx: RunContext, input: dict[str, Any]) -> Any:
+    def __call__(self, ctx: StepContext, input: dict[str, Any]) -> Any:
         from flask import current_app
 
         from .execution import delivered_tree

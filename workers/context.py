@@ -1,8 +1,8 @@
 """What workflow code sees: the run's context, and a step action's.
 
-``RunContext`` is what a one-function workflow's ``ctx`` is; ``StepContext``
-adds the step, the entry and the action being executed (``workers/ledger.py``
-makes one per entry).
+``RunContext`` is the run's; ``StepContext``, what every action gets as ``ctx``
+(a one-function workflow's function too), adds the step, the entry and the
+action being executed (``workers/ledger.py`` makes one per entry).
 """
 
 from __future__ import annotations

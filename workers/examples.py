@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 from .registry import Step, Workflow, action, register, spawn_each, workflow
 
 if TYPE_CHECKING:  # the web process loads these definitions: nothing of the execution
-    from .context import RunContext, StepContext
+    from .context import StepContext
 
 
 @workflow("echo", version="1")
-def echo(ctx: RunContext, input: dict[str, Any]) -> dict[str, Any]:
+def echo(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """Return the input unchanged."""
     return input
 
 
 @workflow("noop", version="1")
-def noop(ctx: RunContext, input: dict[str, Any]) -> None:
+def noop(ctx: StepContext, input: dict[str, Any]) -> None:
     """Do nothing (the benchmark workflow)."""
     return None
 
 
 @workflow("sleep", version="1")
-def sleep(ctx: RunContext, input: dict[str, Any]) -> dict[str, Any]:
+def sleep(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """Sleep ``input["seconds"]`` in small slices, stopping early when cancelled."""
     seconds = float(input.get("seconds", 1))
     deadline = time.monotonic() + seconds
@@ -44,7 +44,7 @@ class ExampleFailure(RuntimeError):
 
 
 @workflow("fail", version="1", max_attempts=1)
-def fail(ctx: RunContext, input: dict[str, Any]) -> None:
+def fail(ctx: StepContext, input: dict[str, Any]) -> None:
     """Raise, to show how a failed run looks."""
     raise ExampleFailure(input.get("message", "this workflow always fails"))
 
@@ -120,7 +120,7 @@ register(Workflow("doc-review", "1", steps=[
 
 
 @workflow("review-participant", version="1")
-def review_participant(ctx: RunContext, input: dict[str, Any]) -> dict[str, Any]:
+def review_participant(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """One participant's decision: reject while the round is <= reject_rounds."""
     decision = "reject" if input["round"] <= input.get("reject_rounds", 0) else "approve"
     return {"participant": input["participant"], "round": input["round"], "decision": decision}
