@@ -26,7 +26,7 @@ log = logging.getLogger("poimen.bridge")
 
 # No `_created` series: a timestamp per counter that Prometheus does not use
 # (noise in every scrape).
-disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it bare
+disable_created_metrics()
 
 
 class Relay(Protocol):

@@ -63,6 +63,8 @@ Effect = Output | Emit | Spawn
 def call(ctx: StepContext, act: Action, input: dict[str, Any]) -> Any:
     """Run a ``call`` or ``task`` action; return what it returns."""
     if act.kind == "call":
+        if act.fn is None:  # refused at registration (registry._validate)
+            raise registry.InvalidDefinition(f"action {act.name!r} calls no function")
         return act.fn(ctx, input)
     if act.kind == "task":
         celery_task = current_app.extensions["celery"].tasks[act.params["task"]]

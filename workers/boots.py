@@ -41,20 +41,22 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, LiteralString
 
 import psycopg
+from psycopg.abc import Params
 
 from app.liveness import LOCK_NAMESPACE
 from app.state.boots import register_boot
 from lease import (
     KillFence,
-    LeaseSettings,
     bound_lock_session,
     check_ordering,
     dead_after,
     lock_connect_kwargs,
     probe_lock,
 )
+from poimenconfig import LeaseSettings
 from poimenconfig import lease_settings as read_lease_settings
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class Boot:
             register_boot(conn, boot_id=boot_id, lock_key=lock_key,
                           hostname=socket.gethostname(), pid=os.getpid(), node=NODE,
                           dead_after=dead_after(settings))
-            backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            backend_pid = _value(conn, "SELECT pg_backend_pid()")
             _check_session_kept(dsn, conn, backend_pid, params)
         except BaseException:
             conn.close()
@@ -186,7 +188,17 @@ class Boot:
             pass
 
 
-def _take_free_key(conn: psycopg.Connection, boot_id: uuid.UUID) -> tuple[int, dict]:
+def _value(conn: psycopg.Connection[Any], query: LiteralString,
+           params: Params | None = None) -> Any:
+    """The first column of the one row ``query`` returns (a ``SELECT`` without ``FROM``)."""
+    row = conn.execute(query, params).fetchone()
+    if row is None:
+        raise psycopg.ProgrammingError(f"no row from {query!r}")
+    return row[0]
+
+
+def _take_free_key(conn: psycopg.Connection[Any], boot_id: uuid.UUID
+                   ) -> tuple[int, dict[str, int]]:
     """Take the advisory lock of the next free key of the (cycling) key sequence.
 
     A key whose boot row still exists (a live boot, or a dead one some run still
@@ -194,12 +206,12 @@ def _take_free_key(conn: psycopg.Connection, boot_id: uuid.UUID) -> tuple[int, d
     means another application uses our lock keys: fail loudly, naming it.
     """
     for _ in range(1000):
-        lock_key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
-        if conn.execute("SELECT EXISTS (SELECT 1 FROM worker_boots WHERE lock_key = %s)",
-                        [lock_key]).fetchone()[0]:
+        lock_key = _value(conn, "SELECT nextval('worker_boot_lock_key')")
+        if _value(conn, "SELECT EXISTS (SELECT 1 FROM worker_boots WHERE lock_key = %s)",
+                  [lock_key]):
             continue  # reused after a wrap-around: still some boot's key
         params = {"ns": LOCK_NAMESPACE, "key": lock_key}
-        if conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)", params).fetchone()[0]:
+        if _value(conn, "SELECT pg_try_advisory_lock(%(ns)s, %(key)s)", params):
             return lock_key, params
         holder = conn.execute(_HOLDER, params).fetchone()
         raise LockKeyTaken(
@@ -210,8 +222,8 @@ def _take_free_key(conn: psycopg.Connection, boot_id: uuid.UUID) -> tuple[int, d
     raise LockKeyTaken("no free boot lock key in 1000 tries: prune dead boots (beat's repair)")
 
 
-def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
-                        params: dict) -> None:
+def _check_session_kept(dsn: str, conn: psycopg.Connection[Any], backend_pid: int,
+                        params: dict[str, int]) -> None:
     """Refuse a lock connection whose session is not its own (a transaction pooler).
 
     Behind PgBouncer in transaction mode a session lock sits on a pooled server
@@ -221,8 +233,8 @@ def _check_session_kept(dsn: str, conn: psycopg.Connection, backend_pid: int,
     next statement must still run on the backend that took the lock.
     """
     with psycopg.connect(dsn, connect_timeout=10, application_name="poimen-boot-check") as check:
-        other_pid = check.execute("SELECT pg_backend_pid()").fetchone()[0]
-        again = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        other_pid = _value(check, "SELECT pg_backend_pid()")
+        again = _value(conn, "SELECT pg_backend_pid()")
         held = check.execute(_HOLDER, params).fetchone()
         if other_pid == backend_pid or again != backend_pid or not held or held[0] != backend_pid:
             raise PooledLockConnection(
@@ -248,14 +260,12 @@ def check_lock_database(dsn: str) -> None:
     """
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10,
                          application_name="poimen-boot-check") as conn:
-        key = conn.execute("SELECT nextval('worker_boot_lock_key')").fetchone()[0]
+        key = _value(conn, "SELECT nextval('worker_boot_lock_key')")
         params = {"ns": LOCK_NAMESPACE, "key": key}
-        if not conn.execute("SELECT pg_try_advisory_lock(%(ns)s, %(key)s)",
-                            params).fetchone()[0]:
+        if not _value(conn, "SELECT pg_try_advisory_lock(%(ns)s, %(key)s)", params):
             raise LockKeyTaken(f"advisory lock ({LOCK_NAMESPACE}, {key}) is held elsewhere: "
                                "another application uses this database's advisory lock keys")
-        _check_session_kept(dsn, conn, conn.execute("SELECT pg_backend_pid()").fetchone()[0],
-                            params)
+        _check_session_kept(dsn, conn, _value(conn, "SELECT pg_backend_pid()"), params)
 
 
 _current: Boot | None = None

@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from celery.exceptions import Ignore, Retry
@@ -57,6 +57,14 @@ from .registry import (
     register,
 )
 
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from app.state.claims import Claim
+
+    from .context import StepContext
+    from .execution import Execution
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +82,7 @@ class RunRetrying(Exception):
 
 # -- what Celery is told -------------------------------------------------------------------------
 
-def report(task, execution) -> str:
+def report(task: Any, execution: Execution) -> str:
     """End ``runs.execute`` the way this delivery's execution of the run ended.
 
     Return (SUCCESS) only for a run this delivery finished ``succeeded``; raise
@@ -99,7 +107,7 @@ def report(task, execution) -> str:
     raise Ignore()  # LOST: another worker holds the run; nothing of ours was recorded
 
 
-def _not_executed(task, claim) -> str:
+def _not_executed(task: Any, claim: Claim) -> str:
     from app.extensions import db
     from app.state.claims import ClaimOutcome
 
@@ -122,7 +130,7 @@ def _not_executed(task, claim) -> str:
     raise Ignore()
 
 
-def _announce_cancelled(task) -> None:
+def _announce_cancelled(task: Any) -> None:
     # Celery's own revoke announces REVOKED; a run cancelled through the API
     # says the same, so Flower shows cancelled runs as REVOKED.
     try:
@@ -133,10 +141,10 @@ def _announce_cancelled(task) -> None:
 
 # -- revoke, terminate, hard time limits: in the worker's main process ---------------------------
 
-class RunRequest(Request):
+class RunRequest(Request):  # type: ignore[misc]  # celery: untyped
     """``runs.execute``'s request in the worker's main process (``Request=`` on the task)."""
 
-    def terminate(self, pool, signal=None):
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
         signum = platform_signals.signum(signal or "TERM")
         if self.time_start:
             # Cancel first: once the pool process is dead its boot is too, and a
@@ -152,7 +160,7 @@ class RunRequest(Request):
                 signum = signals_module.SIGKILL
         return super().terminate(pool, signum)
 
-    def cancel(self, pool, signal=None, **kwargs):
+    def cancel(self, pool: Any, signal: Any = None, **kwargs: Any) -> Any:
         # A cold shutdown (SIGQUIT, a second Ctrl-C) cancels every running task with
         # SIGTERM, which a pool process reads as a deploy's and outlives for the grace.
         # Cold means now: SIGKILL, and the pool process's guardian ends the body's
@@ -165,7 +173,7 @@ class RunRequest(Request):
             signum = signals_module.SIGKILL
         return super().cancel(pool, signum, **kwargs)
 
-    def on_timeout(self, soft, timeout):
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
         if not soft and self.worker_pid and not worker_state.should_terminate:
             # Before Celery kills the pool process: a dead boot's run would be taken
             # over and resumed; a failed one never is. (Not in a cold shutdown,
@@ -175,7 +183,8 @@ class RunRequest(Request):
 
 
 @signals.task_revoked.connect
-def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=False, **_):
+def _cancel_revoked_run(sender: Any = None, request: Any = None, terminated: bool = False,
+                        expired: bool = False, **_: Any) -> None:
     """``celery control revoke <run id>``: cancel the run (the API's cancel path)."""
     if sender is None or getattr(sender, "name", None) != EXECUTE_RUN or request is None:
         return
@@ -188,11 +197,13 @@ def _cancel_revoked_run(sender=None, request=None, terminated=False, expired=Fal
                          name=f"poimen-revoke-{run_id}", daemon=True).start()
 
 
-def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str | None:
+def _cancel(flask_app: Flask, run_id: str, why: str = "revoked through Celery") -> str | None:
     """Cancel ``run_id``; end it at once if its holder is dead. Return its status after."""
     from app.extensions import db
     from app.run_service import tenant_of
     from app.state.runs import cancel_run
+
+    from .dberrors import db_session
 
     try:
         run_uuid = uuid.UUID(run_id)
@@ -200,7 +211,7 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
         return None
     with flask_app.app_context():
         try:
-            tenant_id = tenant_of(db.session, run_uuid)
+            tenant_id = tenant_of(db_session(), run_uuid)
             if tenant_id is None:
                 db.session.rollback()
                 return None
@@ -220,13 +231,14 @@ def _cancel(flask_app, run_id: str, why: str = "revoked through Celery") -> str 
     return status
 
 
-def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None:
+def _end_when_holder_dead(flask_app: Flask, run_id: str, timeout: float = 60.0) -> None:
     """After a terminate: end the run ``cancelled`` as soon as its pool process's boot is dead.
 
     Every message of a revoked id is dropped by the workers that got the
     revoke, so no takeover may ever come; this is its stand-in.
     """
     from app.extensions import db
+
 
     run_uuid = uuid.UUID(run_id)
     deadline = time.monotonic() + timeout
@@ -251,10 +263,11 @@ def _end_when_holder_dead(flask_app, run_id: str, timeout: float = 60.0) -> None
     log.warning("run %s: still running %ss after terminate; left to repair", run_id, timeout)
 
 
-def _record_time_limit(flask_app, run_id: str, pid: int, timeout: float) -> None:
+def _record_time_limit(flask_app: Flask, run_id: str, pid: int, timeout: float) -> None:
     import json
 
     from app.extensions import db
+
 
     error = {"code": "time_limit", "type": "poimen.TimeLimitExceeded",
              "message": f"the run exceeded its hard time limit ({timeout:g}s); its worker "
@@ -300,7 +313,7 @@ class TaskBody:
         self.__qualname__ = task_name
         self.__name__ = task_name
 
-    def __call__(self, ctx, input: dict) -> Any:
+    def __call__(self, ctx: StepContext, input: dict[str, Any]) -> Any:
         from flask import current_app
 
         from .execution import delivered_tree
@@ -369,7 +382,7 @@ def task_workflow(version: str = "1", **options: Any) -> Callable[[Any], Any]:
     return decorate
 
 
-def _resolve_task(ref: str):
+def _resolve_task(ref: str) -> Any:
     """The task named ``ref`` (a registered task name, or ``module.attribute``)."""
     from celery import current_app as celery_app
 

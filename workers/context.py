@@ -1,14 +1,13 @@
 """What workflow code sees: the run's context, and a step action's.
 
-``RunContext`` is what a one-function workflow's ``ctx`` is; ``StepContext``
-adds the step, the entry and the action being executed (``workers/ledger.py``
-makes one per entry).
+``RunContext`` is the run's; ``StepContext``, what every action gets as ``ctx``
+(a one-function workflow's function too), adds the step, the entry and the
+action being executed (``workers/ledger.py`` makes one per entry).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,14 +75,24 @@ class LedgerView(Protocol):
 
 
 class _StepView(Protocol):
-    id: str
+    @property
+    def id(self) -> str: ...
 
 
 class EntryView(Protocol):
-    step: _StepView
-    entry_no: int
-    outputs: dict[str, Any]
-    children: Sequence[dict[str, Any]] | None
+    """What a step's context reads of the entry being executed."""
+
+    @property
+    def step(self) -> _StepView: ...
+
+    @property
+    def entry_no(self) -> int: ...
+
+    @property
+    def outputs(self) -> dict[str, Any]: ...
+
+    @property
+    def children(self) -> list[dict[str, Any]] | None: ...
 
 
 class StepContext:
@@ -102,14 +111,37 @@ class StepContext:
         # Set for marker-bearing actions only: (run, step, entry, position).
         self.idempotency_key: str | None = None
 
-    run_id = property(lambda self: self._run.run_id)
-    tenant_id = property(lambda self: self._run.tenant_id)
-    attempt = property(lambda self: self._run.attempt)
-    failures = property(lambda self: self._run.failures)
-    workflow = property(lambda self: self._run.workflow)
-    boot_id = property(lambda self: self._run.boot_id)
-    cancelled = property(lambda self: self._run.cancelled)
-    shutting_down = property(lambda self: self._run.shutting_down)
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self._run.run_id
+
+    @property
+    def tenant_id(self) -> int:
+        return self._run.tenant_id
+
+    @property
+    def attempt(self) -> int:
+        return self._run.attempt
+
+    @property
+    def failures(self) -> int:
+        return self._run.failures
+
+    @property
+    def workflow(self) -> registry.Workflow:
+        return self._run.workflow
+
+    @property
+    def boot_id(self) -> uuid.UUID:
+        return self._run.boot_id
+
+    @property
+    def cancelled(self) -> bool:
+        return self._run.cancelled
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._run.shutting_down
 
     @property
     def input(self) -> dict[str, Any]:

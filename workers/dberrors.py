@@ -1,8 +1,12 @@
-"""Database errors a worker waits out, and the rollback that survives a dead connection."""
+"""Database errors a worker waits out, the rollback that survives a dead connection, and
+the session the store's functions are given."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.orm import Session
 
 from app.extensions import db
 
@@ -19,3 +23,13 @@ def rollback() -> None:
         db.session.rollback()
     except Exception:  # noqa: BLE001 - a dead connection may refuse even this
         db.session.remove()
+
+
+def db_session() -> Session:
+    """``db.session`` itself, typed as the store's functions (``app/state/``) take it.
+
+    It is the ``scoped_session``, not the ``Session`` it stands for: it answers every
+    ``Session`` method for this app context's session, and ``single_statements`` calls it
+    to find that session.
+    """
+    return cast(Session, db.session)

@@ -7,24 +7,28 @@ steps: a marker-bearing action, a fan-out, a join and a loop back.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from .registry import Step, Workflow, action, register, spawn_each, workflow
 
+if TYPE_CHECKING:  # the web process loads these definitions: nothing of the execution
+    from .context import StepContext
+
 
 @workflow("echo", version="1")
-def echo(ctx, input: dict) -> dict:
+def echo(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """Return the input unchanged."""
     return input
 
 
 @workflow("noop", version="1")
-def noop(ctx, input: dict) -> None:
+def noop(ctx: StepContext, input: dict[str, Any]) -> None:
     """Do nothing (the benchmark workflow)."""
     return None
 
 
 @workflow("sleep", version="1")
-def sleep(ctx, input: dict) -> dict:
+def sleep(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """Sleep ``input["seconds"]`` in small slices, stopping early when cancelled."""
     seconds = float(input.get("seconds", 1))
     deadline = time.monotonic() + seconds
@@ -40,7 +44,7 @@ class ExampleFailure(RuntimeError):
 
 
 @workflow("fail", version="1", max_attempts=1)
-def fail(ctx, input: dict) -> None:
+def fail(ctx: StepContext, input: dict[str, Any]) -> None:
     """Raise, to show how a failed run looks."""
     raise ExampleFailure(input.get("message", "this workflow always fails"))
 
@@ -60,11 +64,11 @@ def fail(ctx, input: dict) -> None:
 # Participants reject while the review round is <= reject_rounds.
 
 
-def _draft(ctx, input: dict) -> dict:
+def _draft(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     return {"revision": ctx.visit}
 
 
-def _clear_decisions(ctx, input: dict) -> dict:
+def _clear_decisions(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     if input.get("fail") == "clear_decisions":
         raise ExampleFailure("clear_decisions failed (input.fail)")
     # ctx.idempotency_key names this entry's clearing: an external store would
@@ -72,28 +76,29 @@ def _clear_decisions(ctx, input: dict) -> dict:
     return {"cleared": ctx.idempotency_key}
 
 
-def _ensure_participant_seat(ctx, input: dict) -> dict:
+def _ensure_participant_seat(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     if input.get("fail") == "ensure_participant_seat":
         raise ExampleFailure("ensure_participant_seat failed (input.fail)")
     return {"seats": sorted(_participant_key(p) for p in input.get("participants", []))}
 
 
-def _participant_key(participant) -> str:
+def _participant_key(participant: str | dict[str, Any]) -> str:
     return participant if isinstance(participant, str) else str(participant["id"])
 
 
-def _participant_input(ctx, participant) -> dict:
+def _participant_input(ctx: StepContext, participant: str | dict[str, Any]
+                       ) -> dict[str, Any]:
     return {"participant": _participant_key(participant), "round": ctx.visit,
             "reject_rounds": int(ctx.input.get("reject_rounds", 0))}
 
 
-def _after_review(ctx) -> str:
+def _after_review(ctx: StepContext) -> str:
     rejected = [c for c in ctx.children
                 if c["status"] != "succeeded" or (c["result"] or {}).get("decision") != "approve"]
     return "draft" if rejected else "approve"
 
 
-def _approve(ctx, input: dict) -> dict:
+def _approve(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     rounds = []
     for number, entry in enumerate(ctx.history("review"), start=1):
         rounds.append({"round": number, "decisions": {
@@ -115,7 +120,7 @@ register(Workflow("doc-review", "1", steps=[
 
 
 @workflow("review-participant", version="1")
-def review_participant(ctx, input: dict) -> dict:
+def review_participant(ctx: StepContext, input: dict[str, Any]) -> dict[str, Any]:
     """One participant's decision: reject while the round is <= reject_rounds."""
     decision = "reject" if input["round"] <= input.get("reject_rounds", 0) else "approve"
     return {"participant": input["participant"], "round": input["round"], "decision": decision}

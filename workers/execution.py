@@ -11,9 +11,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from celery.exceptions import Retry as CeleryRetry
-from flask import current_app
+from flask import Flask, current_app
 from sqlalchemy.exc import DataError
 
 from app.enqueue import Tree, send_pending, send_run
@@ -43,7 +44,7 @@ from . import boots, ledger, registry
 from .actions import bound_error, error_info
 from .boots import current_boot, end_current_boot
 from .context import RunContext
-from .dberrors import rollback
+from .dberrors import db_session, rollback
 from .fence import Fence, boot_dsn, record_deadline
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,13 @@ class Execution:
     claim: Claim
     ended: Ended | None = None
 
-    outcome = property(lambda self: self.claim.outcome)
-    run_id = property(lambda self: self.claim.run_id)
+    @property
+    def outcome(self) -> ClaimOutcome:
+        return self.claim.outcome
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.claim.run_id
 
 
 def limited_workflow(shadow: str | None) -> bool:
@@ -138,7 +144,7 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
             log.info("run %s: waiting for a slot (%s); no worker held", run_id,
                      claim.wait_reason)
             return Execution(claim)
-        if claim.gone_in:
+        if claim.gone_in and claim.ref is not None:
             # Its holder lost its lock a moment ago and may still run the body (until
             # its fence): deliver it again once the holder is gone (app/liveness.py),
             # rather than leave it to beat's repair (this copy carries no trace context:
@@ -157,6 +163,8 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
         log.warning("run %s: took over from dead boot %s (attempt %s)", run_id, claim.holder,
                     claim.attempt)
 
+    row = claim.run
+    assert row is not None  # a claim that executes returns the run's row
     boots.hold(run_uuid, claim.boot_id)
     started = time.monotonic()
     try:
@@ -176,7 +184,7 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
         raise
     finally:
         boots.let_go([run_uuid])
-    RUN_DURATION_SECONDS.labels(claim.run.workflow_name,
+    RUN_DURATION_SECONDS.labels(row.workflow_name,
                                 getattr(ended, "status", "unknown")).observe(
         time.monotonic() - started)
     return Execution(claim, ended)
@@ -211,7 +219,7 @@ def count_poisoned(claim: Claim) -> None:
 
 
 def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
-    session = db.session
+    session = db_session()
     for _ in range(2):
         boot = current_boot(boot_dsn)
         try:
@@ -261,7 +269,8 @@ def _run_claimed(claim: Claim) -> Ended:
     run_id = claim.run_id
     # Between the claim and user code: any failure releases the claim, scoped
     # to this boot, so the run goes back to queued rather than being stranded.
-    row = claim.run
+    row, attempt = claim.run, claim.attempt
+    assert row is not None and attempt is not None  # a claim that executes returns both
     try:
         workflow = registry.get(row.workflow_name, row.workflow_version)
     except registry.UnknownWorkflow:
@@ -275,7 +284,7 @@ def _run_claimed(claim: Claim) -> Ended:
             log.warning("run %s: pinned to %s, which this worker does not have; released "
                         "and re-sent in %.1fs for a worker that does", run_id, ref, delay)
             send_run(current_app.extensions["celery"], run_id, ref, countdown=delay,
-                     trace=of_run(row), tree=delivered_tree(run_id, claim.attempt - 1))
+                     trace=of_run(row), tree=delivered_tree(run_id, attempt - 1))
             return Ended(RunEnding.RELEASED, delay=delay)
         return Ended(RunEnding.LOST)
     except Exception as err:
@@ -283,7 +292,7 @@ def _run_claimed(claim: Claim) -> Ended:
         released = Fence(run_id, row.tenant_id, slots=claim.slots).release()
         log.exception("run %s: failed before start; claim released=%s", run_id, released)
         raise ClaimReleased(f"run {run_id} released before start: {err}") from err
-    ctx = RunContext(run_id, row.tenant_id, claim.attempt, workflow, claim.boot_id,
+    ctx = RunContext(run_id, row.tenant_id, attempt, workflow, claim.boot_id,
                      cancel_requested=row.cancel_requested, failures=row.failures)
     fence = Fence(run_id, row.tenant_id, row.goal_id, of_run(row), slots=claim.slots)
 
@@ -301,6 +310,7 @@ def _run_claimed(claim: Claim) -> Ended:
     if outcome.ending == ledger.Ending.FAILED:
         if outcome.exc is not None:
             return _record_failure(ctx, fence, row.failures, outcome.exc, close, outcome.error)
+        assert outcome.error is not None  # a failed dispatch says why (ledger.Outcome)
         return _finish_failed(ctx, fence, outcome.error, close)
 
     status = RunStatus.CANCELLED if ctx.cancel_requested else RunStatus.SUCCEEDED
@@ -328,8 +338,8 @@ def _run_claimed(claim: Claim) -> Ended:
     return Ended(RunEnding(str(status)))
 
 
-def _finish_failed(ctx: RunContext, fence: Fence, error: dict, close: EntryClose | None
-                   ) -> Ended:
+def _finish_failed(ctx: RunContext, fence: Fence, error: dict[str, Any],
+                   close: EntryClose | None) -> Ended:
     run_id = ctx.run_id
     code = error.get("code", error.get("type"))
     if fence.finish(close, status=RunStatus.FAILED, error=error):
@@ -342,7 +352,8 @@ def _finish_failed(ctx: RunContext, fence: Fence, error: dict, close: EntryClose
 
 
 def _record_failure(ctx: RunContext, fence: Fence, failures: int, err: Exception,
-                    close: EntryClose | None = None, error: dict | None = None) -> Ended:
+                    close: EntryClose | None = None, error: dict[str, Any] | None = None
+                    ) -> Ended:
     error = error or error_info(err)
     workflow = ctx.workflow
     run_id = ctx.run_id
@@ -389,10 +400,12 @@ def _watch_boots() -> None:
     global _watching
     if _watching != os.getpid():
         _watching = os.getpid()
-        boots.on_lost = functools.partial(_adopt_runs, current_app._get_current_object())
+        # ignore: current_app is a LocalProxy, typed as the Flask app it stands for.
+        flask_app = current_app._get_current_object()  # type: ignore[attr-defined]
+        boots.on_lost = functools.partial(_adopt_runs, flask_app)
 
 
-def _adopt_runs(flask_app, lost: boots.Boot) -> None:
+def _adopt_runs(flask_app: Flask, lost: boots.Boot) -> None:
     """Keep executing our runs under a new boot, or stop executing them at once.
 
     The lost boot is dead to everyone: its runs belong to repair, and another

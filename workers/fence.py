@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import current_app
 from psycopg import Error as PsycopgError
@@ -30,7 +30,7 @@ from app.admission import Admission, RunRequest, admit_many
 from app.enqueue import send_pending
 from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
-from app.state import ledger as ledger_store
+from app.state import ledger
 from app.state.claims import finish_run, release_claim, schedule_retry
 from app.state.direct import single_statements
 from app.state.executor import Executor, on_session
@@ -41,16 +41,21 @@ from app.tracecontext import TraceContext
 from poimenconfig import libpq_url
 
 from . import boots
-from .actions import Emit, Output, Spawn, bound_error
+from .actions import Effect, Emit, Output, bound_error
 from .boots import current_boot
 from .dberrors import retryable, rollback
+from .registry import Step
 
 log = logging.getLogger(__name__)
 
 _RUN_HOLDER = text("SELECT status, claimed_by FROM runs WHERE id = :run")
 
 # write(store, ours, retrying) -> (commit, value): one transaction's worth of fenced writes.
-Write = Callable[[Executor, list[uuid.UUID], bool], tuple[bool, Any]]
+T = TypeVar("T")
+# write(store, ours, retrying) -> (commit, value), generic in the value.
+Write = Callable[[Executor, list[uuid.UUID], bool], tuple[bool, T]]
+# A row of a plain read (its columns by name).
+StoreRow = Row[Any]
 
 
 class ClaimLost(RuntimeError):
@@ -69,7 +74,8 @@ def boot_dsn() -> str:
 
 def record_deadline() -> float:
     """When a write that keeps meeting an unreachable database gives up (monotonic)."""
-    return time.monotonic() + current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
+    retry_for: float = current_app.config["POIMEN_RECORD_RETRY_SECONDS"]
+    return time.monotonic() + retry_for
 
 
 class Fence:
@@ -92,7 +98,7 @@ class Fence:
 
     # -- the transaction -------------------------------------------------------------------
 
-    def _commit(self, write: Write, *, autocommit: bool = False) -> Any:
+    def _commit(self, write: Write[T], *, autocommit: bool = False) -> T:
         """Run ``write`` in one transaction, committed or rolled back as it says; retried
         while the database is unreachable. Return its value.
 
@@ -125,7 +131,7 @@ class Fence:
                 delay = min(2.0, delay * 2)
 
     def _end(self, write: Callable[[Executor, list[uuid.UUID]], bool],
-             already_done: Callable[[Row], bool], *, single: bool = False) -> bool:
+             already_done: Callable[[StoreRow], bool], *, single: bool = False) -> bool:
         """One fenced write that ends the run's hold; False if the claim was lost.
 
         When an earlier try's commit may have applied with its reply lost,
@@ -150,12 +156,12 @@ class Fence:
 
         return self._commit(attempt, autocommit=single)
 
-    def _finished_by_us(self, row: Row) -> bool:
+    def _finished_by_us(self, row: StoreRow) -> bool:
         return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)
 
     @staticmethod
-    def _requeued(row: Row) -> bool:
-        return row.status == RunStatus.QUEUED
+    def _requeued(row: StoreRow) -> bool:
+        return bool(row.status == RunStatus.QUEUED)
 
     # -- boots ------------------------------------------------------------------------------
 
@@ -189,10 +195,11 @@ class Fence:
 
     # -- the ledger ---------------------------------------------------------------------------
 
-    def enter(self, step, entry_no: int, *, events: bool) -> Entered:
+    def enter(self, step: Step, entry_no: int, *, events: bool) -> Entered:
         """Append entry ``entry_no`` into ``step``; its row (``id``, ``cancel_requested``)."""
-        def write(session, ours, retrying):
-            row = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
+        def write(session: Executor, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, Entered | None]:
+            row = ledger.enter_step(session, self.run_id, ours, step, entry_no,
                                           events=events)
             return row is not None, row
 
@@ -203,27 +210,27 @@ class Fence:
 
     def claim_marker(self, entry_id: int, position: int, claimer: uuid.UUID) -> MarkerClaim:
         """Claim marker ``(entry_id, position)`` for boot ``claimer``."""
-        return self._commit(lambda session, ours, retrying: (True, ledger_store.claim_marker(
+        return self._commit(lambda session, ours, retrying: (True, ledger.claim_marker(
             session, self.run_id, ours, entry_id, position, claimer, retrying=retrying)))
 
     def complete_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
-                        name: str, key: str, effect: Output | Emit | Spawn) -> Any:
+                        name: str, key: str, effect: Effect) -> Any:
         """Complete a marker this process holds, writing a built-in's effect in the same
         transaction; return the action's recorded output.
 
         Raises what admission raises for a child it refuses (``AdmissionConflict``,
         ``UnknownWorkflow``) and ``DataError`` for an output Postgres refuses.
         """
-        common = dict(step_id=step_id, entry_no=entry_no, name=name, key=key)
-
-        def write(session, ours, retrying):
+        def write(session: Executor, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, Any]:
             output, children = self._write_effect(session, effect, key, step_id, entry_no)
-            if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
-                                          result=output, children=children, **common):
+            if ledger.finish_marker(session, self.run_id, ours, entry_id, position,
+                                          result=output, children=children, step_id=step_id,
+                                          entry_no=entry_no, name=name, key=key):
                 return True, output
             # Refused. After an uncertain commit the marker may be completed already by us.
             if retrying:
-                state = ledger_store.marker_state(session, entry_id, position)
+                state = ledger.marker_state(session, entry_id, position)
                 if state is not None and state.status == "completed" \
                         and state.claimed_by in ours:
                     return False, state.result
@@ -232,8 +239,8 @@ class Fence:
 
         return self._commit(write)
 
-    def _write_effect(self, session: Executor, effect: Output | Emit | Spawn, key: str,
-                      step_id: str, entry_no: int) -> tuple[Any, list | None]:
+    def _write_effect(self, session: Executor, effect: Effect, key: str, step_id: str,
+                      entry_no: int) -> tuple[Any, list[tuple[uuid.UUID, int, str]] | None]:
         if isinstance(effect, Output):
             return effect.value, None
         if isinstance(effect, Emit):
@@ -250,7 +257,9 @@ class Fence:
              for _, dispatch_key, child_input in effect.children],
             tenant_id=self.tenant_id, origin=AdmissionOrigin.FANOUT,
             origin_detail=f"spawn_each {key}"[:255], parent_run_id=self.run_id)
-        children, admitted, replayed = [], [], 0
+        children: list[tuple[uuid.UUID, int, str]] = []
+        admitted: list[str] = []
+        replayed = 0
         for ordinal, ((ikey, _, _), admission) in enumerate(zip(effect.children, outcomes, strict=True)):
             if not isinstance(admission, Admission):
                 raise admission  # a child admission refuses: the marker fails, as before
@@ -260,33 +269,35 @@ class Fence:
         return {"children": admitted, "replayed": replayed}, children
 
     def fail_marker(self, entry_id: int, position: int, *, step_id: str, entry_no: int,
-                    name: str, key: str, error: dict) -> None:
+                    name: str, key: str, error: dict[str, Any]) -> None:
         """Record a marker-bearing action's failure (the stop rule follows)."""
         error = bound_error(error)
 
-        def write(session, ours, retrying):
-            if ledger_store.finish_marker(session, self.run_id, ours, entry_id, position,
+        def write(session: Executor, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, bool]:
+            if ledger.finish_marker(session, self.run_id, ours, entry_id, position,
                                           error=error, step_id=step_id, entry_no=entry_no,
                                           name=name, key=key):
                 return True, True
-            state = ledger_store.marker_state(session, entry_id, position) if retrying else None
+            state = ledger.marker_state(session, entry_id, position) if retrying else None
             return False, state is not None and state.status == "failed"
 
         if not self._commit(write):
             raise ClaimLost("recording a failed marker was refused")
 
-    def advance(self, close: EntryClose, step, entry_no: int, *, enter: bool
+    def advance(self, close: EntryClose, step: Step, entry_no: int, *, enter: bool
                 ) -> tuple[bool, int | None]:
         """Close an entry and (``enter``) write the next one in one transaction.
 
         Return (cancel requested, the new entry's id or None).
         """
-        def write(session, ours, retrying):
-            closed = ledger_store.close_entry(session, self.run_id, ours, close)
+        def write(session: Executor, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, tuple[bool, int | None] | None]:
+            closed = ledger.close_entry(session, self.run_id, ours, close)
             if closed is None:
                 return False, None
             if enter:
-                entered = ledger_store.enter_step(session, self.run_id, ours, step, entry_no,
+                entered = ledger.enter_step(session, self.run_id, ours, step, entry_no,
                                                   events=close.events)
                 if entered is None:
                     return False, None
@@ -301,9 +312,10 @@ class Fence:
     def wait(self, entry_id: int, entry_no: int, *, actions: list[dict[str, Any]],
              outputs: Any) -> bool:
         """Release the worker until the entry's children have finished; False if they have."""
-        def write(session, ours, retrying):
+        def write(session: Executor, ours: list[uuid.UUID], retrying: bool
+                  ) -> tuple[bool, bool | None]:
             self._lock_slots(session)
-            row = ledger_store.wait_for_children(session, self.run_id, ours, entry_id=entry_id,
+            row = ledger.wait_for_children(session, self.run_id, ours, entry_id=entry_id,
                                                  actions=actions, outputs=outputs)
             if row.entry_waits and not row.run_waits:
                 return False, None  # the entry would wait for a run that is not ours
@@ -316,11 +328,11 @@ class Fence:
 
     def children(self, entry_id: int) -> list[Child]:
         return self._commit(lambda session, ours, retrying: (
-            False, ledger_store.children(session, entry_id)))
+            False, ledger.children(session, entry_id)))
 
     def history(self) -> list[PastEntry]:
         return self._commit(lambda session, ours, retrying: (
-            False, ledger_store.history(session, self.run_id, 1 << 30)))
+            False, ledger.history(session, self.run_id, 1 << 30)))
 
     # -- the run's own end --------------------------------------------------------------------
 
@@ -330,7 +342,7 @@ class Fence:
                          self._requeued)
 
     def finish(self, close: EntryClose | None, *, status: str, result: Any = None,
-               error: dict | None = None) -> bool:
+               error: dict[str, Any] | None = None) -> bool:
         """Close the last entry and end the run in one statement; False if not ours."""
         # Every error text reaches the run and its event bounded (error_info bounds its
         # own; this also catches one built by hand).
@@ -339,7 +351,7 @@ class Fence:
             session, self.run_id, ours, status=status, result=result, error=error, close=close,
             slots=self.slots), self._finished_by_us, single=True)
 
-    def retry(self, close: EntryClose | None, *, delay: float, error: dict) -> bool:
+    def retry(self, close: EntryClose | None, *, delay: float, error: dict[str, Any]) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""
         error = bound_error(error)
         return self._end(lambda session, ours: self._closed(session, ours, close)
@@ -349,5 +361,5 @@ class Fence:
 
     def _closed(self, session: Executor, ours: list[uuid.UUID], close: EntryClose | None) -> bool:
         """Close the run's last step entry in this transaction (True if none to close)."""
-        return close is None or ledger_store.close_entry(
+        return close is None or ledger.close_entry(
             session, self.run_id, ours, close) is not None

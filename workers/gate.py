@@ -22,30 +22,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import psycopg
 from celery import bootsteps
 
-from lease import LeaseSettings, lock_connect_kwargs, probe_lock
-from poimenconfig import lease_settings
+from lease import lock_connect_kwargs, probe_lock
+from poimenconfig import LeaseSettings, lease_settings
 
 log = logging.getLogger(__name__)
 
 
-class DatabaseGate(bootsteps.StartStopStep):
+class DatabaseGate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery: untyped
     """Consume task queues only while this worker reaches Postgres."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
-    def __init__(self, parent, **kwargs):
+    # parent, c: Celery's worker consumer (untyped).
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.reachable = True
         self.closed: list[str] = []
         self.waited = 0.0
         self._stop = threading.Event()
-        self._timer = None
+        self._timer: Any = None  # kombu's timer entry
 
-    def start(self, c) -> None:
+    def start(self, c: Any) -> None:
         from .fence import boot_dsn
 
         with c.app.flask_app.app_context():
@@ -56,7 +58,7 @@ class DatabaseGate(bootsteps.StartStopStep):
                          daemon=True).start()
         self._timer = c.timer.call_repeatedly(0.5, self._apply, (c,))
 
-    def stop(self, c) -> None:
+    def stop(self, c: Any) -> None:
         self._stop.set()
         if self._timer is not None:
             self._timer.cancel()
@@ -84,7 +86,7 @@ class DatabaseGate(bootsteps.StartStopStep):
         if conn is not None:
             conn.close()
 
-    def _apply(self, c) -> None:
+    def _apply(self, c: Any) -> None:
         consumer = c.task_consumer
         if consumer is None:
             return

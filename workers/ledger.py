@@ -78,7 +78,7 @@ class Outcome:
 
     ending: Ending
     result: Any = None
-    error: dict | None = None
+    error: dict[str, Any] | None = None
     exc: Exception | None = None
     close: EntryClose | None = None
 
@@ -93,6 +93,14 @@ class Entry:
     children: list[dict[str, Any]] | None = None
     waking: bool = False  # a join entry whose actions ran before the run waited
 
+    @property
+    def row_id(self) -> int:
+        """The id of this entry's row: an entry with a marker-bearing action or a join is
+        written before its actions run (``Dispatcher._enter``), or resumed with its row."""
+        if self.id is None:
+            raise RuntimeError(f"entry {self.entry_no} ({self.step.id}) has no row")
+        return self.id
+
     def actions_record(self) -> list[dict[str, Any]]:
         return [{"position": a.position, "name": a.name, "marker": a.marker,
                  **self.outcomes.get(a.position, {"status": "pending"})}
@@ -103,7 +111,7 @@ class Entry:
             return self.outputs
         return {**self.outputs, "children": self.children}
 
-    def close(self, status: str, error: dict | None, next_step: str | None, *,
+    def close(self, status: str, error: dict[str, Any] | None, next_step: str | None, *,
               events: bool) -> EntryClose:
         """This entry's end, as the store writes it."""
         return EntryClose(entry_id=self.id, entry_no=self.entry_no, step_id=self.step.id,
@@ -206,7 +214,7 @@ class Dispatcher:
     def _run_entry(self, entry: Entry) -> Entry | Outcome:
         step = entry.step
         ctx = StepContext(self.run, self, entry)
-        stop: dict | None = None
+        stop: dict[str, Any] | None = None
         stop_status = EntryStatus.FAILED
         first_failure: Exception | None = None
         if not entry.waking:
@@ -286,7 +294,7 @@ class Dispatcher:
     # -- markers ------------------------------------------------------------------------------
 
     def _marker(self, ctx: StepContext, entry: Entry, act: Action
-                ) -> tuple[dict | None, EntryStatus]:
+                ) -> tuple[dict[str, Any] | None, EntryStatus]:
         """Claim, execute and complete one marker-bearing action; return (stop, status)."""
         run_id = self.run.run_id
         key = idempotency_key(run_id, entry.step.id, entry.entry_no, act.position)
@@ -322,7 +330,7 @@ class Dispatcher:
                 EntryStatus.FAILED
         try:
             output = self.fence.complete_marker(
-                entry.id, act.position, step_id=entry.step.id, entry_no=entry.entry_no,
+                entry.row_id, act.position, step_id=entry.step.id, entry_no=entry.entry_no,
                 name=act.name, key=key, effect=effect)
         except (AdmissionConflict, registry.UnknownWorkflow, DataError) as err:
             return self._fail_marker(entry, act, key, error_info(err, **where)), \
@@ -335,7 +343,7 @@ class Dispatcher:
         run_id = self.run.run_id
         claimer = self.fence.claimer()
         for _ in range(3):
-            claim = self.fence.claim_marker(entry.id, act.position, claimer)
+            claim = self.fence.claim_marker(entry.row_id, act.position, claimer)
             if claim.outcome == MarkerOutcome.FENCED:
                 raise ClaimLost("marker claim refused: the run is not held by this process")
             if claim.outcome != MarkerOutcome.CLAIMER_DEAD:
@@ -348,11 +356,12 @@ class Dispatcher:
             claimer = self.fence.await_new_boot(claimer)
         raise ClaimLost("no live boot to claim markers with")
 
-    def _fail_marker(self, entry: Entry, act: Action, key: str, error: dict) -> dict:
+    def _fail_marker(self, entry: Entry, act: Action, key: str, error: dict[str, Any]
+                     ) -> dict[str, Any]:
         log.warning("run %s: marker-bearing action %s/%s failed: %s; abandoning the rest of "
                     "entry %s", self.run.run_id, entry.step.id, act.name, error.get("message"),
                     entry.entry_no)
-        self.fence.fail_marker(entry.id, act.position, step_id=entry.step.id,
+        self.fence.fail_marker(entry.row_id, act.position, step_id=entry.step.id,
                                entry_no=entry.entry_no, name=act.name, key=key, error=error)
         entry.outcomes[act.position] = {"status": "failed", "error": error}
         return {**error, "code": "action_failed"}
@@ -365,11 +374,12 @@ class Dispatcher:
         if row.cancel_requested:
             self.run.note_cancel_requested()
 
-    def _close(self, entry: Entry, status: str, error: dict | None,
+    def _close(self, entry: Entry, status: str, error: dict[str, Any] | None,
                next_step: str | None) -> EntryClose:
         return entry.close(status, error, next_step, events=self.events)
 
-    def _advance(self, entry: Entry, status: str, error: dict | None, target: str) -> Entry:
+    def _advance(self, entry: Entry, status: str, error: dict[str, Any] | None, target: str
+                 ) -> Entry:
         """Close ``entry`` and enter ``target`` in one transaction; return the new entry."""
         nxt = Entry(self.workflow.step(target), entry.entry_no + 1)
         cancel_requested, nxt.id = self.fence.advance(
@@ -383,7 +393,7 @@ class Dispatcher:
 
     def _wait(self, entry: Entry) -> bool:
         """Release the worker until the entry's children have finished; False if they have."""
-        waited = self.fence.wait(entry.id, entry.entry_no, actions=entry.actions_record(),
+        waited = self.fence.wait(entry.row_id, entry.entry_no, actions=entry.actions_record(),
                                  outputs=entry.outputs)
         if waited:
             log.info("run %s: entry %s (%s) waits for its children; worker released",

@@ -21,15 +21,22 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from bridge.process import start_metrics_server
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from flask import Flask
+    from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
 _private_dir: str | None = None
 
 
-def queue_depths(celery_app) -> dict[str, int]:
+def queue_depths(celery_app: Celery) -> dict[str, int]:
     """Messages waiting in the Celery queue, on Redis or RabbitMQ.
 
     A passive ``queue_declare`` asks the broker and creates nothing: kombu answers
@@ -74,14 +81,14 @@ def _count_in_shared_files() -> str:
     return _private_dir
 
 
-def _pool_process_exited(**_) -> None:
+def _pool_process_exited(**_: Any) -> None:
     from prometheus_client import multiprocess
 
     if _private_dir:
         multiprocess.mark_process_dead(os.getpid(), _private_dir)
 
 
-def _remove_private_dir(**_) -> None:
+def _remove_private_dir(**_: Any) -> None:
     if _private_dir:
         shutil.rmtree(_private_dir, ignore_errors=True)
 
@@ -90,7 +97,7 @@ class PendingRemovals:
     """``poimen_ack_removals_pending``: the main process's acknowledged messages whose
     removal from Redis' unacked hash is pending, read at scrape time."""
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
 
         from .broker import pending_removals
@@ -102,7 +109,7 @@ class PendingRemovals:
             value=pending_removals())
 
 
-def serve_metrics(flask_app, celery_app) -> None:
+def serve_metrics(flask_app: Flask, celery_app: Celery) -> None:
     """Serve the pool's counters and histograms on ``METRICS_PORT`` (else ``PORT``)."""
     from celery import signals
 
@@ -124,7 +131,7 @@ def serve_metrics(flask_app, celery_app) -> None:
     log.info("worker metrics on :%s/metrics, health on :%s/healthz", port, port)
 
 
-def serve_global_metrics(flask_app, celery_app) -> None:
+def serve_global_metrics(flask_app: Flask, celery_app: Celery) -> None:
     """Serve the global gauges from ``beat`` on ``METRICS_PORT`` (else ``PORT``)."""
     from prometheus_client import CollectorRegistry
 
@@ -151,11 +158,11 @@ def serve_global_metrics(flask_app, celery_app) -> None:
     log.info("beat metrics (global gauges) on :%s/metrics, health on :%s/healthz", port, port)
 
 
-def connect_beat(celery_app) -> None:
+def connect_beat(celery_app: Celery) -> None:
     """Serve the global gauges when this process turns out to be ``beat``."""
     from celery import signals
 
-    def started(sender=None, **_) -> None:
+    def started(sender: Any = None, **_: Any) -> None:
         serve_global_metrics(celery_app.flask_app, celery_app)
 
     signals.beat_init.connect(started, weak=False)

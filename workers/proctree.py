@@ -60,7 +60,7 @@ _GUARDIAN = ('trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM; '
              'while read -r _; do :; done; '
              'kill -s KILL -- "-$1"')
 
-_guardian: subprocess.Popen | None = None
+_guardian: subprocess.Popen[bytes] | None = None
 _pipe: int | None = None  # the write end: open exactly while this pool process lives
 
 

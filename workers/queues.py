@@ -10,8 +10,13 @@ and what to do (docs/operations/rabbitmq.md, "Priorities").
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from celeryconfig import AMQP_SCHEMES, broker_scheme
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +25,9 @@ class QueueArgumentsRefused(RuntimeError):
     """RabbitMQ holds a queue of this name with other arguments than this process declares."""
 
 
-def check_queue_arguments(celery_app, queues=None) -> None:
-    """Declare ``queues`` (default: those the worker consumes) as Celery will; raise
-    :class:`QueueArgumentsRefused` if RabbitMQ refuses one's arguments. Does nothing on
+def check_queue_arguments(celery_app: Celery, queues: Sequence[Any] | None = None) -> None:
+    """Declare ``queues`` (kombu ``Queue``s; default: those the worker consumes) as Celery
+    will; raise :class:`QueueArgumentsRefused` if RabbitMQ refuses one's arguments. Does nothing on
     another broker, or when the broker does not answer (the worker's own retries wait)."""
     if broker_scheme(celery_app.conf.broker_url) not in AMQP_SCHEMES:
         return

@@ -272,7 +272,8 @@ class Workflow:
 
     def retry_delay(self, attempt: int) -> float:
         """Return the delay before attempt ``attempt + 1`` (capped exponential)."""
-        return min(self.backoff_max_seconds, self.backoff_seconds * (2 ** max(0, attempt - 1)))
+        factor: int = 2 ** max(0, attempt - 1)
+        return min(self.backoff_max_seconds, self.backoff_seconds * factor)
 
     def describe(self) -> dict[str, Any]:
         """The resolved definition: what the hash pinned on a run covers."""
@@ -280,7 +281,7 @@ class Workflow:
                 "steps": [step.describe() for step in self.steps]}
 
 
-def _unique(values: list, message: str) -> None:
+def _unique(values: list[Any], message: str) -> None:
     if len(set(values)) != len(values):
         raise InvalidDefinition(message)
 
@@ -306,6 +307,8 @@ def _validate(wf: Workflow) -> None:
                                         f"from 0 to {MAX_POSITION}")
             if a.name in RESERVED_OUTPUT_NAMES:
                 raise InvalidDefinition(f"{wf.ref}: the action name {a.name!r} is reserved")
+            if a.kind == "call" and not callable(a.fn):
+                raise InvalidDefinition(f"{wf.ref}: action {a.name!r} calls no function")
         for target in (step.next if isinstance(step.next, str) else None, step.on_failure):
             if target is not None and target not in ids:
                 raise InvalidDefinition(f"{wf.ref}: step {step.id!r} goes to unknown step "
@@ -463,7 +466,7 @@ def workflow(
     return decorate
 
 
-def _version_key(version: str) -> tuple:
+def _version_key(version: str) -> tuple[tuple[int, int, str], ...]:
     # Natural order, so "10" is newer than "9" and "1.10" newer than "1.9".
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.-]", version))
 

@@ -20,10 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import registry
 from .ticks import describe, due_tick, tick_key
+
+if TYPE_CHECKING:
+    from flask import Flask
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ def admit_tick(wf: registry.Workflow, tick: datetime) -> bool:
     from app.state.executor import on_session
     from app.tenant_service import UnknownTenant, find_tenant
 
+    assert wf.schedule_tenant is not None  # the registry refuses a schedule without one
     try:
         tenant_id = find_tenant(wf.schedule_tenant).id
     except UnknownTenant:
@@ -102,7 +106,7 @@ def admit_tick(wf: registry.Workflow, tick: datetime) -> bool:
     return True
 
 
-def start(flask_app, interval: float = 1.0) -> threading.Thread | None:
+def start(flask_app: Flask, interval: float = 1.0) -> threading.Thread | None:
     """Start the beat's schedule thread (None when no workflow declares a schedule)."""
     if not registry.scheduled():
         return None

@@ -44,6 +44,7 @@ import os
 import signal
 import threading
 import time
+from types import FrameType
 
 from poimenconfig import DEFAULT_SHUTDOWN_GRACE
 
@@ -108,7 +109,7 @@ def task_finished() -> None:
     _executing = False
 
 
-def _on_sigterm(signum, frame) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     global _sigterms
     _sigterms += 1
     if _sigterms > 1 or not _executing:
@@ -116,7 +117,7 @@ def _on_sigterm(signum, frame) -> None:
     _start_grace()
 
 
-def _on_notice(signum, frame) -> None:
+def _on_notice(signum: int, frame: FrameType | None) -> None:
     # The main process's word of a SIGTERM it got (proctree.tell_pool): the same
     # shutdown as Heroku's SIGTERM to this process, so the two count once; the main
     # process's second SIGTERM is a second one.

@@ -21,19 +21,22 @@ Postgres and the outbox, never from these.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import bootsteps
 
 
-class TaskEventBatches(bootsteps.StartStopStep):
+class TaskEventBatches(bootsteps.StartStopStep):  # type: ignore[misc]  # celery: untyped
     """Flush the worker's buffered task events on a timer instead of at every loop turn."""
 
     requires = {"celery.worker.consumer.events:Events"}
 
-    def __init__(self, parent, **kwargs):
+    # parent, c: Celery's worker consumer (untyped).
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        self._timer = None
+        self._timer: Any = None  # kombu's timer entry
 
-    def start(self, c) -> None:
+    def start(self, c: Any) -> None:
         interval = c.app.flask_app.config["POIMEN_EVENT_FLUSH_INTERVAL"]
         dispatcher = c.event_dispatcher
         # Celery buffers task events only under its event loop (the hub); elsewhere it
@@ -45,7 +48,7 @@ class TaskEventBatches(bootsteps.StartStopStep):
         dispatcher.on_send_buffered = None
         self._timer = c.timer.call_repeatedly(interval, self._flush, (c,))
 
-    def stop(self, c) -> None:
+    def stop(self, c: Any) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -54,7 +57,7 @@ class TaskEventBatches(bootsteps.StartStopStep):
     shutdown = stop
 
     @staticmethod
-    def _flush(c) -> None:
+    def _flush(c: Any) -> None:
         # The consumer's current dispatcher: a reconnect replaces it.
         dispatcher = c.event_dispatcher
         if dispatcher is not None:

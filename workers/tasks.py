@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import current_app as current_celery_app
 from celery import shared_task
@@ -34,6 +35,7 @@ from .boots import (
     current_boot,
     end_current_boot,
 )
+from .dberrors import db_session
 from .execution import ClaimReleased, execute_run, limited_workflow
 from .fence import boot_dsn
 
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 # throws: a failed run is FAILURE without a traceback in the log (it is the workflow's).
 @shared_task(name=EXECUTE_RUN, bind=True, Request="workers.celery_native:RunRequest",
              throws=(celery_native.RunFailed,))
-def execute(self, run_id: str) -> str:
+def execute(self: Any, run_id: str) -> str:
     """Execute run ``run_id`` (claims make duplicate deliveries do nothing).
 
     The task's state is the execution's (``celery_native.report``): SUCCESS
@@ -62,7 +64,7 @@ def execute(self, run_id: str) -> str:
 @shared_task(name=REPAIR_RUNS)
 def repair() -> int:
     """Re-send queued runs whose message may be lost and runs held by dead boots."""
-    sent, _ = redrive_stranded_runs(db.session, current_app.extensions["celery"],
+    sent, _ = redrive_stranded_runs(db_session(), current_app.extensions["celery"],
                                     min_age=current_app.config["POIMEN_REPAIR_MIN_AGE"],
                                     takeover_delay=current_app.config["POIMEN_TAKEOVER_DELAY"])
     pruned = prune_dead_boots(on_session(db.session))
@@ -73,7 +75,7 @@ def repair() -> int:
 
 
 @worker_init.connect
-def _check_lock_database(sender=None, **_):
+def _check_lock_database(sender: Any = None, **_: Any) -> None:
     # Liveness locks behind a transaction pooler mean nothing, and a lease whose
     # bounds are out of order lets two workers run one body: refuse to start
     # rather than let dead workers look alive (or live ones dead).
@@ -92,7 +94,7 @@ def _check_lock_database(sender=None, **_):
 
 
 @beat_init.connect
-def _check_lease_at_beat(sender=None, **_):
+def _check_lease_at_beat(sender: Any = None, **_: Any) -> None:
     # Beat owns POIMEN_TAKEOVER_DELAY, one side of the ordering.
     try:
         check_lease_settings()
@@ -102,7 +104,7 @@ def _check_lease_at_beat(sender=None, **_):
 
 
 @beat_init.connect
-def _start_schedules(sender=None, **_):
+def _start_schedules(sender: Any = None, **_: Any) -> None:
     # Workflows that declare a schedule: this beat admits one run per tick (any number
     # of beats give one run per tick: the tick's dispatch key decides).
     from . import schedules
@@ -111,7 +113,7 @@ def _start_schedules(sender=None, **_):
 
 
 @worker_init.connect
-def _check_queue_arguments(sender=None, **_):
+def _check_queue_arguments(sender: Any = None, **_: Any) -> None:
     # RabbitMQ: a queue's arguments (x-max-priority) must match the existing queue's.
     from .queues import QueueArgumentsRefused, check_queue_arguments
 
@@ -123,21 +125,21 @@ def _check_queue_arguments(sender=None, **_):
 
 
 @worker_init.connect
-def _serve_metrics(sender=None, **_):
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
     from .metrics import serve_metrics
 
     serve_metrics(sender.app.flask_app, sender.app)
 
 
 @worker_process_init.connect
-def _lead_own_group(**_):
+def _lead_own_group(**_: Any) -> None:
     # First, before any task: the body's children join this pool process's group,
     # and its guardian ends that group when the process dies (workers/proctree.py).
     proctree.lead_own_group()
 
 
 @worker_process_init.connect
-def _register_boot(**_):
+def _register_boot(**_: Any) -> None:
     # Each pool process is its own boot: if the process dies, so does its lock.
     flask_app = current_celery_app.flask_app
     with flask_app.app_context():
@@ -147,29 +149,29 @@ def _register_boot(**_):
 
 
 @worker_process_shutdown.connect
-def _end_boot(**_):
+def _end_boot(**_: Any) -> None:
     end_current_boot()
 
 
 # SIGTERM (docs/internals/reliability.md): pool processes outlive the dyno-wide signal
 # and finish their run within POIMEN_SHUTDOWN_GRACE; see workers/shutdown.py.
 @worker_process_init.connect
-def _shutdown_grace(**_):
+def _shutdown_grace(**_: Any) -> None:
     shutdown.init_pool_process(current_celery_app.flask_app.config["POIMEN_SHUTDOWN_GRACE"])
 
 
 @task_prerun.connect
-def _protect_task_from_sigterm(**_):
+def _protect_task_from_sigterm(**_: Any) -> None:
     shutdown.task_starting()
 
 
 @task_postrun.connect
-def _task_done(**_):
+def _task_done(**_: Any) -> None:
     shutdown.task_finished()
 
 
 @worker_shutting_down.connect
-def _note_sigterm(sig=None, how=None, **_):
+def _note_sigterm(sig: str | None = None, how: str | None = None, **_: Any) -> None:
     shutdown.mark_received()
     # Pool processes lead groups of their own: a SIGTERM to the worker's group
     # reaches them only through the main process (workers/proctree.py).

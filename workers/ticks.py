@@ -19,7 +19,7 @@ NONE_TOLERANCE = timedelta(seconds=3)
 _CRON_SEARCH_DAYS = 366 * 8  # a 29 February on a given weekday recurs within 28 years: enough
 
 
-def _crontab_class():
+def _crontab_class() -> Any:
     from celery.schedules import crontab
 
     return crontab

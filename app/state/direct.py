@@ -49,7 +49,8 @@ AfterCommit = Callable[[Mapping[uuid.UUID, Send]], None]
 OBSERVERS: list[Callable[[str], None]] = []
 
 
-def single_statements(session: scoped_session[Session], after_commit: AfterCommit) -> Executor:
+def single_statements(session: Session | scoped_session[Any], after_commit: AfterCommit
+                      ) -> Executor:
     """An autocommit stand-in for ``session`` (a ``scoped_session``) running each
     statement on its own, or ``session`` (as an executor) where that cannot be chosen.
 

@@ -138,7 +138,7 @@ class SessionExecutor:
         self.session.rollback()
 
 
-def on_session(session: Session | scoped_session[Session]) -> SessionExecutor:
+def on_session(session: Session | scoped_session[Any]) -> SessionExecutor:
     """``session`` (a ``scoped_session``: its current ``Session``) as an ``Executor``."""
     return SessionExecutor(session() if isinstance(session, scoped_session) else session)
 

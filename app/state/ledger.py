@@ -23,16 +23,21 @@ from .statements import statement
 
 
 class DeclaredAction(Protocol):
-    position: int
-    name: str
-    marker: bool
+    @property
+    def position(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def marker(self) -> bool: ...
 
 
 class DeclaredStep(Protocol):
-    """What the ledger needs of a step (``workers.registry.Step``)."""
+    """What the ledger needs of a step (``workers.registry.Step``), read only."""
 
-    id: str
-    actions: Sequence[DeclaredAction]
+    @property
+    def id(self) -> str: ...
+    @property
+    def actions(self) -> Sequence[DeclaredAction]: ...
 
 
 class EntryStatus(enum.StrEnum):
