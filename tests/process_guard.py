@@ -39,6 +39,14 @@ PROCESS_FIXTURES = frozenset({
     "tansu",              # tests/conftest.py: a tansu broker for consumer-group tests
 })
 
+# Fixtures every test on a service reaches (directly or through another fixture): the
+# services' environment, the session's migrated database, a Redis client.
+SERVICE_FIXTURES = frozenset({"base_env", "database_url", "redis_client"})
+
+# The lanes (tests/lanes.py), assigned at collection by one rule: `system` is the
+# `processes` mark; `db` a test that reaches a service fixture; `unit` every other test.
+LANES = ("unit", "db", "system")
+
 # Session infrastructure every test shares: migrated once per session, by a child
 # ``flask db upgrade`` (poimen_dev/scratch.py), whichever test needs it first.
 INFRASTRUCTURE = frozenset({"database_url"})
@@ -103,6 +111,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if (PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
                 or item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.processes)
+        item.add_marker(lane_of(item))
+
+
+def lane_of(item: pytest.Item) -> str:
+    if starts_processes(item):
+        return "system"
+    if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "db"
+    return "unit"
 
 
 @pytest.hookimpl(wrapper=True)
