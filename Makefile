@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both install what they need.
-# `make check` is the fast lane to run after each change (about a minute).
+# `make check` is the fast lane to run after each change: the unit and db lanes.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -29,12 +29,12 @@ run: install
 	$(BIN)/poimen-dev run
 
 # The fast lane: every test that starts no process (tests/process_guard.py keeps the
-# `processes` mark complete) -- in-process tests on the savepoint fixture, statement
-# witnesses, pure tables, config and docs checks. Any non-zero pytest status fails it,
-# 5 (no tests collected) included.
+# `processes` mark complete): the unit lane, then the db lane in parallel (tests/lanes.py).
+# Each lane prints its count and seconds; any non-zero pytest status fails it, 5 (no
+# tests collected) included.
 check: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
-		$(BIN)/python -m pytest -m "not processes" $(PYTEST_ARGS)
+		$(BIN)/python -m tests.lanes unit db -- $(PYTEST_ARGS)
 
 # The console's browser tests drive Debian's chromium, the partition tests iptables; without
 # them they skip (and say so).
@@ -48,7 +48,7 @@ test: services
 		|| apt-get install -y iptables iproute2 \
 		|| { apt-get update && apt-get install -y iptables iproute2; } \
 		|| echo "make test: could not install iptables; tests/chaos/test_partition.py will skip"
-	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m tests.lanes -- $(PYTEST_ARGS)
 
 # The mutation gate: every named mutant of a core rule must be killed by its tests.
 mutations: services

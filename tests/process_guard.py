@@ -102,6 +102,11 @@ def _fail_if_started(item: pytest.Item, started: list[str] | None, phase: str) -
 
 def pytest_configure(config: pytest.Config) -> None:
     install()
+    for lane, what in (("unit", "reaches no service"),
+                       ("db", "an in-process test on Postgres, Redis or Kafka"),
+                       ("system", "starts processes (the `processes` mark)")):
+        config.addinivalue_line("markers", f"{lane}: lane of a test that {what}; assigned at "
+                                "collection (tests/process_guard.py)")
 
 
 @pytest.hookimpl(tryfirst=True)
