@@ -194,6 +194,7 @@ def lock_backend_right_after_a_probe(pg, run_id, timeout: float = 30) -> int:
         "FROM runs r JOIN worker_boots b ON b.boot_id = r.claimed_by "
         "JOIN pg_locks l ON l.locktype = 'advisory' AND l.classid = CAST(%s AS oid) "
         "AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "JOIN pg_stat_activity a ON a.pid = l.pid WHERE r.id = %s AND a.state = 'idle'")
     first = pg.execute(query, [LOCK_NAMESPACE, run_id]).fetchone()
     assert first is not None, "the run's boot holds no lock"
