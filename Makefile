@@ -36,8 +36,10 @@ check: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
 		$(BIN)/python -m tests.lanes unit db -- $(PYTEST_ARGS)
 
-# The console's browser tests drive Debian's chromium, the partition tests iptables; without
-# them they skip (and say so).
+# Every lane (tests/lanes.py): unit, db in parallel, system in parallel by file and then
+# its `alone` tests one at a time; each lane's count and time printed. The console's
+# browser tests drive Debian's chromium, the partition tests iptables; without them they
+# skip (and say so).
 test: services
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| apt-get install -y chromium chromium-driver \
