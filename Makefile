@@ -31,9 +31,11 @@ run: install
 # The fast lane: every test that starts no process (tests/process_guard.py keeps the
 # `processes` mark complete): the unit lane, then the db lane in parallel (tests/lanes.py).
 # Each lane prints its count and seconds; any non-zero pytest status fails it, 5 (no
-# tests collected) included.
+# tests collected) included. The cross-feature model searches 15 examples per family here
+# (make test 50, the mutation gate 150): at 50 it alone outlasts the lane's budget.
 check: services
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
+		POIMEN_MODEL_EXAMPLES=$${POIMEN_MODEL_EXAMPLES:-15} \
 		$(BIN)/python -m tests.lanes unit db -- $(PYTEST_ARGS)
 
 # Every lane (tests/lanes.py): unit, db in parallel, system in parallel by file and then
