@@ -19,10 +19,19 @@ import pytest
 from sqlalchemy import text
 
 from app.state.claims import ClaimOutcome, claim_run
+from tests.conftest import TABLES, connect
 from tests.processes import ROOT, start_worker, wait_until
 from workers.registry import max_takeovers_of
 
 # -- statements: the bound on the server's side ------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def empty_tables(database_url):
+    """Repair's statements here read the whole table (every dead boot's run, every waiting
+    run): rows that other tests of the session committed must not be in it."""
+    with connect(database_url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
 
 
 def _admit_stamped(tenant_id, path: str = "/dev/null", customer: str = "k", seconds=1.0):
