@@ -15,6 +15,10 @@ the mark is complete. So the mark is applied by one rule rather than by memory:
   and so is teardown (a module-scoped server stopped after the module's last test,
   whichever test that is).
 
+The same collection hook puts each test in its lane (``tests/lanes.py``): ``system``
+(the ``processes`` mark), ``db`` (it reaches a fixture of :data:`SERVICE_FIXTURES`),
+``unit`` (any other test).
+
 Registered by ``tests/conftest.py`` (``pytest_plugins``); a pytest session in the
 same interpreter (``tests/test_wiring.py`` runs one) shares the one audit hook.
 """
