@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both install what they need.
-# `make check` is the fast lane to run after each change (about a minute).
+# `make check` is the fast lane to run after each change: the unit and db lanes.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -29,15 +29,20 @@ run: install
 	$(BIN)/poimen-dev run
 
 # The fast lane: the type check (`types`), then every test that starts no process
-# (tests/process_guard.py keeps the `processes` mark complete) -- in-process tests on the
-# savepoint fixture, statement witnesses, pure tables, config and docs checks. Any
-# non-zero pytest status fails it, 5 (no tests collected) included.
+# (tests/process_guard.py keeps the `processes` mark complete): the unit lane, then the
+# db lane in parallel (tests/lanes.py).
+# Each lane prints its count and seconds; any non-zero pytest status fails it, 5 (no
+# tests collected) included. The cross-feature model searches 15 examples per family here
+# (make test 50, the mutation gate 150): at 50 it alone outlasts the lane's budget.
 check: services types
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
-		$(BIN)/python -m pytest -m "not processes" $(PYTEST_ARGS)
+		POIMEN_MODEL_EXAMPLES=$${POIMEN_MODEL_EXAMPLES:-15} \
+		$(BIN)/python -m tests.lanes unit db -- $(PYTEST_ARGS)
 
-# The console's browser tests drive Debian's chromium, the partition tests iptables; without
-# them they skip (and say so).
+# Every lane (tests/lanes.py): unit, db in parallel, system in parallel by file and then
+# its `alone` tests one at a time; each lane's count and time printed. The console's
+# browser tests drive Debian's chromium, the partition tests iptables; without them they
+# skip (and say so).
 test: services types
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| apt-get install -y chromium chromium-driver \
@@ -48,7 +53,7 @@ test: services types
 		|| apt-get install -y iptables iproute2 \
 		|| { apt-get update && apt-get install -y iptables iproute2; } \
 		|| echo "make test: could not install iptables; tests/chaos/test_partition.py will skip"
-	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m pytest $(PYTEST_ARGS)
+	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; $(BIN)/python -m tests.lanes -- $(PYTEST_ARGS)
 
 # The mutation gate: every named mutant of a core rule must be killed by its tests.
 mutations: services

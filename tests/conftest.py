@@ -92,7 +92,8 @@ def wait_until_waiting_on_a_lock(pg, application_name: str, timeout: float = 10.
     deadline = time.monotonic() + timeout
     while not pg.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
-            "AND wait_event_type = 'Lock'", [application_name]).fetchone()[0]:
+            "AND wait_event_type = 'Lock' AND datname = current_database()",
+            [application_name]).fetchone()[0]:
         assert time.monotonic() < deadline, f"{application_name} never waited on a lock"
         time.sleep(0.02)
 

@@ -15,6 +15,10 @@ the mark is complete. So the mark is applied by one rule rather than by memory:
   and so is teardown (a module-scoped server stopped after the module's last test,
   whichever test that is).
 
+The same collection hook puts each test in its lane (``tests/lanes.py``): ``system``
+(the ``processes`` mark), ``db`` (it reaches a fixture of :data:`SERVICE_FIXTURES`),
+``unit`` (any other test).
+
 Registered by ``tests/conftest.py`` (``pytest_plugins``); a pytest session in the
 same interpreter (``tests/test_wiring.py`` runs one) shares the one audit hook.
 """
@@ -38,6 +42,14 @@ PROCESS_FIXTURES = frozenset({
     "amqp_url",           # tests/rabbitmq/conftest.py: Celery workers on RabbitMQ
     "tansu",              # tests/conftest.py: a tansu broker for consumer-group tests
 })
+
+# Fixtures every test on a service reaches (directly or through another fixture): the
+# services' environment, the session's migrated database, a Redis client.
+SERVICE_FIXTURES = frozenset({"base_env", "database_url", "redis_client"})
+
+# The lanes (tests/lanes.py), assigned at collection by one rule: `system` is the
+# `processes` mark; `db` a test that reaches a service fixture; `unit` every other test.
+LANES = ("unit", "db", "system")
 
 # Session infrastructure every test shares: migrated once per session, by a child
 # ``flask db upgrade`` (poimen_dev/scratch.py), whichever test needs it first.
@@ -94,6 +106,11 @@ def _fail_if_started(item: pytest.Item, started: list[str] | None, phase: str) -
 
 def pytest_configure(config: pytest.Config) -> None:
     install()
+    for lane, what in (("unit", "reaches no service"),
+                       ("db", "an in-process test on Postgres, Redis or Kafka"),
+                       ("system", "starts processes (the `processes` mark)")):
+        config.addinivalue_line("markers", f"{lane}: lane of a test that {what}; assigned at "
+                                "collection (tests/process_guard.py)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -103,6 +120,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if (PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
                 or item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.processes)
+        item.add_marker(lane_of(item))
+
+
+def lane_of(item: pytest.Item) -> str:
+    if starts_processes(item):
+        return "system"
+    if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "db"
+    return "unit"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -43,7 +43,10 @@ def proxy(dsn):
 def lock_holders(pg, key: int, namespace: int) -> list[int]:
     return [r[0] for r in pg.execute(
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = CAST(%s AS oid) "
-        "AND objid = CAST(%s AS oid) AND granted", [namespace, key])]
+        "AND objid = CAST(%s AS oid) AND granted "
+        # Advisory locks are per database: other sessions' databases share the server.
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        [namespace, key])]
 
 
 # -- the ordering -------------------------------------------------------------------------------

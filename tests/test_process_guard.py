@@ -3,7 +3,8 @@
 The guard (``tests/process_guard.py``) is run here on a small test module in a
 pytest session of its own (pytester, in this interpreter): an unmarked test that
 starts a process fails naming the command; a marked one, or one using a process
-fixture, passes and is what ``-m "not processes"`` leaves out.
+fixture, passes and is what ``-m "not processes"`` leaves out. Each test is in the
+lane (``unit``, ``db``, ``system``) its fixtures and marks say.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def test_through_a_process_fixture(processes):
 
 def test_in_process():
     assert sum(range(4)) == 6
+
+
+def test_on_a_service(base_env):
+    assert base_env
 """
 
 CONFTEST = """
@@ -57,6 +62,11 @@ import pytest
 @pytest.fixture
 def processes():
     yield []
+
+
+@pytest.fixture
+def base_env():
+    return {"DATABASE_URL": "postgresql://"}
 """
 
 INI = """
@@ -77,7 +87,7 @@ def run(pytester, *args: str):
 
 def test_an_unmarked_test_that_starts_a_process_fails_naming_the_command(pytester):
     result = run(pytester)
-    result.assert_outcomes(passed=3, failed=2, errors=1)
+    result.assert_outcomes(passed=4, failed=2, errors=1)
     result.stdout.fnmatch_lines([
         "*test_unmarked_subprocess started a process in its call without the `processes` "
         "mark (subprocess.Popen true)*",
@@ -90,7 +100,20 @@ def test_an_unmarked_test_that_starts_a_process_fails_naming_the_command(pyteste
 
 def test_the_lane_leaves_out_exactly_the_marked_tests(pytester):
     result = run(pytester, "-m", "not processes")
-    result.assert_outcomes(passed=1, failed=2, errors=1, deselected=2)
+    result.assert_outcomes(passed=2, failed=2, errors=1, deselected=2)
+
+
+def test_each_test_is_in_the_lane_its_fixtures_say(pytester):
+    lanes = {}
+    for lane in ("unit", "db", "system"):
+        result = run(pytester, "-m", lane, "--collect-only", "-q")
+        lanes[lane] = sorted(line.split("::")[1] for line in result.outlines if "::" in line)
+    assert lanes == {
+        "unit": ["test_in_process", "test_unmarked_fixture_that_starts_one",
+                 "test_unmarked_subprocess", "test_unmarked_system"],
+        "db": ["test_on_a_service"],
+        "system": ["test_marked", "test_through_a_process_fixture"],
+    }
 
 
 def test_every_process_fixture_the_guard_names_exists():
@@ -101,11 +124,18 @@ def test_every_process_fixture_the_guard_names_exists():
 
 
 def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite():
+    from tests.lanes import LANES, passes
+
     makefile = (ROOT / "Makefile").read_text()
     check = re.search(r"^check:([^\n]*)\n((?:\t[^\n]*\n)+)", makefile, re.M)
     test = re.search(r"^test:([^\n]*)\n((?:\t[^\n]*\n)+)", makefile, re.M)
     assert check and "services" in check.group(1).split()
-    assert '-m "not processes"' in check.group(2) and "pytest" in check.group(2)
+    assert "-m tests.lanes unit db --" in check.group(2), "make check: the unit and db lanes"
     assert test and "services" in test.group(1).split()
+    assert "-m tests.lanes --" in test.group(2), "make test runs every lane"
     assert not re.search(r"pytest[^\n]*\s-m\s", test.group(2)), "make test selects no marks"
+    # The passes select every lane whole: system's two passes split it by `alone`.
+    assert [p.marks for p in passes(list(LANES))] == [
+        "unit", "db", "system and not alone", "system and alone"]
+    assert all("system" not in p.marks for p in passes(["unit", "db"]))
     assert "make test" in (ROOT / ".ci" / "run").read_text()

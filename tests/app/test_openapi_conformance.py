@@ -320,8 +320,9 @@ def test_every_authenticated_operation_declares_503_with_retry_after():
 
 @pytest.mark.parametrize("method, path, allowed", [
     ("DELETE", "/v1/runs", {"GET", "POST"}),
-    ("PUT", f"/v1/runs/{uuid.uuid4()}", {"GET"}),
-    ("GET", f"/v1/runs/{uuid.uuid4()}/cancel", {"POST"}),
+    # Fixed ids: parallel workers (pytest-xdist) must collect the same test names.
+    ("PUT", f"/v1/runs/{uuid.UUID(int=1)}", {"GET"}),
+    ("GET", f"/v1/runs/{uuid.UUID(int=2)}/cancel", {"POST"}),
 ])
 def test_an_unsupported_method_is_a_405_naming_the_allowed_ones(client, tenant, method, path,
                                                                 allowed):

@@ -30,6 +30,7 @@ def lock_backend_of(pg, run_id) -> int | None:
         "SELECT l.pid FROM runs r JOIN worker_boots b ON b.boot_id = r.claimed_by "
         "JOIN pg_locks l ON l.locktype = 'advisory' AND l.classid = CAST(%s AS oid) "
         "AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "WHERE r.id = %s", [LOCK_NAMESPACE, run_id]).fetchone()
     return row[0] if row else None
 

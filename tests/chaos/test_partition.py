@@ -31,7 +31,9 @@ from tests.chaos.conftest import PrivatePostgres, environment
 from tests.conftest import TABLES
 from tests.processes import BIN, ROOT, Process, free_port, start_beat, start_worker, wait_until
 
-pytestmark = pytest.mark.slow
+# alone: iptables rules and a namespace per test, and bounds measured in seconds: after
+# the parallel pass, one test at a time (tests/lanes.py).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RUN_SECONDS = 30
 # Long enough that, without the fence, the cut-off body would still run when the

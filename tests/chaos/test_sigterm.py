@@ -84,6 +84,9 @@ def _dyno(env, log_dir, processes, run_id, side_effects) -> Process:
     return worker
 
 
+# alone: the 5 s run must still be in flight when the replacement worker is ready; beside
+# other tests' processes the replacement's start-up can outlast it.
+@pytest.mark.alone
 def test_sigterm_to_the_group_lets_a_5s_run_finish_where_it_is(
         admit, side_effects, test_env, pg, tmp_path, processes):
     env = {**test_env, "POIMEN_REPAIR_INTERVAL": "2", "POIMEN_REPAIR_MIN_AGE": "30"}

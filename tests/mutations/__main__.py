@@ -1,13 +1,19 @@
-"""``python -m tests.mutations [--ci] [NAME ...]``: run the mutation gate.
+"""``python -m tests.mutations [--ci] [--jobs N] [NAME ...]``: run the mutation gate.
 
 Needs the test services' environment (``make mutations`` provides it). For each
 mutant: copy the tree (tracked and untracked, not ignored files) to a scratch
 directory, apply the edit there, run its tests, and record whether they failed
 (killed) or passed (survived). Prints mutant -> verdict -> killing test ->
-seconds; exits 1 if any mutant survived, is stale, or is invalid (its tests
-failed only because the mutant does not run: bad SQL, bad Python), 0 otherwise.
+seconds, in the catalogue's order; exits 1 if any mutant survived, is stale, or is
+invalid (its tests failed only because the mutant does not run: bad SQL, bad Python),
+0 otherwise.
 A mutant whose every test skipped (a service this machine lacks, e.g. RabbitMQ)
 gets no verdict: SKIPPED, reported on stderr, not counted as killed.
+
+``--jobs N`` mutants run at once (default :data:`JOBS`): each in its own scratch copy,
+its pytest a session of its own with its scratch database and the Celery queue named
+after it (``tests/conftest.py``), so they share nothing but the servers. Most of a
+mutant's time is its tests waiting on processes, so more mutants than cores run at once.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .mutants import MUTANTS, Mutant
 
 ROOT = Path(__file__).resolve().parents[2]
+JOBS = (os.cpu_count() or 1) + 1
+# A mutant whose tests include this one runs for minutes: it starts first.
+SLOW = "tests/test_cross_feature_model.py"
 
 
 def tree_files() -> list[str]:
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="only these mutants")
     parser.add_argument("--ci", action="store_true", help="only the CI subset")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--jobs", "-j", type=int, default=JOBS,
+                        help=f"mutants run at once (default {JOBS}: the cores, plus one)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if (not args.names or m.name in args.names)
               and (not args.ci or m.ci)]
@@ -124,18 +136,28 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
     files = tree_files()
-    print(f"mutation gate: {len(chosen)} mutant(s), scratch copies of {len(files)} files",
-          flush=True)
+    jobs = max(1, args.jobs)
+    print(f"mutation gate: {len(chosen)} mutant(s), scratch copies of {len(files)} files, "
+          f"{jobs} at a time", flush=True)
+    started = time.monotonic()
     results = []
-    for i, mutant in enumerate(chosen, 1):
-        verdict, detail, seconds = run_one(mutant, files, args.timeout)
-        results.append((mutant, verdict, detail, seconds))
-        print(f"[{i}/{len(chosen)}] {mutant.name:<40} {verdict:<8} {seconds:6.1f}s  {detail}",
-              flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        # The longest first (the model test searches for minutes), so none is left running
+        # alone at the end; the report keeps the catalogue's order.
+        started_in = sorted(chosen, key=lambda m: not any(SLOW in t for t in m.tests))
+        futures = {m.name: pool.submit(run_one, m, files, args.timeout) for m in started_in}
+        running = [futures[m.name] for m in chosen]
+        # Reported in the catalogue's order, each as soon as it and those before it end.
+        for i, (mutant, future) in enumerate(zip(chosen, running, strict=True), 1):
+            verdict, detail, seconds = future.result()
+            results.append((mutant, verdict, detail, seconds))
+            print(f"[{i}/{len(chosen)}] {mutant.name:<40} {verdict:<8} {seconds:6.1f}s  "
+                  f"{detail}", flush=True)
     skipped = [r for r in results if r[1] == "SKIPPED"]
     bad = [r for r in results if r[1] not in ("KILLED", "SKIPPED")]
     print(f"\n{len(results) - len(bad) - len(skipped)} of {len(results)} mutants killed "
-          f"in {sum(r[3] for r in results):.0f}s", flush=True)
+          f"in {time.monotonic() - started:.0f}s ({sum(r[3] for r in results):.0f}s of "
+          f"mutants, {jobs} at a time)", flush=True)
     for mutant, _, detail, _ in skipped:
         print(f"  SKIPPED (no verdict, its service is missing): {mutant.name}: {detail}",
               file=sys.stderr, flush=True)

@@ -127,6 +127,8 @@ def test_without_an_event_loop_an_ack_leaves_redis_at_once(broker):
     assert message.delivery_tag not in b.unacked()
 
 
+# alone: it counts the Redis server's EXEC calls, which every worker on the server adds to.
+@pytest.mark.alone
 def test_a_workers_burst_costs_one_transaction_per_run_and_leaves_nothing_unacked(
         admit, sent, fast_env, pg, tmp_path, processes, redis_client):
     worker = start_worker(fast_env, tmp_path, "acks", concurrency=2)

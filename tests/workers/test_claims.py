@@ -332,7 +332,9 @@ def test_a_claimers_check_of_a_dead_boot_never_makes_it_look_live(session, boot_
         held = pg.execute(
             "SELECT l.mode FROM pg_locks l JOIN worker_boots b "
             "ON l.locktype = 'advisory' AND l.objid = CAST(b.lock_key AS oid) "
-            "AND l.objsubid = 2 WHERE b.boot_id = %s AND l.granted", [dead]).fetchall()
+            "AND l.objsubid = 2 WHERE b.boot_id = %s AND l.granted "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [dead]).fetchall()
         assert held == [("ShareLock",)]  # the asking transaction's, on the dead key
         live_now = live_boot_count(session)
         assert not boot_alive(session, dead)

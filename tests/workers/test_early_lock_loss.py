@@ -20,10 +20,19 @@ from sqlalchemy import text
 
 from app.state.claims import ClaimOutcome, claim_run
 from app.state.executor import on_session
+from tests.conftest import TABLES, connect
 from tests.processes import ROOT, start_worker, wait_until
 from workers.registry import max_takeovers_of
 
 # -- statements: the bound on the server's side ------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def empty_tables(database_url):
+    """Repair's statements here read the whole table (every dead boot's run, every waiting
+    run): rows that other tests of the session committed must not be in it."""
+    with connect(database_url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
 
 
 def _admit_stamped(tenant_id, path: str = "/dev/null", customer: str = "k", seconds=1.0):
@@ -196,6 +205,7 @@ def lock_backend_right_after_a_probe(pg, run_id, timeout: float = 30) -> int:
         "FROM runs r JOIN worker_boots b ON b.boot_id = r.claimed_by "
         "JOIN pg_locks l ON l.locktype = 'advisory' AND l.classid = CAST(%s AS oid) "
         "AND l.objid = CAST(b.lock_key AS oid) AND l.objsubid = 2 AND l.granted "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "JOIN pg_stat_activity a ON a.pid = l.pid WHERE r.id = %s AND a.state = 'idle'")
     first = pg.execute(query, [LOCK_NAMESPACE, run_id]).fetchone()
     assert first is not None, "the run's boot holds no lock"

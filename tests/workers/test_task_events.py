@@ -34,6 +34,8 @@ def succeeded(pg, run_ids) -> int:
                       [list(run_ids)]).fetchone()[0]
 
 
+# alone: it counts the Redis server's PUBLISH calls, which every worker on the server adds to.
+@pytest.mark.alone
 def test_a_burst_of_runs_publishes_its_task_events_in_batches_and_every_one_arrives(
         admit, sent, fast_env, pg, tmp_path, processes, task_events, redis_client):
     worker = start_worker(fast_env, tmp_path, "evbatch", concurrency=2)
