@@ -634,9 +634,11 @@ def test_a_finish_racing_its_own_adoption_is_recorded_under_the_new_boot(app, ad
                 with other.engine.begin() as conn:
                     from sqlalchemy.orm import Session
 
-                    assert adopt_run(Session(bind=conn), run_id, lost, new.boot_id, ours)
+                    assert adopt_run(on_session(Session(bind=conn)), run_id, lost,
+                                     new.boot_id, ours)
             adopted.append(True)
-        return finish_run(on_session(session), run_id, ours, status="succeeded")
+        # ``session``: the fence's executor.
+        return finish_run(session, run_id, ours, status="succeeded")
 
     try:
         with app.app_context():
