@@ -255,3 +255,29 @@ def test_the_store_is_a_leaf():
             continue
         for dep in _imports(path, name, known, top_level_only=True):
             assert dep.startswith("app.state") or dep in allowed, f"{name} imports {dep}"
+
+
+def test_a_result_is_built_as_its_init_would_make_it_and_stays_frozen():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from app.state.executor import build
+    from app.state.runs import AdmittedRun
+
+    names = [f.name for f in dataclasses.fields(AdmittedRun)]
+    row = SimpleNamespace(**{name: f"v-{name}" for name in names}, extra="not read")
+    built = build(AdmittedRun, row)
+    made = AdmittedRun(*(f"v-{name}" for name in names))
+    assert built == made and repr(built) == repr(made) and hash(built) == hash(made)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.status = "changed"  # type: ignore[misc]
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        value: int
+
+        def __post_init__(self) -> None:
+            assert self.value > 0
+
+    with pytest.raises(TypeError, match="__post_init__"):
+        build(Checked, SimpleNamespace(value=1))
