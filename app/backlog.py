@@ -40,30 +40,30 @@ from sqlalchemy import text
 from workers import registry
 
 from .enqueue import queue_of
-from .models import RunStatus, WaitReason
+from .models import WaitReason
 
 STATES = ("queued", "waiting", "delayed")
 
-# One row per (tenant, workflow version, state, wait reason): the groups, not the runs.
+# One row per (tenant, workflow version, state, wait reason): the groups, not the runs,
+# of the tenants in ``:tenant_ids`` (beat's gauges: every tenant; the console's page: one),
+# the index's leading column, so each tenant's read is bounded by its entries.
 # `not_before > now()` is NULL for an unset not_before, so such a run is due.
-_GROUPS = f"""
+BACKLOG = text("""
     SELECT t.name AS tenant, b.workflow_name, b.workflow_version,
            b.state, b.reason, b.runs, extract(epoch FROM now() - b.since) AS oldest_age
       FROM (SELECT r.tenant_id, r.workflow_name, r.workflow_version,
                    CASE WHEN r.not_before > now() THEN 'delayed' ELSE r.status END AS state,
-                   CASE WHEN r.status = '{RunStatus.WAITING}' AND (r.not_before > now()) IS NOT TRUE
-                        THEN coalesce(r.wait_reason, '{WaitReason.JOIN}') END AS reason,
+                   CASE WHEN r.status = 'waiting' AND (r.not_before > now()) IS NOT TRUE
+                        THEN coalesce(r.wait_reason, 'join') END AS reason,
                    count(*) AS runs,
                    min(CASE WHEN r.not_before > now() THEN r.created_at
                             ELSE greatest(r.created_at, r.not_before) END) AS since
               FROM runs r
-             WHERE r.status IN ('{RunStatus.QUEUED}', '{RunStatus.WAITING}'){{tenant}}
+             WHERE r.status IN ('queued', 'waiting') AND r.tenant_id = ANY(:tenant_ids)
              GROUP BY 1, 2, 3, 4, 5) b
       JOIN tenants t ON t.id = b.tenant_id
-    """
-# Every tenant's (beat's gauges), and one tenant's (the console's page).
-BACKLOG = text(_GROUPS.format(tenant=""))
-TENANT_BACKLOG = text(_GROUPS.format(tenant="\n               AND r.tenant_id = :tenant_id"))
+    """)
+TENANTS = text("SELECT id, name FROM tenants ORDER BY name")
 
 
 @dataclass
@@ -110,17 +110,19 @@ def read_backlog(session, celery_app, tenant_id: int | None = None) -> Backlog:
     """The backlog of every tenant (or of ``tenant_id``), by queue and state."""
     cells: dict[tuple[str, str, str], Cell] = {}
     queues: dict[tuple[str, str], str] = {}
-    rows = session.execute(BACKLOG) if tenant_id is None else \
-        session.execute(TENANT_BACKLOG, {"tenant_id": tenant_id})
+    if tenant_id is None:
+        every = session.execute(TENANTS).all()
+        tenant_ids, tenants = [row.id for row in every], [row.name for row in every]
+    else:
+        tenant_ids, tenants = [tenant_id], []
+    rows = session.execute(BACKLOG, {"tenant_ids": tenant_ids})
     for row in rows:
         ref = (row.workflow_name, row.workflow_version)
         if ref not in queues:
             queues[ref] = queue_of(celery_app, f"{row.workflow_name}@{row.workflow_version}")
         key = (row.tenant, queues[ref], row.state)
         cells.setdefault(key, Cell()).add(int(row.runs), float(row.oldest_age), row.reason)
-    if tenant_id is None:
-        tenants = list(session.scalars(text("SELECT name FROM tenants ORDER BY name")))
-    else:
+    if tenant_id is not None:
         tenants = sorted({tenant for (tenant, _, _) in cells})
     return Backlog(cells, tenants, sorted({*known_queues(celery_app), *queues.values()}),
                    time.time())
