@@ -82,9 +82,13 @@ def test_a_lock_cut_with_a_rescuer_racing_still_finishes_once(admit, side_effect
         assert "run.resumed" in events and side_effects(run_id, "start") == 2
 
 
-def test_a_run_that_kills_its_worker_ends_poisoned_after_max_takeovers(
+def test_a_run_that_kills_its_worker_ends_poisoned_after_the_settings_max_takeovers(
         admit, side_effects, test_env, pg, tmp_path, processes):
-    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30"}
+    # The setting, not the workflow (``crash`` sets no max_takeovers; ``poison`` in
+    # tests/workers/test_poison_processes.py does): the first execution, one takeover, then
+    # poisoned.
+    env = {**test_env, **FAST_PROBE, "POIMEN_REPAIR_INTERVAL": "1", "POIMEN_REPAIR_MIN_AGE": "30",
+           "POIMEN_MAX_TAKEOVERS": "1"}
     run_id = admit("crash", {})
     processes.append(start_worker(env, tmp_path))
     processes.append(start_beat(env, tmp_path))
@@ -92,10 +96,11 @@ def test_a_run_that_kills_its_worker_ends_poisoned_after_max_takeovers(
                what="the run to end poisoned")
     status, attempt, takeovers, error, _ = run_row(pg, run_id)
     assert error["code"] == "poisoned"
-    assert (attempt, takeovers) == (6, 5)  # the first execution and five takeovers
-    assert side_effects(run_id, "start") == 6
+    assert (attempt, takeovers) == (2, 1)  # the first execution and one takeover
+    assert side_effects(run_id, "start") == 2
+    assert error["message"].startswith("the run killed 2 workers (max_takeovers 1)")
     events = events_of(pg, run_id)
-    assert events[-1] == "run.poisoned" and events.count("run.resumed") == 5
+    assert events[-1] == "run.poisoned" and events.count("run.resumed") == 1
     assert events.count("run.poisoned") == 1 and "run.failed" not in events
 
 

@@ -40,8 +40,8 @@ def test_a_worker_behind_a_hung_proxy_stops_before_its_run_is_started_elsewhere(
         with chaos_app.app_context():
             run_id = admit_run(on_session(db.session), tenant_id=chaos_tenant.id,
                                workflow_ref="tick",
-                               input={"path": str(path), "seconds": LONG_RUN_SECONDS,
-                                      "every": 0.25}).run.id
+                               input={"path": str(path), "every": 0.25,
+                                      "until": time.time() + LONG_RUN_SECONDS}).run.id
             db.session.commit()
         wait_until(lambda: len(ticks(path)) >= 8, timeout=60, what="the victim to run the body")
         victim_pid = ticks(path)[0][1]

@@ -36,8 +36,9 @@ from tests.processes import BIN, ROOT, Process, free_port, start_beat, start_wor
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RUN_SECONDS = 30
-# Long enough that, without the fence, the cut-off body would still run when the
-# rescuer starts (~35 s after the cut): an overlap the tests would see.
+# The run's span from admission (the ``tick`` body's ``until``): long enough that, without
+# the fence, the cut-off body would still run when the rescuer starts (~35 s after the
+# cut): an overlap the tests would see. The rescuer's execution runs only what is left.
 LONG_RUN_SECONDS = 75
 TAKEOVER_BOUND = 60  # started elsewhere within 60 s with default settings
 
@@ -140,8 +141,10 @@ def admit_tick(net_app, tenant_id: int, path: Path, seconds: float) -> uuid.UUID
     from app.extensions import db
 
     with net_app.app_context():
+        # Every execution ends ``seconds`` after admission: a rescuer runs only the rest.
         admission = admit_run(on_session(db.session), tenant_id=tenant_id, workflow_ref="tick",
-                              input={"path": str(path), "seconds": seconds, "every": 0.25})
+                              input={"path": str(path), "until": time.time() + seconds,
+                                     "every": 0.25})
         db.session.commit()
         return admission.run.id
 

@@ -8,7 +8,7 @@ beat stand for the dyno that replaces it (they would restart a killed run).
 
 * A 5 s run in flight finishes where it is: ``attempt == 1``, one start, one
   finish, and the worker exits well within 30 s.
-* A 60 s run outlives the grace (``POIMEN_SHUTDOWN_GRACE``, 25 s): the pool
+* A 35 s run outlives the grace (``POIMEN_SHUTDOWN_GRACE``, 25 s): the pool
   process gives it up at the deadline, the worker still exits within 30 s,
   and the run is resumed exactly once elsewhere (``attempt == 2``, two
   starts, one finish).
@@ -106,17 +106,17 @@ def test_sigterm_to_the_group_lets_a_5s_run_finish_where_it_is(
     assert "SIGTERM: finishing the run in flight" in worker.log()
 
 
-def test_a_60s_run_past_the_grace_is_resumed_exactly_once_elsewhere(
+def test_a_35s_run_past_the_grace_is_resumed_exactly_once_elsewhere(
         admit, side_effects, test_env, pg, tmp_path, processes):
     env = {**test_env, "POIMEN_REPAIR_INTERVAL": "2", "POIMEN_REPAIR_MIN_AGE": "30"}
-    run_id = admit("effect", {"seconds": 60})
+    run_id = admit("effect", {"seconds": 35})  # past the 25 s grace
     worker = _dyno(env, tmp_path, processes, run_id, side_effects)
 
     exited_after = _sigterm_group_and_time_exit(worker)
     status, attempt = wait_until(lambda: _run(pg, run_id)[0] in {"succeeded", "failed"}
                                  and _run(pg, run_id), timeout=180, what="the run to end")
     starts, finishes = side_effects(run_id, "start"), side_effects(run_id, "finish")
-    print(f"\n60 s run: worker exited {exited_after:.1f}s after SIGTERM; run {status}, "
+    print(f"\n35 s run: worker exited {exited_after:.1f}s after SIGTERM; run {status}, "
           f"attempt {attempt}, starts {len(starts)}, finishes {len(finishes)}")
     assert exited_after < HEROKU_KILL_AFTER
     assert "exits after the 25s shutdown grace" in worker.log()

@@ -179,16 +179,23 @@ def spawner(ctx, input):
 @workflow("tick", version="1")
 def tick(ctx, input):
     """Append ``<unix time> <pid> <attempt>`` to the file ``path`` every ``every`` seconds for
-    ``seconds``: a side effect outside the database, so a process cut off from Postgres still
-    shows that it runs, and two executions at once show as interleaved pids."""
+    ``seconds``, or until the unix time ``until`` (at least once): a side effect outside the
+    database, so a process cut off from Postgres still shows that it runs, and two
+    executions at once show as interleaved pids. With ``until``, every execution of the run
+    ends at the same time: a takeover's execution runs only the rest of the run's span."""
     import os
     import time
 
-    end = time.monotonic() + float(input.get("seconds", 10))
+    if "until" in input:
+        end = time.monotonic() + float(input["until"]) - time.time()
+    else:
+        end = time.monotonic() + float(input.get("seconds", 10))
     with open(input["path"], "a") as out:
-        while time.monotonic() < end:
+        while True:
             out.write(f"{time.time():.3f} {os.getpid()} {ctx.attempt}\n")
             out.flush()
+            if time.monotonic() >= end:
+                break
             time.sleep(float(input.get("every", 0.25)))
     return {"attempt": ctx.attempt}
 
