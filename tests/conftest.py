@@ -24,7 +24,7 @@ from tests.processes import free_port, start_tansu_broker, start_web
 
 # The `processes` mark and its guard (make check leaves marked tests out); pytester
 # runs the guard's own wiring test.
-pytest_plugins = ("tests.process_guard", "pytester")
+pytest_plugins = ("tests.process_guard", "tests.durations", "pytester")
 
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
 TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")

@@ -139,3 +139,28 @@ def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite(
         "unit", "db", "system and not alone", "system and alone"]
     assert all("system" not in p.marks for p in passes(["unit", "db"]))
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_system_pass_starts_the_longest_modules_first():
+    from tests.durations import order
+    from tests.lanes import passes
+
+    assert order(["a.py", "b.py", "new.py", "c.py"], {"a.py": 5, "b.py": 50, "c.py": 5}) == [
+        "new.py", "b.py", "a.py", "c.py"]  # unknown first, then longest, ties as given
+    (parallel,) = [p for p in passes(["system"]) if p.longest_first]
+    assert parallel.marks == "system and not alone" and parallel.dist == "loadfile"
+    unit, db = passes(["unit", "db"])
+    assert unit.beside_next and not db.beside_next
+
+
+def test_a_junit_report_gives_each_modules_seconds(tmp_path):
+    from tests.durations import of_junit
+
+    report = tmp_path / "r.xml"
+    report.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_lease" name="a" time="1.5"/>'
+        '<testcase classname="tests.test_lease" name="b" time="2.0"/>'
+        '<testcase classname="tests.app.test_runs.TestX" name="c" time="4"/>'
+        '</testsuite></testsuites>')
+    assert of_junit(report) == {"tests/test_lease.py": 3.5, "tests/app/test_runs.py": 4.0}
