@@ -186,7 +186,7 @@ def _maker(result: type[Any]) -> Callable[[Any], Any]:
 
     def make(row: Any) -> Any:
         made = new(result)
-        made.__dict__.update(zip(names, read(row)))
+        made.__dict__.update(zip(names, read(row), strict=True))
         return made
 
     return make
