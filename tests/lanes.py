@@ -21,7 +21,7 @@ writes that file from the pass's report.
 Each pass prints its test count and seconds; any pass's non-zero pytest status fails
 the run (5, no tests collected, included), after every lane has run. The defaults
 are chosen for two cores: ``POIMEN_TEST_WORKERS`` (3) is the db lane's worker count,
-``POIMEN_SYSTEM_WORKERS`` (4) the system lane's.
+``POIMEN_SYSTEM_WORKERS`` (5) the system lane's.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Pass:
 def passes(lanes: list[str]) -> list[Pass]:
     db_workers = int(os.environ.get("POIMEN_TEST_WORKERS", "3"))
     # The system lane's tests mostly wait (takeover bounds, shutdown graces): one more.
-    system_workers = int(os.environ.get("POIMEN_SYSTEM_WORKERS", "4"))
+    system_workers = int(os.environ.get("POIMEN_SYSTEM_WORKERS", "5"))
     table = {
         "unit": [Pass("unit", "unit", env=NO_SERVICES, beside_next="db" in lanes)],
         # worksteal: the model test's families take tens of seconds each, the rest

@@ -38,6 +38,18 @@ def message_bytes(msg: Message) -> int:
     return len(msg.value() or b"") + len(msg.key() or b"")
 
 
+def expected_bytes(estimate: float, size: int) -> float:
+    """The next estimate of a message's bytes after one of ``size``: up at once to a larger
+    message, down slowly (a running average), so a run of large messages cannot overshoot
+    the byte budget while an average catches up with it."""
+    return max(float(size), 0.9 * estimate + 0.1 * size)
+
+
+def batch_size(room: int, estimate: float, most: int = 500) -> int:
+    """How many messages to take with ``room`` bytes of budget left: at least one."""
+    return int(max(1, min(most, room // max(1.0, estimate))))
+
+
 @dataclass
 class Slot:
     message: Message

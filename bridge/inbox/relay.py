@@ -45,7 +45,7 @@ from .faults import (
 from .messages import BatchEntry, trace_headers, where
 from .metrics import InboxMetrics
 from .outcomes import Outcome, OutcomeKind
-from .partitions import PartitionWork, Slot, message_bytes
+from .partitions import PartitionWork, Slot, batch_size, expected_bytes, message_bytes
 
 log = logging.getLogger("poimen.inbox")
 
@@ -85,7 +85,7 @@ class Inbox:
     def __init__(self, config: InboxSettings, metrics: InboxMetrics | None = None):
         self.config = config
         self.metrics = metrics or InboxMetrics()
-        self._message_size = 1024.0  # running average of message bytes (for batch sizes)
+        self._message_size = 1024.0  # bytes a message is expected to take (expected_bytes)
         # Items per POST /v1/runs/batch the API accepts, once a 413 batch_too_large said.
         self._server_batch_max = config.batch_max
         self._topic = re.compile(rf"^{re.escape(config.prefix)}\.(.+)\.dispatch$")
@@ -199,7 +199,7 @@ class Inbox:
                         # partition this relay no longer owns.
                         continue
                     work.append(msg, now)
-                    self._message_size = 0.9 * self._message_size + 0.1 * message_bytes(msg)
+                    self._message_size = expected_bytes(self._message_size, message_bytes(msg))
             self._dispatch()
             now = time.monotonic()
             if now - last_commit >= self.config.commit_interval:
@@ -214,7 +214,7 @@ class Inbox:
         many that one batch (messages of the usual size) overshoots the byte budget."""
         with self._lock:
             room = self.config.buffer_bytes - sum(w.buffered_bytes for w in self._works.values())
-        return int(max(1, min(500, room // max(1.0, self._message_size))))
+        return batch_size(room, self._message_size)
 
     def _shutdown(self, helpers: list[threading.Thread]) -> None:
         """Stop within the grace: finish in-flight calls, flush, commit, leave the group.

@@ -359,3 +359,21 @@ def test_revoke_during_a_batch_commits_exactly_the_done_prefix():
     assert work.take_many(now=10, window=8, limit=8) == []
     work.settle_many(zip(first, (DONE, RETRY), strict=True), now=0, retry_delay=1.0)
     assert work.revoke_offset() == 11
+
+
+def test_a_run_of_large_messages_never_batches_past_the_byte_budget():
+    """The relay's estimate of a message's bytes rises at once to a larger message: after
+    one 900 KB message it takes no more messages than 900 KB ones fit in the budget
+    (a running average alone still expected ~90 KB and took ten times too many)."""
+    from bridge.inbox.partitions import batch_size, expected_bytes
+
+    budget, big = 16 * 1024 * 1024, 900 * 1024
+    estimate = expected_bytes(1024.0, big)
+    assert estimate == big
+    assert batch_size(budget, estimate) * big <= budget
+    assert batch_size(budget - 17 * big, estimate) == 1  # over budget: one at a time
+    # Small messages afterwards bring it down, slowly.
+    for _ in range(50):
+        estimate = expected_bytes(estimate, 1024)
+    assert 1024 < estimate < big / 100
+    assert batch_size(budget, 1024.0) == 500
