@@ -238,6 +238,20 @@ def test_wait_times_out_with_the_run_as_last_seen(live_api, tenant):
 # -- batches -----------------------------------------------------------------------------------
 
 
+def test_admit_takes_every_admission_field(live_api, tenant, pg):
+    """``admit`` sends a ``concurrency_key`` and a ``goal_id``: the run holds them, and
+    its replay is the same run."""
+    with fast(live_api, tenant.token) as runs:
+        run = runs.admit("pair", {"v": 1}, dispatch_key="fields-1", goal_id="goal-1",
+                         concurrency_key="customer-7")
+        again = runs.admit("pair", {"v": 1}, dispatch_key="fields-1", goal_id="goal-1",
+                           concurrency_key="customer-7")
+    assert run.goal_id == "goal-1" and run.raw["concurrency_key"] == "customer-7"
+    assert again.replayed and again.id == run.id
+    assert pg.execute("SELECT concurrency_key, goal_id FROM runs WHERE id = %s",
+                      [run.id]).fetchone() == ("customer-7", "goal-1")
+
+
 def test_admit_many_answers_each_item_in_order_with_runs_or_errors(live_api, tenant, pg):
     with fast(live_api, tenant.token) as runs:
         first = runs.admit("echo", {"v": 1}, dispatch_key="batch-1")

@@ -314,18 +314,23 @@ class Runs:
     # -- the calls -----------------------------------------------------------------------------
 
     def admit(self, workflow_ref: str, input: Mapping[str, Any] | None = None,
-              dispatch_key: str | None = None, goal_id: str | None = None) -> Run:
+              dispatch_key: str | None = None, goal_id: str | None = None,
+              concurrency_key: str | None = None) -> Run:
         """Admit a run; return it (``replayed`` if the API answered with an existing one).
 
         Without ``dispatch_key`` one is generated for this call (``client-<uuid4>``),
         so the call's own retries are replays, never second runs; two calls are
         still two runs. Raise ``DispatchKeyConflict`` if the key names another request.
+        ``concurrency_key`` is the run's group under its workflow's ``concurrency_limit``
+        (where the workflow derives none itself).
         """
         key = dispatch_key if dispatch_key is not None else f"{GENERATED_KEY_PREFIX}{uuid.uuid4()}"
         request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),
                                    "dispatch_key": key}
         if goal_id is not None:
             request["goal_id"] = goal_id
+        if concurrency_key is not None:
+            request["concurrency_key"] = concurrency_key
         answer, doc = self._call("POST", "/v1/runs", json.dumps(request).encode())
         return Run.from_json(doc, replayed=answer.status == 200)
 
