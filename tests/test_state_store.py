@@ -59,10 +59,10 @@ def test_every_statement_is_named_in_its_modules_file():
             or named.sql.startswith("CREATE OR REPLACE FUNCTION"), (name, bound[name])
         assert named.doc, f"{named.path.name}:{named.line}: {name} says not what it decides"
     for transition in ("admit", "admit_many", "holders", "claim_queued", "take_over", "adopt",
-                       "release", "retry", "poimen_finish_slot", "finish_unlimited", "wait",
-                       "cancel", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
+                       "poimen_release", "poimen_retry", "poimen_finish", "poimen_wait",
+                       "poimen_cancel", "poimen_ended", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
                        "close_entry", "register_boot", "insert_event", "poimen_claim_slot",
-                       "take_over_slot", "lock_slots", "wake_waiting",
+                       "take_over_slot", "poimen_lock_slots", "wake_waiting",
                        "poimen_outbox_mark_published", "poimen_outbox_prune"):
         assert transition in statements.STATEMENTS, transition
 

@@ -348,8 +348,8 @@ class Fence:
         # own; this also catches one built by hand).
         error = bound_error(error) if error is not None else None
         return self._end(lambda session, ours: finish_run(
-            session, self.run_id, ours, status=status, result=result, error=error, close=close,
-            slots=self.slots), self._finished_by_us, single=True)
+            session, self.run_id, ours, status=status, result=result, error=error, close=close),
+            self._finished_by_us, single=True)
 
     def retry(self, close: EntryClose | None, *, delay: float, error: dict[str, Any]) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from .compose import Woken, send_woken, to_json
 from .executor import Executor, build
-from .statements import statement
+from .statements import function, statement
 
 
 class DeclaredAction(Protocol):
@@ -168,7 +168,7 @@ COMPLETE_MARKER = statement("complete_marker")
 COMPLETE_SPAWN = statement("complete_spawn")
 CLOSE_ENTRY = statement("close_entry")
 INSERT_CLOSED = statement("insert_closed")
-WAIT = statement("wait")
+WAIT = function("poimen_wait")
 CHILDREN = statement("children")
 HISTORY = statement("history")
 
@@ -284,7 +284,7 @@ def wait_for_children(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID
     already ended (nothing to wait for); an entry that would wait for a run that
     is not ours has ``entry_waits`` without ``run_waits`` (the caller rolls back).
     """
-    wait = build(Wait, session.execute(WAIT, {
+    wait = build(Wait, session.execute(WAIT.call, {
         "run": run_id, "boots": ours, "entry": entry_id, "actions": to_json(actions),
         "outputs": to_json(outputs)}).one())
     # A run of a limited group that waits for its children gives its slot up:

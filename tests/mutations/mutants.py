@@ -73,16 +73,8 @@ _HELD = ("NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_b
 _HELD_BY_LOCK = ("r.claimed_by IN (SELECT b.boot_id FROM worker_boots b "
                  "WHERE NOT pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))")
 # A slot function's locks, taken before its statement (sql/README.md, "Slot functions").
-_SLOT_LOCKS = (
-    "    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (\n"
-    "           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key\n"
-    "             FROM runs r JOIN tenants t ON t.id = r.tenant_id\n"
-    "            WHERE r.id = p_run AND t.max_running IS NOT NULL\n"
-    "           UNION ALL\n"
-    "           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' "
-    "|| r.workflow_name || '|' || coalesce(r.concurrency_key, '')))\n"
-    "             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL\n"
-    "            ORDER BY ord) AS l;\n")
+# A claim's locks, taken before its statement (sql/README.md, "Store functions").
+_SLOT_LOCKS = "    PERFORM poimen_lock_slots(p_run);\n"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
@@ -321,30 +313,28 @@ MUTANTS: list[Mutant] = [
         "finish_unfenced",
         "finishing is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
-        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
-        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
+        occurrences=3, nth=1,  # poimen_finish
     ),
     Mutant(
         "release_unfenced",
         "releasing is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=4,  # release
+        occurrences=3, nth=2,  # poimen_release
     ),
     Mutant(
         "retry_unfenced",
         "scheduling a retry is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=5,  # retry
+        occurrences=3, nth=3,  # poimen_retry
     ),
     Mutant(
         "takeover_ignores_cancel",
@@ -424,7 +414,6 @@ MUTANTS: list[Mutant] = [
         _SLOT_LOCKS,
         "",
         ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
-        occurrences=4, nth=1,  # poimen_claim_slot
     ),
     Mutant(
         "slot_count_before_lock",
@@ -435,9 +424,9 @@ MUTANTS: list[Mutant] = [
         "",
         ("tests/workers/test_concurrency.py::"
          "test_a_claim_racing_a_takeover_counts_after_the_lock",),
-        occurrences=4, nth=0,
-        # ... and take them after the statement, in every slot function.
-        also=(Edit(";\nEND\n$body$", ";\n" + _SLOT_LOCKS + "END\n$body$", 4),),
+        # ... and take them after the statement.
+        also=(Edit("SELECT * FROM changed;\nEND\n$body$",
+                   "SELECT * FROM changed;\n" + _SLOT_LOCKS + "END\n$body$"),),
     ),
     Mutant(
         "slot_count_by_plain_status",
@@ -461,24 +450,23 @@ MUTANTS: list[Mutant] = [
         "('' || runs.status)",
         ("tests/app/test_slot_plans.py::"
          "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
-        occurrences=14, nth=0,
+        occurrences=9, nth=0,
         # Every lookup of a run by id, in every file.
         also=(Edit("(r.status || '')", "('' || r.status)", 1),
-              Edit("(w.status || '')", "('' || w.status)", 6),
+              Edit("(w.status || '')", "('' || w.status)", 1),
               Edit("(runs.status || '')", "('' || runs.status)", 2, RUNS_SQL),
-              Edit("(w.status || '')", "('' || w.status)", 2, RUNS_SQL),
-              Edit("(w.status || '')", "('' || w.status)", 1, LEDGER_SQL)),
+              Edit("(w.status || '')", "('' || w.status)", 1, RUNS_SQL)),
     ),
     Mutant(
         "slot_end_without_lock",
         "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
         "that went waiting a moment before (no lost wake-up)",
         CLAIMS_SQL,
-        _SLOT_LOCKS,
-        "",
+        # poimen_finish: no locks, yet it hands the slot on.
+        "    v_locks := poimen_lock_slots(p_run);\n",
+        "    v_locks := 1;\n",
         ("tests/workers/test_concurrency.py::"
          "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
-        occurrences=4, nth=(2, 3, 4),  # poimen_finish_slot, _inserted, _closed
     ),
     Mutant(
         "cap_lift_wakes_none",
@@ -716,8 +704,8 @@ MUTANTS: list[Mutant] = [
         "time_limit_fenced_by_host_and_pid",
         "the hard-time-limit write applies only to the run held by this worker's pool process",
         RUNS_SQL,
-        "WHERE node = :node AND pid = :pid)",
-        "WHERE pid = :pid)",
+        "WHERE node = p_node AND pid = p_pid)",
+        "WHERE pid = p_pid)",
         ("tests/workers/test_time_limit_fence.py",),
     ),
     # -- the step-entry ledger ----------------------------------------------------------------
@@ -1089,11 +1077,9 @@ MUTANTS: list[Mutant] = [
         "model_finish_unfenced",
         "a boot's write after it lost its claim is refused (model rule fenced)",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (MODEL_TEST,),
-        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
-        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
-        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
+        occurrences=3, nth=1,  # poimen_finish
     ),
 ]

@@ -59,14 +59,7 @@ CREATE OR REPLACE FUNCTION poimen_claim_slot(
 ) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
+    PERFORM poimen_lock_slots(p_run);
     RETURN QUERY WITH 
     me AS (
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
@@ -367,123 +360,24 @@ UPDATE runs SET claimed_by = :boot, updated_at = now()
 
     SELECT * FROM changed;
 
--- name: poimen_finish_slot
--- FINISH, after the run's slot locks, as one call (README.md, "Slot functions").
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- No entry to close. The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot(
+-- name: poimen_finish
+-- A run's end, fenced by the claim (held by one of ``:boots``), with its last step entry
+-- and their events, in one call: one round trip, in autocommit (README.md, "Slot
+-- functions"). In order, each statement seeing the ones before:
+-- the run's slot locks (``poimen_lock_slots``: none for a run of no limited group); the run
+-- ends, fenced; its last entry (``entry_mode``): ``none``, no entry to write; ``insert``,
+-- the entry needed no row while it ran and is written now (with its ``step.entered``);
+-- ``close``, its row is closed, and the run ends only if that entry is still open; the
+-- events ``step.entered``, ``step.<status>``, ``run.<status>``, in that order, in one
+-- INSERT; then what the end sets off (``poimen_ended``): it counts for its parent's join,
+-- and a run that took its slot locks hands its slot on. Returns the ended run and the
+-- runs it re-queued (``woken``).
+CREATE OR REPLACE FUNCTION poimen_finish(
     p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_event_type text, p_event_extra text
-) RETURNS TABLE (
-    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
-    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
-    input runs.input%TYPE, failures runs.failures%TYPE,
-    cancel_requested runs.cancel_requested%TYPE,
-    concurrency_key runs.concurrency_key%TYPE,
-    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
-#variable_conflict use_column
-BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
-    UPDATE runs
-       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
-           finished_at = now(), updated_at = now(), failures = failures + p_failed
-     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-END
-$body$;
-
--- name: poimen_finish_slot_inserted
--- FINISH_INSERTED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry needed no row while it ran: it is written now (with its step.entered).
--- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
-    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_entry_no integer, p_step text, p_entry_status text,
+    p_boots uuid[], p_event_type text, p_event_extra text, p_entry_mode text,
+    p_entry bigint, p_entry_no integer, p_step text, p_entry_status text,
     p_actions text, p_outputs text, p_entry_error text, p_next_step text,
-    p_events boolean, p_entry_event text, p_event_type text, p_event_extra text
+    p_events boolean, p_entry_event text
 ) RETURNS TABLE (
     id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
     workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
@@ -493,493 +387,104 @@ CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
     concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
 ) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
+DECLARE
+    v_locks integer;
+    v_run runs%ROWTYPE;
+    v_entry step_entries%ROWTYPE;
 BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
+    v_locks := poimen_lock_slots(p_run);
     UPDATE runs
        SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + p_failed
      WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    entry AS (
+       AND (p_entry_mode <> 'close'
+            OR EXISTS (SELECT 1 FROM step_entries e WHERE e.id = p_entry AND e.run_id = p_run
+                       AND e.status IN ('running', 'waiting')))
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF p_entry_mode = 'insert' THEN
         INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
                                   next_step, finished_at)
-        SELECT id, p_entry_no, p_step, p_entry_status, CAST(p_actions AS jsonb),
-               CAST(p_outputs AS jsonb), CAST(p_entry_error AS jsonb), p_next_step, now()
-          FROM changed
-        RETURNING id, run_id, entry_no, step_id, next_step, error),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-END
-$body$;
-
--- name: poimen_finish_slot_closed
--- FINISH_CLOSED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry's row is closed; the run ends only if that entry is still open.
--- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_closed(
-    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_entry bigint, p_entry_status text, p_actions text, p_outputs text,
-    p_entry_error text, p_next_step text, p_entry_event text, p_events boolean,
-    p_event_type text, p_event_extra text
-) RETURNS TABLE (
-    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
-    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
-    input runs.input%TYPE, failures runs.failures%TYPE,
-    cancel_requested runs.cancel_requested%TYPE,
-    concurrency_key runs.concurrency_key%TYPE,
-    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
-#variable_conflict use_column
-BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
-    UPDATE runs
-       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
-           finished_at = now(), updated_at = now(), failures = failures + p_failed
-     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = p_entry AND e.run_id = p_run
-                   AND e.status IN ('running', 'waiting'))
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    entry AS (
+        VALUES (v_run.id, p_entry_no, p_step, p_entry_status, CAST(p_actions AS jsonb),
+                CAST(p_outputs AS jsonb), CAST(p_entry_error AS jsonb), p_next_step, now())
+        RETURNING * INTO v_entry;
+    ELSIF p_entry_mode = 'close' THEN
         UPDATE step_entries e
            SET status = p_entry_status, actions = CAST(p_actions AS jsonb),
                outputs = CAST(p_outputs AS jsonb), error = CAST(p_entry_error AS jsonb),
                next_step = p_next_step, finished_at = now()
-          FROM changed
          WHERE e.id = p_entry AND e.status IN ('running', 'waiting')
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+        RETURNING e.* INTO v_entry;
+    END IF;
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT v_run.tenant_id, v_run.id, e.type,
+           jsonb_build_object('run_id', (v_run.id)::text, 'type', e.type) || e.fields
+      FROM (SELECT 1, 'step.entered', jsonb_build_object('step', v_entry.step_id, 'entry', v_entry.entry_no, 'entry_id', v_entry.id) WHERE p_entry_mode = 'insert' AND v_entry.id IS NOT NULL AND p_events
+            UNION ALL SELECT 2, p_entry_event, jsonb_build_object('step', v_entry.step_id, 'entry', v_entry.entry_no, 'entry_id', v_entry.id) || jsonb_build_object('next_step', v_entry.next_step) || CASE WHEN v_entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', v_entry.error - 'traceback') END WHERE v_entry.id IS NOT NULL AND p_events
+            UNION ALL SELECT 3, p_event_type, jsonb_build_object('attempt', v_run.attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb)) AS e(ord, type, fields)
+     ORDER BY e.ord;
+    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.attempt, v_run.workflow_name,
+                        v_run.workflow_version, v_run.input, v_run.failures,
+                        v_run.cancel_requested, v_run.concurrency_key, v_run.concurrency_limit,
+                        v_run.status,
+                        poimen_ended(ARRAY[v_run.id],
+                                     CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END);
 END
 $body$;
 
--- name: finish_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- No entry to close.
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: finish_inserted_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry needed no row while it ran: it is written now (with its step.entered).
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-entry AS (
-    INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
-                              next_step, finished_at)
-    SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
-           CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
-      FROM changed
-    RETURNING id, run_id, entry_no, step_id, next_step, error),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: finish_closed_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry's row is closed; the run ends only if that entry is still open.
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
-   AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
-               AND e.status IN ('running', 'waiting'))
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-entry AS (
-    UPDATE step_entries e
-       SET status = :entry_status, actions = CAST(:actions AS jsonb),
-           outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
-           next_step = :next_step, finished_at = now()
-      FROM changed
-     WHERE e.id = :entry AND e.status IN ('running', 'waiting')
-    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: release
+-- name: poimen_release
 -- A run this boot claimed goes back to ``queued`` (a failure before user code started),
 -- fenced by the claim: if it was taken over meanwhile, this changes nothing. No user code
--- ran, so the claim's attempt is given back. Its slot goes to the next run waiting.
-WITH  changed AS (
-UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
-       attempt = attempt - 1
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-    event AS (
+-- ran, so the claim's attempt is given back. Its slot goes to the next run waiting
+-- (``poimen_ended``, after ``poimen_lock_slots``).
+CREATE OR REPLACE FUNCTION poimen_release(
+    p_run uuid, p_boots uuid[]
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
+           attempt = attempt - 1
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.released',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.released') || '{}'::jsonb
-      FROM changed
-     WHERE true
+    VALUES (v_run.tenant_id, v_run.id, 'run.released',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.released') || '{}'::jsonb);
+    RETURN QUERY SELECT v_run.id, poimen_ended('{}', ARRAY[v_run.id]);
+END
+$body$;
 
-)
-    ,
-slot_woken AS (
-    UPDATE runs w
-       SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE w.id IN (
-           SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'concurrency'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-           UNION
-           SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'tenant_cap'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s JOIN tenants t ON t.id = s.tenant_id
-            WHERE t.max_running IS NOT NULL AND true)
-       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-),
-slot_woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.woken',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-      FROM slot_woken
-     WHERE true
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-
--- name: retry
+-- name: poimen_retry
 -- A failed attempt goes back to ``queued``, due again in ``:delay`` seconds, fenced by the
--- claim. Its slot goes to the next run waiting.
-WITH  changed AS (
-UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
-       error = CAST(:error AS jsonb), updated_at = now(),
-       not_before = now() + make_interval(secs => :delay)
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-    event AS (
+-- claim. Its slot goes to the next run waiting (``poimen_ended``, after
+-- ``poimen_lock_slots``).
+CREATE OR REPLACE FUNCTION poimen_retry(
+    p_run uuid, p_boots uuid[], p_delay float8, p_error text
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
+           error = CAST(p_error AS jsonb), updated_at = now(),
+           not_before = now() + make_interval(secs => p_delay)
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.retrying',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', attempt) || jsonb_build_object('delay', CAST(:delay AS float8), 'error', CAST(:error AS jsonb))
-      FROM changed
-     WHERE true
-
-)
-    ,
-slot_woken AS (
-    UPDATE runs w
-       SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE w.id IN (
-           SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'concurrency'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-           UNION
-           SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'tenant_cap'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s JOIN tenants t ON t.id = s.tenant_id
-            WHERE t.max_running IS NOT NULL AND true)
-       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-),
-slot_woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.woken',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-      FROM slot_woken
-     WHERE true
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+    VALUES (v_run.tenant_id, v_run.id, 'run.retrying',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', v_run.attempt) || jsonb_build_object('delay', p_delay, 'error', CAST(p_error AS jsonb)));
+    RETURN QUERY SELECT v_run.id, poimen_ended('{}', ARRAY[v_run.id]);
+END
+$body$;
 
 -- name: claim_state
 -- A claim that changed nothing reads why: the run's state and the claimer's liveness.
