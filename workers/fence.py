@@ -137,7 +137,7 @@ class Fence:
         When an earlier try's commit may have applied with its reply lost,
         ``already_done(row)`` recognises our own write. ``single``: ``write`` is one
         statement that takes the slot locks it needs itself (a slot holder's end is
-        ``poimen_finish_slot``: the locks, then the end, in one call), so the run
+        ``poimen_finish``: the locks, then the end, in one call), so the run
         ends in autocommit, one round trip. Otherwise the locks come first here.
         """
         def attempt(session: Executor, ours: list[uuid.UUID], retrying: bool

@@ -43,10 +43,10 @@ from typing import Any
 from app.liveness import boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
+from . import ledger, runs
 from .boots import mark_boot_dead
 from .compose import send_woken, to_json, woken_of
 from .executor import Executor, build
-from . import ledger, runs
 from .ledger import EntryClose
 from .runs import finish_requested_cancel, lock_slots
 from .statements import Function, function, statement
@@ -151,10 +151,11 @@ CLAIM_QUEUED = statement("claim_queued")
 # autocommit, like every other claim (``sql/README.md``, "Slot functions").
 CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
 CLAIM_SLOT = CLAIM_SLOT_LOCKED.query
-TAKE_OVER = statement("take_over")
-TAKE_OVER_SLOT = statement("take_over_slot")
+# A takeover, in one call: the run's slot locks, and for a run of a limited group the
+# slot it may not keep (``SLOT_VERDICT``), then the compare-and-set and what an end sets off.
+TAKE_OVER = function("poimen_take_over")
+SLOT_VERDICT = function("poimen_slot_verdict")
 ADOPT = statement("adopt")
-ADOPT_SLOT = statement("adopt_slot")
 # A run's end, in one call: its slot locks if it holds a slot, the fenced end, its last
 # entry (``entry_mode``: none, insert, close), their events, then what the end sets off.
 # One round trip, in autocommit, limited or not (``sql/README.md``, "Store functions").
@@ -167,7 +168,7 @@ RETRY = function("poimen_retry")
 FUNCTIONS: tuple[Function, ...] = (
     runs.LOCK_SLOTS, runs.COUNT_JOINS, runs.WAKE_SLOTS, runs.ENDED, runs.CANCEL,
     runs.CANCEL_QUEUED, runs.END_ABANDONED, runs.TIME_LIMIT, ledger.WAIT, CLAIM_SLOT_LOCKED,
-    FINISH, RELEASE, RETRY)
+    SLOT_VERDICT, TAKE_OVER, FINISH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
 GONE_IN = statement("gone_in")
@@ -269,8 +270,8 @@ def _decide(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, current: _
     # before that this delivery is a duplicate, and repair re-sends the run then.
     mark_boot_dead(session, holder)
     # Take the wreckage over, unless another delivery beat us to it. A run of a
-    # limited group is taken over under its slot locks (``claim_slot`` took them).
-    row = session.execute(TAKE_OVER_SLOT if slots else TAKE_OVER, {
+    # limited group is taken over under its slot locks (the call takes them).
+    row = session.execute(TAKE_OVER.call, {
         "run": run_id, "boot": boot_id, "dead": holder,
         "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
@@ -315,7 +316,7 @@ def adopt_run(session: Executor, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uu
     slot (in ``session``'s transaction, never autocommit).
     """
     slots = lock_slots(session, run_id) > 0
-    row = session.execute(ADOPT_SLOT if slots else ADOPT,
+    row = session.execute(ADOPT,
                           {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
     if row is not None:
         return Adoption.ADOPTED

@@ -361,8 +361,8 @@ def test_the_takeover_statement_itself_requires_the_claimers_lock(session, admit
     hold_as(pg, run_id, dead)
     rescuer = boot_factory()
     terminate_lock_backend(pg, rescuer)  # ... after claim_run's read saw it live
-    row = session.execute(TAKE_OVER, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
-                                       "max_takeovers": 5}).one_or_none()
+    row = session.execute(TAKE_OVER.call, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
+                                            "max_takeovers": 5}).one_or_none()
     session.commit()
     assert row is None
     assert status_of(pg, run_id) == ("running", dead, 1)
