@@ -75,34 +75,10 @@ WITH
 
 -- name: complete_marker
 -- A marker this process holds completes (or fails), fenced, with its ``action.<status>``
--- event.
-WITH
-    run AS (SELECT id, tenant_id, cancel_requested FROM runs
-             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-,
-    done AS (
-        UPDATE step_markers m
-           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-               finished_at = now()
-          FROM run
-         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-           AND m.claimed_by = ANY(:boots)
-        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
-    ),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, done.run_id, CAST(:event_type AS text),
-               jsonb_build_object('run_id', (done.run_id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), 'position', done.position, 'action', CAST(:name AS text), 'idempotency_key', CAST(:key AS text)) || CASE WHEN done.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', done.error - 'traceback') END
-          FROM done
-         WHERE true
-
-    )
-    SELECT count(*) AS completed FROM done;
-
--- name: complete_spawn
--- ``complete_marker`` of a fan-out: it links its children to the entry (for the join) in
--- the statement that completes its marker, in the transaction that admitted them, and counts
--- the children that already ended.
+-- event. A fan-out's marker (``:children``, with their ``:ordinals`` and ``:item_keys``;
+-- empty for any other action) links its children to the entry (for the join) in the
+-- statement that completes it, in the transaction that admitted them, and counts the
+-- children that already ended.
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
              WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
@@ -130,7 +106,7 @@ WITH
                children_done = e.children_done + (
                    SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
                     WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
-         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
+         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM linked)
     ),
     event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
