@@ -203,8 +203,6 @@ LOCK_SLOTS = function("poimen_lock_slots")
 # What follows runs' ends (their parents' joins counted, their slots handed on), called by
 # the functions that end runs or take them out of ``running``.
 ENDED = function("poimen_ended")
-COUNT_JOINS = function("poimen_count_joins")
-WAKE_SLOTS = function("poimen_wake_slots")
 
 
 def lock_slots(session: Executor, run_id: uuid.UUID) -> int:

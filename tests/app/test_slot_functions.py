@@ -23,6 +23,16 @@ def test_the_installed_bodies_are_the_stores_statements(pg):
         assert row[1] == "v"  # VOLATILE: a fresh snapshot for each statement after the locks
 
 
+def test_the_installed_settings_are_the_stores(pg):
+    """A function planned once per connection (``plan_cache_mode``) is installed so."""
+    for function in FUNCTIONS:
+        config = pg.execute("SELECT proconfig FROM pg_proc WHERE proname = %s",
+                            [function.name]).fetchone()[0]
+        generic = "\nSET plan_cache_mode = force_generic_plan AS $body$" in function.create
+        assert config == (["plan_cache_mode=force_generic_plan"] if generic else None), (
+            function.name, config)
+
+
 def test_each_function_locks_before_its_statement():
     by_name = {function.name: function for function in FUNCTIONS}
     locks = by_name["poimen_lock_slots"].body

@@ -33,13 +33,13 @@ SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
 ALLOWED = SLOT_INDEXES | {"runs_pkey"}
 
 # Every claims statement of a limited run: they count slots (a claim; a takeover's and an
-# adoption's ``poimen_slot_verdict``) or wake the next run waiting for one (``poimen_wake_slots``, which an end, a
-# release, a retry, a join's wait call); and a tenant's cap change, which wakes the runs
-# waiting for its slots.
+# adoption's ``poimen_slot_verdict``) or wake the next run waiting for one
+# (``poimen_ended``, which an end, a release, a retry, a join's wait call); and a tenant's
+# cap change, which wakes the runs waiting for its slots.
 STATEMENTS = {
     "CLAIM_SLOT": claims.CLAIM_SLOT,
     "SLOT_VERDICT": claims.SLOT_VERDICT.query,
-    "WAKE_SLOTS": runs.WAKE_SLOTS.query,
+    "ENDED": runs.ENDED.query,
     "WAKE_TENANT": runs.WAKE_TENANT,
 }
 

@@ -114,7 +114,8 @@ $body$;
 -- limited group decide with it.
 CREATE OR REPLACE FUNCTION poimen_slot_verdict(
     p_run uuid
-) RETURNS TABLE (reason text) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (reason text) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY WITH
@@ -161,7 +162,8 @@ CREATE OR REPLACE FUNCTION poimen_take_over(
     tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE,
     takeovers runs.takeovers%TYPE, error runs.error%TYPE,
     wait_reason runs.wait_reason%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_locks integer;
@@ -213,8 +215,9 @@ BEGIN
                         (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = v_run.id ORDER BY e.entry_no DESC LIMIT 1),
                         v_run.status, v_run.takeovers, v_run.error, v_run.wait_reason,
                         CASE WHEN v_run.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-                             THEN poimen_ended(ARRAY[v_run.id],
-                                               CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END)
+                             THEN (SELECT e.woken FROM poimen_ended(
+                                       ARRAY[v_run.id],
+                                       CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e)
                              ELSE '[]'::jsonb END;
 END
 $body$;
@@ -267,7 +270,8 @@ CREATE OR REPLACE FUNCTION poimen_finish(
     cancel_requested runs.cancel_requested%TYPE,
     concurrency_key runs.concurrency_key%TYPE,
     concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_locks integer;
@@ -311,8 +315,9 @@ BEGIN
                         v_run.workflow_version, v_run.input, v_run.failures,
                         v_run.cancel_requested, v_run.concurrency_key, v_run.concurrency_limit,
                         v_run.status,
-                        poimen_ended(ARRAY[v_run.id],
-                                     CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END);
+                        (SELECT e.woken FROM poimen_ended(
+                             ARRAY[v_run.id],
+                             CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e);
 END
 $body$;
 
@@ -323,7 +328,8 @@ $body$;
 -- (``poimen_ended``, after ``poimen_lock_slots``).
 CREATE OR REPLACE FUNCTION poimen_release(
     p_run uuid, p_boots uuid[]
-) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -338,7 +344,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.released',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.released') || '{}'::jsonb);
-    RETURN QUERY SELECT v_run.id, poimen_ended('{}', ARRAY[v_run.id]);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
 END
 $body$;
 
@@ -348,7 +354,8 @@ $body$;
 -- ``poimen_lock_slots``).
 CREATE OR REPLACE FUNCTION poimen_retry(
     p_run uuid, p_boots uuid[], p_delay float8, p_error text
-) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -364,7 +371,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.retrying',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', v_run.attempt) || jsonb_build_object('delay', p_delay, 'error', CAST(p_error AS jsonb)));
-    RETURN QUERY SELECT v_run.id, poimen_ended('{}', ARRAY[v_run.id]);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
 END
 $body$;
 

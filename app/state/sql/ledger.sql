@@ -179,7 +179,8 @@ WITH
 CREATE OR REPLACE FUNCTION poimen_wait(
     p_run uuid, p_boots uuid[], p_entry bigint, p_actions text, p_outputs text
 ) RETURNS TABLE (entry_waits integer, run_waits integer, woken jsonb)
-LANGUAGE plpgsql VOLATILE AS $body$
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_entry step_entries%ROWTYPE;
@@ -206,7 +207,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.waiting',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done));
-    RETURN QUERY SELECT 1, 1, poimen_ended('{}', ARRAY[v_run.id]);
+    RETURN QUERY SELECT 1, 1, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
 END
 $body$;
 

@@ -113,7 +113,8 @@ CREATE OR REPLACE FUNCTION poimen_cancel(
 ) RETURNS TABLE (
     id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, status runs.status%TYPE,
     cancel_requested runs.cancel_requested%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -138,7 +139,7 @@ BEGIN
                 jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
     END IF;
     RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.status, v_run.cancel_requested,
-                        poimen_ended(ARRAY[v_run.id], '{}');
+                        (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
 END
 $body$;
 
@@ -147,7 +148,8 @@ $body$;
 -- counts for its parent's join (``poimen_ended``).
 CREATE OR REPLACE FUNCTION poimen_cancel_queued(
     p_run uuid
-) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -161,7 +163,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
-    RETURN QUERY SELECT v_run.id, poimen_ended(ARRAY[v_run.id], '{}');
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
 END
 $body$;
 
@@ -173,7 +175,8 @@ $body$;
 -- both, so it races a takeover or the run's own finish safely: one wins.
 CREATE OR REPLACE FUNCTION poimen_end_abandoned(
     p_run uuid
-) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -188,7 +191,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', v_run.attempt));
-    RETURN QUERY SELECT v_run.id, poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
 END
 $body$;
 
@@ -201,7 +204,8 @@ $body$;
 -- ``poimen_lock_slots``).
 CREATE OR REPLACE FUNCTION poimen_time_limit(
     p_run uuid, p_node uuid, p_pid integer, p_error text
-) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
     v_run runs%ROWTYPE;
@@ -218,7 +222,7 @@ BEGIN
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
     VALUES (v_run.tenant_id, v_run.id, 'run.failed',
             jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error));
-    RETURN QUERY SELECT v_run.id, poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
 END
 $body$;
 
@@ -230,7 +234,8 @@ $body$;
 -- uncapped tenant (no lock). The aggregate consumes the ordered rows one by one.
 CREATE OR REPLACE FUNCTION poimen_lock_slots(
     p_run uuid
-) RETURNS integer LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS integer LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 BEGIN
     RETURN (SELECT count(pg_advisory_xact_lock(l.space, l.key)) FROM (
            SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
@@ -244,35 +249,17 @@ END
 $body$;
 
 -- name: poimen_ended
--- What follows runs' ends, after the statements that ended them (README.md, "What an end
--- sets off"): the runs ``p_ended`` (each now in a status it never leaves) count for their
--- parents' joins (``poimen_count_joins``), then the runs ``p_freed`` (each out of
--- ``running``, after its slot locks) hand their slots on (``poimen_wake_slots``). Returns
--- the runs these re-queued, as the ``woken`` of the caller's row: the parents first.
+-- What follows runs' ends, after the statements that ended them, in one statement: the
+-- runs ``p_ended`` (each in a status it never leaves) count for their parents' joins
+-- (README.md, "An end counts for the parent's join": ``joined``, ``woken``), and the runs
+-- ``p_freed`` (each out of ``running``, after its slot locks) hand their slots on
+-- (README.md, "An end frees a slot": ``slot_woken``). The two parts re-queue different runs
+-- (a parent waits for its join, a slot's waiter for a slot). Returns the runs they
+-- re-queued (``woken``: the parents first), for the caller's row.
 CREATE OR REPLACE FUNCTION poimen_ended(
     p_ended uuid[], p_freed uuid[]
-) RETURNS jsonb LANGUAGE plpgsql VOLATILE AS $body$
-DECLARE
-    v_woken jsonb := '[]'::jsonb;
-BEGIN
-    IF cardinality(p_ended) > 0 THEN
-        v_woken := v_woken || (SELECT j.woken FROM poimen_count_joins(p_ended) AS j);
-    END IF;
-    IF cardinality(p_freed) > 0 THEN
-        v_woken := v_woken || (SELECT s.woken FROM poimen_wake_slots(p_freed) AS s);
-    END IF;
-    RETURN v_woken;
-END
-$body$;
-
--- name: poimen_count_joins
--- Ended runs count for their parents' joins (README.md, "An end counts for the parent's
--- join"): each of ``p_ended`` that is in a status it never leaves adds one to its join
--- entry's ``children_done`` (``joined``); the one whose increment completes a waiting
--- entry re-queues the parent (``woken``, ``run.joined``). Returns the re-queued parents.
-CREATE OR REPLACE FUNCTION poimen_count_joins(
-    p_ended uuid[]
-) RETURNS TABLE (woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
+) RETURNS TABLE (woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY WITH
@@ -302,22 +289,7 @@ BEGIN
                jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
           FROM woken
          WHERE status = 'queued'
-    )
-    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued';
-END
-$body$;
-
--- name: poimen_wake_slots
--- Runs out of ``running`` hand their slots on (README.md, "An end frees a slot"): for each
--- of ``p_freed`` in a limited group, after its slot locks, the oldest run waiting for a
--- slot of its group, and of its capped tenant, goes back to ``queued`` (``slot_woken``,
--- ``run.woken``), marked sent. Returns them.
-CREATE OR REPLACE FUNCTION poimen_wake_slots(
-    p_freed uuid[]
-) RETURNS TABLE (woken jsonb) LANGUAGE plpgsql VOLATILE AS $body$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY WITH
+    ),
     slot_woken AS (
         UPDATE runs w
            SET status = 'queued', wait_reason = NULL, updated_at = now(),
@@ -336,8 +308,9 @@ BEGIN
                  FROM runs s JOIN tenants t ON t.id = s.tenant_id
                 WHERE s.id = ANY(p_freed) AND t.max_running IS NOT NULL)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+        RETURNING w.id, w.tenant_id, w.status, w.workflow_name, w.workflow_version,
+                  NULL::bigint AS entry_id, w.traceparent, w.tracestate, w.attempt,
+                  w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -345,7 +318,9 @@ BEGIN
                jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
           FROM slot_woken
     )
-    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM slot_woken w;
+    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id) ORDER BY w.part), '[]'::jsonb)
+      FROM (SELECT 1 AS part, * FROM woken WHERE status = 'queued'
+            UNION ALL SELECT 2, * FROM slot_woken) AS w;
 END
 $body$;
 
