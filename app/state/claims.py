@@ -148,7 +148,7 @@ class Claim:
 # its latest step entry, its trace context), so executing a run costs no extra read.
 CLAIM_QUEUED = statement("claim_queued")
 # A limited run's claim after its group's locks, in one call: one round trip, in
-# autocommit, like every other claim (``sql/README.md``, "Slot functions").
+# autocommit, like every other claim (``sql/README.md``, "Store functions").
 CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
 CLAIM_SLOT = CLAIM_SLOT_LOCKED.query
 # A takeover, in one call: the run's slot locks, and for a run of a limited group the

@@ -1,9 +1,11 @@
-"""one function per end: poimen_finish (a run's end, whatever its entry and whether it
-holds a slot) replaces the three poimen_finish_slot functions and the three unlimited
-finish statements; what an end sets off (a parent's join counted, a slot handed on) is
-poimen_ended, which the functions that end runs or take them out of running call
-(poimen_cancel, poimen_cancel_queued, poimen_end_abandoned, poimen_time_limit,
-poimen_release, poimen_retry, poimen_wait); a run's slot locks are poimen_lock_slots
+"""one function per transition, and one for each part transitions share: poimen_finish (a
+run's end, whatever its entry, limited or not) replaces the three poimen_finish_slot
+functions and the three unlimited finish statements; poimen_take_over a takeover, limited
+or not, deciding a held run's slot with poimen_slot_verdict; poimen_ended what runs' ends
+set off (a parent's join counted, a slot handed on), called by the functions that end
+runs or take them out of running (poimen_finish, poimen_take_over, poimen_release,
+poimen_retry, poimen_wait, poimen_cancel, poimen_cancel_queued, poimen_end_abandoned,
+poimen_time_limit); poimen_lock_slots a run's slot locks. They run on generic plans
 (app/state/sql/README.md, "Store functions")
 
 Revision ID: 0024

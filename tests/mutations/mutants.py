@@ -74,7 +74,6 @@ _HELD = ("NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_b
          "g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))")
 _HELD_BY_LOCK = ("r.claimed_by IN (SELECT b.boot_id FROM worker_boots b "
                  "WHERE NOT pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))")
-# A slot function's locks, taken before its statement (sql/README.md, "Slot functions").
 # A claim's locks, taken before its statement (sql/README.md, "Store functions").
 _SLOT_LOCKS = "    PERFORM poimen_lock_slots(p_run);\n"
 CLAIM_TESTS = "tests/workers/test_claims.py"

@@ -33,7 +33,7 @@ UPDATE runs
     SELECT * FROM changed;
 
 -- name: poimen_claim_slot
--- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Slot functions").
+-- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Store functions").
 -- The claim of a run of a limited group: its ``me`` part is the run (due, the claimer
 -- live), ``verdict`` the slot it may not take (``reason``, NULL if it may): its tenant's
 -- cap first, then its group's limit. Slots held by live boots count, and so do older runs
