@@ -676,8 +676,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
             ok = release_claim(on_session(self.db.session), run_id, boot_id)
         else:
             ok = finish_run(on_session(self.db.session), run_id, boot_id, status=how,
-                            error={"type": "Boom"} if how == "failed" else None,
-                            slots=run.slots)
+                            error={"type": "Boom"} if how == "failed" else None)
         self.db.session.commit()
         note(f"body ends: {how} {'recorded' if ok else 'refused'}")
         self.ends(run, boot_id)
@@ -701,8 +700,7 @@ class CrossFeatureModel(RuleBasedStateMachine):
         elif how == "release":
             ok = release_claim(on_session(self.db.session), run_id, boot_id)
         else:
-            ok = finish_run(on_session(self.db.session), run_id, boot_id, status="succeeded",
-                            slots=True)
+            ok = finish_run(on_session(self.db.session), run_id, boot_id, status="succeeded")
         self.db.session.commit()
         note(f"late write: {how} {'accepted' if ok else 'refused'}")
         if ok:

@@ -58,11 +58,11 @@ def test_every_statement_is_named_in_its_modules_file():
         assert module == named.path.stem and attr == name.upper() \
             or named.sql.startswith("CREATE OR REPLACE FUNCTION"), (name, bound[name])
         assert named.doc, f"{named.path.name}:{named.line}: {name} says not what it decides"
-    for transition in ("admit", "admit_many", "holders", "claim_queued", "take_over", "adopt",
-                       "release", "retry", "poimen_finish_slot", "finish_unlimited", "wait",
-                       "cancel", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
+    for transition in ("admit", "admit_many", "holders", "claim_queued", "poimen_take_over", "adopt",
+                       "poimen_release", "poimen_retry", "poimen_finish", "poimen_wait",
+                       "poimen_cancel", "poimen_ended", "dead_boot_runs", "enter", "claim_marker", "complete_marker",
                        "close_entry", "register_boot", "insert_event", "poimen_claim_slot",
-                       "take_over_slot", "lock_slots", "wake_waiting",
+                       "poimen_slot_verdict", "poimen_lock_slots", "wake_waiting",
                        "poimen_outbox_mark_published", "poimen_outbox_prune"):
         assert transition in statements.STATEMENTS, transition
 
@@ -131,7 +131,7 @@ def test_the_statements_use_the_one_definition_of_a_live_boot():
             liveness.claimer_live_sql("p_boot")),
         "WHERE b.boot_id = :claimer AND NOT pg_try_advisory_xact_lock_shared": words(
             liveness.claimer_live_sql(":claimer")),
-        "g.boot_id = :dead AND g.first_seen_dead_at <=": words(liveness.gone_sql(":dead")),
+        "g.boot_id = p_dead AND g.first_seen_dead_at <=": words(liveness.gone_sql("p_dead")),
         "g.boot_id = runs.claimed_by AND g.first_seen_dead_at <=": words(
             liveness.gone_sql("runs.claimed_by")),
         "g.boot_id = r.claimed_by AND g.first_seen_dead_at <=": words(

@@ -137,7 +137,7 @@ class Fence:
         When an earlier try's commit may have applied with its reply lost,
         ``already_done(row)`` recognises our own write. ``single``: ``write`` is one
         statement that takes the slot locks it needs itself (a slot holder's end is
-        ``poimen_finish_slot``: the locks, then the end, in one call), so the run
+        ``poimen_finish``: the locks, then the end, in one call), so the run
         ends in autocommit, one round trip. Otherwise the locks come first here.
         """
         def attempt(session: Executor, ours: list[uuid.UUID], retrying: bool
@@ -348,8 +348,8 @@ class Fence:
         # own; this also catches one built by hand).
         error = bound_error(error) if error is not None else None
         return self._end(lambda session, ours: finish_run(
-            session, self.run_id, ours, status=status, result=result, error=error, close=close,
-            slots=self.slots), self._finished_by_us, single=True)
+            session, self.run_id, ours, status=status, result=result, error=error, close=close),
+            self._finished_by_us, single=True)
 
     def retry(self, close: EntryClose | None, *, delay: float, error: dict[str, Any]) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""

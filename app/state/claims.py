@@ -43,6 +43,7 @@ from typing import Any
 from app.liveness import boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
+from . import ledger, runs
 from .boots import mark_boot_dead
 from .compose import send_woken, to_json, woken_of
 from .executor import Executor, build
@@ -147,40 +148,27 @@ class Claim:
 # its latest step entry, its trace context), so executing a run costs no extra read.
 CLAIM_QUEUED = statement("claim_queued")
 # A limited run's claim after its group's locks, in one call: one round trip, in
-# autocommit, like every other claim (``sql/README.md``, "Slot functions").
+# autocommit, like every other claim (``sql/README.md``, "Store functions").
 CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
 CLAIM_SLOT = CLAIM_SLOT_LOCKED.query
-TAKE_OVER = statement("take_over")
-TAKE_OVER_SLOT = statement("take_over_slot")
+# A takeover, in one call: the run's slot locks, and for a run of a limited group the
+# slot it may not keep (``SLOT_VERDICT``), then the compare-and-set and what an end sets off.
+TAKE_OVER = function("poimen_take_over")
+SLOT_VERDICT = function("poimen_slot_verdict")
 ADOPT = statement("adopt")
-ADOPT_SLOT = statement("adopt_slot")
-# The end of a run that holds a slot, after its locks, in one call: one round trip, in
-# autocommit, like the end of every other run. ``FINISH`` closes no entry;
-# ``_INSERTED`` writes the last entry, which needed no row while it ran; ``_CLOSED``
-# closes its row. ``_UNLIMITED``: the same ends of a run claimed outside every limited
-# group, without the slot release.
-FINISH_LOCKED = function("poimen_finish_slot")
-FINISH_INSERTED_LOCKED = function("poimen_finish_slot_inserted")
-FINISH_CLOSED_LOCKED = function("poimen_finish_slot_closed")
-FINISH = FINISH_LOCKED.query
-FINISH_INSERTED = FINISH_INSERTED_LOCKED.query
-FINISH_CLOSED = FINISH_CLOSED_LOCKED.query
-FINISH_UNLIMITED = statement("finish_unlimited")
-FINISH_INSERTED_UNLIMITED = statement("finish_inserted_unlimited")
-FINISH_CLOSED_UNLIMITED = statement("finish_closed_unlimited")
-# Installed by migration 0014 (``CREATE OR REPLACE``) and each later one that changes a
-# body: a change to one of these blocks needs a migration that runs them again
-# (tests/app/test_slot_functions.py).
-SLOT_FUNCTIONS: tuple[Function, ...] = (
-    CLAIM_SLOT_LOCKED, FINISH_LOCKED, FINISH_INSERTED_LOCKED, FINISH_CLOSED_LOCKED)
-
-_FINISHES: dict[tuple[str | None, bool], Any] = {(None, True): FINISH_LOCKED.call, ("insert", True): FINISH_INSERTED_LOCKED.call,
-             ("update", True): FINISH_CLOSED_LOCKED.call, (None, False): FINISH_UNLIMITED,
-             ("insert", False): FINISH_INSERTED_UNLIMITED,
-             ("update", False): FINISH_CLOSED_UNLIMITED}
-
-RELEASE = statement("release")
-RETRY = statement("retry")
+# A run's end, in one call: its slot locks if it holds a slot, the fenced end, its last
+# entry (``entry_mode``: none, insert, close), their events, then what the end sets off.
+# One round trip, in autocommit, limited or not (``sql/README.md``, "Store functions").
+FINISH = function("poimen_finish")
+RELEASE = function("poimen_release")
+RETRY = function("poimen_retry")
+# Every function of the store, installed by migrations (``CREATE OR REPLACE``) from their
+# blocks: a change to one needs a migration that runs them again
+# (tests/app/test_slot_functions.py fails while an installed body differs).
+FUNCTIONS: tuple[Function, ...] = (
+    runs.LOCK_SLOTS, runs.ENDED, runs.CANCEL, runs.CANCEL_QUEUED, runs.END_ABANDONED,
+    runs.TIME_LIMIT, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT, TAKE_OVER, FINISH, RELEASE,
+    RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
 GONE_IN = statement("gone_in")
@@ -282,8 +270,8 @@ def _decide(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, current: _
     # before that this delivery is a duplicate, and repair re-sends the run then.
     mark_boot_dead(session, holder)
     # Take the wreckage over, unless another delivery beat us to it. A run of a
-    # limited group is taken over under its slot locks (``claim_slot`` took them).
-    row = session.execute(TAKE_OVER_SLOT if slots else TAKE_OVER, {
+    # limited group is taken over under its slot locks (the call takes them).
+    row = session.execute(TAKE_OVER.call, {
         "run": run_id, "boot": boot_id, "dead": holder,
         "max_takeovers": max_takeovers(current.workflow_name, current.workflow_version),
     }).one_or_none()
@@ -328,7 +316,7 @@ def adopt_run(session: Executor, run_id: uuid.UUID, dead: uuid.UUID, boot_id: uu
     slot (in ``session``'s transaction, never autocommit).
     """
     slots = lock_slots(session, run_id) > 0
-    row = session.execute(ADOPT_SLOT if slots else ADOPT,
+    row = session.execute(ADOPT,
                           {"run": run_id, "boot": boot_id, "dead": dead}).one_or_none()
     if row is not None:
         return Adoption.ADOPTED
@@ -355,7 +343,7 @@ def release_claim(session: Executor, run_id: uuid.UUID,
     Scoped to the claiming boot: if the claim was taken over meanwhile, this
     changes nothing, so a release can never steal another delivery's claim.
     """
-    row = session.execute(RELEASE, {"run": run_id, "boots": _fence(boot_id)}).one_or_none()
+    row = session.execute(RELEASE.call, {"run": run_id, "boots": _fence(boot_id)}).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
 
@@ -369,29 +357,30 @@ def finish_run(
     result: Any = None,
     error: dict[str, Any] | None = None,
     close: EntryClose | None = None,
-    slots: bool = True,
 ) -> bool:
     """Record a terminal state, fenced by this boot's claim; False if the claim was lost.
 
-    ``close``: the run's last step entry, closed in the same statement (the run
-    ends only if that entry is still open). ``slots``: False for a run claimed
-    outside every limited group (no slot to hand on).
+    ``close``: the run's last step entry, written or closed in the same call (the run
+    ends only if that entry is still open). A run of a limited group hands its slot on
+    under its slot locks, which the call takes itself.
     """
     assert status in TERMINAL_STATUSES
     params: dict[str, Any] = {
         "run": run_id, "boots": _fence(boot_id), "status": status, "result": to_json(result),
         "error": to_json(error), "failed": int(status == RunStatus.FAILED),
         "event_type": f"run.{status}", "event_extra": to_json({"error": error} if error else None),
+        "entry_mode": "none", "entry": None, "entry_no": None, "step": None,
+        "entry_status": None, "actions": None, "outputs": None, "entry_error": None,
+        "next_step": None, "events": False, "entry_event": None,
     }
-    kind = None
     if close is not None:
-        kind = "insert" if close.entry_id is None else "update"
-        params.update(entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
+        params.update(entry_mode="insert" if close.entry_id is None else "close",
+                      entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
                       entry_status=close.status, actions=to_json(close.actions),
                       outputs=to_json(close.outputs), entry_error=to_json(close.error),
                       next_step=close.next_step, events=close.events,
                       entry_event=f"step.{close.status}")
-    row = session.execute(_FINISHES[kind, slots], params).one_or_none()
+    row = session.execute(FINISH.call, params).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
 
@@ -401,7 +390,7 @@ def schedule_retry(session: Executor, run_id: uuid.UUID,
                    delay: float, error: dict[str, Any]) -> bool:
     """Return a failed attempt to ``queued`` to run again after ``delay`` seconds (fenced)."""
     row = session.execute(
-        RETRY, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
+        RETRY.call, {"run": run_id, "boots": _fence(boot_id), "delay": delay,
                  "error": to_json(error)},
     ).one_or_none()
     send_woken(session, woken_of(row))

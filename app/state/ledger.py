@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from .compose import Woken, send_woken, to_json
 from .executor import Executor, build
-from .statements import statement
+from .statements import function, statement
 
 
 class DeclaredAction(Protocol):
@@ -165,10 +165,9 @@ CLAIM_MARKER = statement("claim_marker")
 MARKER_STATE = statement("marker_state")
 TAKE_OVER_MARKER = statement("take_over_marker")
 COMPLETE_MARKER = statement("complete_marker")
-COMPLETE_SPAWN = statement("complete_spawn")
 CLOSE_ENTRY = statement("close_entry")
 INSERT_CLOSED = statement("insert_closed")
-WAIT = statement("wait")
+WAIT = function("poimen_wait")
 CHILDREN = statement("children")
 HISTORY = statement("history")
 
@@ -236,17 +235,14 @@ def finish_marker(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID], e
     transaction, linked to the entry in the same statement.
     """
     status = "failed" if error is not None else "completed"
-    params: dict[str, Any] = {
-              "run": run_id, "boots": ours, "entry": entry_id, "position": position,
-              "status": status, "result": to_json(result), "error": to_json(error),
-              "event_type": f"action.{status}", "step": step_id, "entry_no": entry_no,
-              "name": name, "key": key}
-    statement = COMPLETE_MARKER
-    if children is not None:
-        statement = COMPLETE_SPAWN
-        params.update(children=[c[0] for c in children], ordinals=[c[1] for c in children],
-                      item_keys=[c[2] for c in children])
-    return int(session.execute(statement, params).scalar_one()) == 1
+    linked = children or []
+    return int(session.execute(COMPLETE_MARKER, {
+        "run": run_id, "boots": ours, "entry": entry_id, "position": position,
+        "status": status, "result": to_json(result), "error": to_json(error),
+        "event_type": f"action.{status}", "step": step_id, "entry_no": entry_no,
+        "name": name, "key": key, "children": [c[0] for c in linked],
+        "ordinals": [c[1] for c in linked], "item_keys": [c[2] for c in linked],
+    }).scalar_one()) == 1
 
 
 def marker_state(session: Executor, entry_id: int, position: int) -> MarkerState | None:
@@ -284,7 +280,7 @@ def wait_for_children(session: Executor, run_id: uuid.UUID, ours: list[uuid.UUID
     already ended (nothing to wait for); an entry that would wait for a run that
     is not ours has ``entry_waits`` without ``run_waits`` (the caller rolls back).
     """
-    wait = build(Wait, session.execute(WAIT, {
+    wait = build(Wait, session.execute(WAIT.call, {
         "run": run_id, "boots": ours, "entry": entry_id, "actions": to_json(actions),
         "outputs": to_json(outputs)}).one())
     # A run of a limited group that waits for its children gives its slot up:

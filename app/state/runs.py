@@ -33,7 +33,7 @@ from sqlalchemy.engine import Engine
 from .boots import mark_dead_boots
 from .compose import RunToSend, send_row_after_commit, send_woken, woken_of
 from .executor import Executor, build
-from .statements import statement
+from .statements import function, statement
 
 
 @dataclass(frozen=True)
@@ -191,15 +191,18 @@ def holder_of_key(session: Executor, *, tenant_id: int, dispatch_key: str, workf
 
 # -- cancel -----------------------------------------------------------------------------------
 
-CANCEL = statement("cancel")
-CANCEL_QUEUED = statement("cancel_queued")
-END_ABANDONED = statement("end_abandoned")
-TIME_LIMIT = statement("time_limit")
+CANCEL = function("poimen_cancel")
+CANCEL_QUEUED = function("poimen_cancel_queued")
+END_ABANDONED = function("poimen_end_abandoned")
+TIME_LIMIT = function("poimen_time_limit")
 
 
 # -- concurrency slots ---------------------------------------------------------------------------
 
-LOCK_SLOTS = statement("lock_slots")
+LOCK_SLOTS = function("poimen_lock_slots")
+# What follows runs' ends (their parents' joins counted, their slots handed on), called by
+# the functions that end runs or take them out of ``running``.
+ENDED = function("poimen_ended")
 
 
 def lock_slots(session: Executor, run_id: uuid.UUID) -> int:
@@ -209,7 +212,7 @@ def lock_slots(session: Executor, run_id: uuid.UUID) -> int:
     with a snapshot that sees every claim and end of the group committed before.
     Return how many locks (0: the run is in no limited group).
     """
-    return int(session.execute(LOCK_SLOTS, {"run": run_id}).scalar_one())
+    return int(session.execute(LOCK_SLOTS.call, {"run": run_id}).scalar_one())
 
 
 def cancel_run(session: Executor, tenant_id: int, run_id: uuid.UUID) -> Cancel | None:
@@ -219,14 +222,14 @@ def cancel_run(session: Executor, tenant_id: int, run_id: uuid.UUID) -> Cancel |
     there is nothing to cancel). The caller commits; a parent whose join this
     run completes is sent after the commit.
     """
-    row = session.execute(CANCEL, {"run": run_id, "tenant": tenant_id}).one_or_none()
+    row = session.execute(CANCEL.call, {"run": run_id, "tenant": tenant_id}).one_or_none()
     send_woken(session, woken_of(row))
     return None if row is None else build(Cancel, row)
 
 
 def finish_requested_cancel(session: Executor, run_id: uuid.UUID) -> bool:
     """End a queued run whose cancellation was requested; True if it was."""
-    row = session.execute(CANCEL_QUEUED, {"run": run_id}).one_or_none()
+    row = session.execute(CANCEL_QUEUED.call, {"run": run_id}).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
 
@@ -241,7 +244,7 @@ def end_abandoned(session: Executor, run_id: uuid.UUID) -> bool:
     again until it is gone)."""
     session.execute(MARK_HOLDER_DEAD, {"run": run_id})
     lock_slots(session, run_id)
-    row = session.execute(END_ABANDONED, {"run": run_id}).one_or_none()
+    row = session.execute(END_ABANDONED.call, {"run": run_id}).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
 
@@ -251,7 +254,7 @@ def fail_time_limit(session: Executor, run_id: uuid.UUID, *, node: uuid.UUID, pi
     """Fail ``run_id`` for Celery's hard time limit if pool process (``node``, ``pid``)
     holds it; True if it did (in a transaction, like ``end_abandoned``)."""
     lock_slots(session, run_id)
-    row = session.execute(TIME_LIMIT, {"run": run_id, "node": node, "pid": pid,
+    row = session.execute(TIME_LIMIT.call, {"run": run_id, "node": node, "pid": pid,
                                        "error": error}).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None

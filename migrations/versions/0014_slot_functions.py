@@ -9,7 +9,7 @@ Create Date: 2026-12-02 02:30:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0014'
 down_revision = '0013'
@@ -20,10 +20,10 @@ depends_on = None
 def upgrade():
     # CREATE OR REPLACE: a later change to a statement is a new migration that runs these
     # again (tests/app/test_slot_functions.py fails while an installed body differs).
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 
 def downgrade():
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(f"DROP FUNCTION IF EXISTS {function.name}")

@@ -9,7 +9,7 @@ Create Date: 2026-12-02 02:20:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0015'
 down_revision = '0014'
@@ -30,7 +30,7 @@ def upgrade():
     op.execute("CREATE INDEX ix_runs_tenant_unfinished_status ON runs "
                f"(tenant_id, status, created_at, id) WHERE {_UNFINISHED}")
     op.execute("DROP INDEX ix_runs_tenant_unfinished")
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

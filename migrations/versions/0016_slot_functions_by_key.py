@@ -9,7 +9,7 @@ Create Date: 2026-12-02 03:05:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0016'
 down_revision = '0015'
@@ -18,7 +18,7 @@ depends_on = None
 
 
 def upgrade():
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

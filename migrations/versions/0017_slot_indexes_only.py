@@ -9,7 +9,7 @@ Create Date: 2026-12-02 05:40:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0017'
 down_revision = '0016'
@@ -38,7 +38,7 @@ def upgrade():
     op.execute("CREATE INDEX ix_runs_tenant_slots ON runs "
                f"({_TENANT}, {_STATUS}, created_at, id) WHERE {_UNFINISHED}")
     op.execute("DROP INDEX ix_runs_tenant_unfinished_status")
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

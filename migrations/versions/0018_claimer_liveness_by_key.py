@@ -8,7 +8,7 @@ Create Date: 2026-12-04 09:55:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0018'
 down_revision = '0017'
@@ -17,7 +17,7 @@ depends_on = None
 
 
 def upgrade():
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

@@ -12,7 +12,7 @@ Create Date: 2026-12-05 01:20:00.000000
 import sqlalchemy as sa
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0020'
 down_revision = '0018'
@@ -30,7 +30,7 @@ def upgrade():
                                       nullable=True))
         batch_op.add_column(sa.Column('dead_after_seconds', sa.Float(), nullable=False,
                                       server_default=_DEFAULT_DEAD_AFTER))
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

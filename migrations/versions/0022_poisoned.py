@@ -10,7 +10,7 @@ Create Date: 2026-12-05 05:00:00.000000
 """
 from alembic import op
 
-from app.state.claims import SLOT_FUNCTIONS
+from app.state.claims import FUNCTIONS
 
 revision = '0022'
 down_revision = '0021'
@@ -24,7 +24,7 @@ _AFTER = "('queued', 'running', 'waiting', 'succeeded', 'failed', 'cancelled', '
 def upgrade():
     op.execute("ALTER TABLE runs DROP CONSTRAINT ck_runs_status")
     op.execute(f"ALTER TABLE runs ADD CONSTRAINT ck_runs_status CHECK (status IN {_AFTER})")
-    for function in SLOT_FUNCTIONS:
+    for function in FUNCTIONS:
         op.execute(function.create)
 
 

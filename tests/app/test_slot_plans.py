@@ -32,22 +32,19 @@ from app.state.statements import PARAMETER as _PARAMETER
 SLOT_INDEXES = {"ix_runs_slot_group", "ix_runs_tenant_slots"}
 ALLOWED = SLOT_INDEXES | {"runs_pkey"}
 
-# Every claims statement of a limited run: they count slots (a claim, a takeover, an
-# adoption) or wake the next run waiting for one (an end, a release, a retry); and a
-# tenant's cap change, which wakes the runs waiting for its slots.
+# Every claims statement of a limited run: they count slots (a claim; a takeover's and an
+# adoption's ``poimen_slot_verdict``) or wake the next run waiting for one
+# (``poimen_ended``, which an end, a release, a retry, a join's wait call); and a tenant's
+# cap change, which wakes the runs waiting for its slots.
 STATEMENTS = {
-    **{name: getattr(claims, name)
-       for name in ("CLAIM_SLOT", "TAKE_OVER_SLOT", "ADOPT_SLOT", "FINISH", "FINISH_INSERTED",
-                    "FINISH_CLOSED", "RELEASE", "RETRY")},
+    "CLAIM_SLOT": claims.CLAIM_SLOT,
+    "SLOT_VERDICT": claims.SLOT_VERDICT.query,
+    "ENDED": runs.ENDED.query,
     "WAKE_TENANT": runs.WAKE_TENANT,
 }
 
-# The same statements of an unlimited run: they find their run by primary key only.
-UNLIMITED = {
-    name: getattr(claims, name)
-    for name in ("CLAIM_QUEUED", "TAKE_OVER", "ADOPT", "FINISH_UNLIMITED",
-                 "FINISH_INSERTED_UNLIMITED", "FINISH_CLOSED_UNLIMITED")
-}
+# The statements about one run: they find it by primary key only.
+UNLIMITED = {name: getattr(claims, name) for name in ("CLAIM_QUEUED", "ADOPT")}
 
 _RUNS_ROW = ("INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, "
              "input, status, attempt, failures, cancel_requested, origin, concurrency_key, "

@@ -63,8 +63,10 @@ LEDGER_SQL = "app/state/sql/ledger.sql"
 # The claiming boot holds its lock (app/liveness.py, claimer_live_sql(":boot")).
 _CLAIMER_LIVE = ("EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT "
                  "pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))")
-# The holder a takeover replaces is gone (app/liveness.py, gone_sql(":dead")).
-_HOLDER_GONE = ("EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND "
+# The claiming boot holds its lock, in a function (claimer_live_sql("p_boot")).
+_CLAIMER_LIVE_FN = _CLAIMER_LIVE.replace(":boot", "p_boot")
+# The holder a takeover replaces is gone (app/liveness.py, gone_sql("p_dead")).
+_HOLDER_GONE = ("EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = p_dead AND "
                 "g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))")
 # A run holds its slot while its boot is not gone (held_by_sql("r.claimed_by")); broken:
 # only while its boot's lock is held.
@@ -72,17 +74,8 @@ _HELD = ("NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_b
          "g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))")
 _HELD_BY_LOCK = ("r.claimed_by IN (SELECT b.boot_id FROM worker_boots b "
                  "WHERE NOT pg_try_advisory_xact_lock_shared(1347374925, b.lock_key))")
-# A slot function's locks, taken before its statement (sql/README.md, "Slot functions").
-_SLOT_LOCKS = (
-    "    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (\n"
-    "           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key\n"
-    "             FROM runs r JOIN tenants t ON t.id = r.tenant_id\n"
-    "            WHERE r.id = p_run AND t.max_running IS NOT NULL\n"
-    "           UNION ALL\n"
-    "           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' "
-    "|| r.workflow_name || '|' || coalesce(r.concurrency_key, '')))\n"
-    "             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL\n"
-    "            ORDER BY ord) AS l;\n")
+# A claim's locks, taken before its statement (sql/README.md, "Store functions").
+_SLOT_LOCKS = "    PERFORM poimen_lock_slots(p_run);\n"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
@@ -219,11 +212,10 @@ MUTANTS: list[Mutant] = [
         "takeover_without_claimer_liveness",
         "a boot without its lock takes nothing over",
         CLAIMS_SQL,
-        "claimed_by = :dead AND " + _CLAIMER_LIVE,
-        "claimed_by = :dead",
+        "claimed_by = p_dead AND " + _CLAIMER_LIVE_FN,  # poimen_take_over
+        "claimed_by = p_dead",
         (f"{CLAIM_TESTS}::test_a_cut_off_boot_cannot_take_over_wreckage",
          f"{CLAIM_TESTS}::test_the_takeover_statement_itself_requires_the_claimers_lock"),
-        occurrences=4, nth=(1, 2),  # take_over, take_over_slot (not adopt, adopt_slot)
     ),
     Mutant(
         "takeover_at_early_lock_loss",
@@ -235,7 +227,6 @@ MUTANTS: list[Mutant] = [
         (f"{CLAIM_TESTS}::test_a_boot_whose_lock_connection_closed_is_gone_only_after_its_bound",
          f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
          f"{EARLY_LOSS_TESTS}::test_a_lock_cut_then_runs_redrive_never_runs_two_bodies_at_once"),
-        occurrences=2, nth=0,
     ),
     Mutant(
         "slot_freed_at_early_lock_loss",
@@ -246,7 +237,7 @@ MUTANTS: list[Mutant] = [
         (f"{EARLY_LOSS_TESTS}::test_a_boot_lost_less_than_its_bound_ago_keeps_its_slot_and_its_run",
          f"{EARLY_LOSS_TESTS}::"
          "test_a_lock_cut_then_a_second_run_of_the_key_never_runs_two_bodies_at_once"),
-        occurrences=6, nth=0,
+        occurrences=4, nth=0,  # poimen_claim_slot, poimen_slot_verdict: tenant's and group's
         also=(Edit(_HELD, _HELD_BY_LOCK, 4, RUNS_SQL),),
     ),
     Mutant(
@@ -288,7 +279,7 @@ MUTANTS: list[Mutant] = [
         "",
         (f"{EARLY_LOSS_TESTS}::"
          "test_a_process_adopts_its_limited_run_into_the_slot_its_lost_boot_still_holds",),
-        occurrences=4, nth=0,  # take_over_slot, adopt_slot: their tenant and group counts
+        occurrences=2, nth=0,  # poimen_slot_verdict: its tenant and group counts
     ),
     Mutant(
         "claim_check_then_update",
@@ -303,48 +294,44 @@ MUTANTS: list[Mutant] = [
         "takeover_without_compare_and_set",
         "wreckage is taken over with a compare-and-set on the dead boot id",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = :dead AND EXISTS",
+        "= 'running' AND claimed_by = p_dead AND EXISTS",  # poimen_take_over
         "= 'running' AND EXISTS",
         (f"{CLAIM_TESTS}::test_two_rescuers_of_one_dead_boots_run_take_it_over_once",),
-        occurrences=4, nth=(1, 2),  # take_over, take_over_slot
     ),
     Mutant(
         "adoption_without_compare_and_set",
         "a process that lost its boot keeps a run only if nobody took it over",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = :dead AND EXISTS",
+        "= 'running' AND claimed_by = :dead AND EXISTS",  # adopt
         "= 'running' AND EXISTS",
         (f"{CLAIM_TESTS}::test_adoption_after_a_takeover_is_refused",),
-        occurrences=4, nth=(3, 4),  # adopt, adopt_slot
     ),
     Mutant(
         "finish_unfenced",
         "finishing is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
-        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
-        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
+        occurrences=3, nth=1,  # poimen_finish
     ),
     Mutant(
         "release_unfenced",
         "releasing is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=4,  # release
+        occurrences=3, nth=2,  # poimen_release
     ),
     Mutant(
         "retry_unfenced",
         "scheduling a retry is fenced by the claim",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (f"{CLAIM_TESTS}::test_every_fenced_write_of_a_boot_that_lost_its_claim_is_refused",),
-        occurrences=5, nth=5,  # retry
+        occurrences=3, nth=3,  # poimen_retry
     ),
     Mutant(
         "takeover_ignores_cancel",
@@ -353,50 +340,41 @@ MUTANTS: list[Mutant] = [
         "SET status = CASE WHEN cancel_requested THEN 'cancelled'",
         "SET status = CASE WHEN false THEN 'cancelled'",
         (f"{CLAIM_TESTS}::test_taking_over_a_cancelled_run_ends_it_cancelled",),
-        occurrences=2, nth=0,
     ),
     Mutant(
         "takeovers_unbounded",
         "a run that keeps killing workers ends poisoned after max_takeovers",
         CLAIMS_SQL,
-        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
+        "WHEN takeovers >= p_max_takeovers THEN 'poisoned'",
         "",
         (f"{CLAIM_TESTS}::test_a_run_that_outlived_max_takeovers_workers_ends_poisoned",),
-        occurrences=2, nth=0,
     ),
     Mutant(
         "poison_bound_off_by_one",
         "the takeover at max_takeovers - 1 resumes the run; the one at max_takeovers poisons it",
         CLAIMS_SQL,
-        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
-        "WHEN takeovers >= :max_takeovers - 1 THEN 'poisoned'",
+        "WHEN takeovers >= p_max_takeovers THEN 'poisoned'",
+        "WHEN takeovers >= p_max_takeovers - 1 THEN 'poisoned'",
         (f"{POISON_TESTS}::test_the_claim_at_one_below_the_bound_resumes",),
-        occurrences=2, nth=0,
     ),
     Mutant(
         "poisoned_ends_failed",
         "a poisoned run ends with its own status and event, not as failed",
         CLAIMS_SQL,
-        "WHEN takeovers >= :max_takeovers THEN 'poisoned'",
-        "WHEN takeovers >= :max_takeovers THEN 'failed'",
+        "WHEN takeovers >= p_max_takeovers THEN 'poisoned'",
+        "WHEN takeovers >= p_max_takeovers THEN 'failed'",
         (f"{POISON_TESTS}::"
          "test_a_run_whose_holders_keep_dying_resumes_up_to_the_bound_then_is_poisoned",),
-        occurrences=2, nth=0,
     ),
     Mutant(
         "poison_beats_cancel",
         "a cancel requested wins over the poison bound",
         CLAIMS_SQL,
         "SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
-        "                     WHEN takeovers >= :max_takeovers THEN 'poisoned'",
-        "SET status = CASE WHEN takeovers >= :max_takeovers THEN 'poisoned'\n"
-        "                     WHEN cancel_requested THEN 'cancelled'",
+        "                         WHEN takeovers >= p_max_takeovers THEN 'poisoned'",
+        "SET status = CASE WHEN takeovers >= p_max_takeovers THEN 'poisoned'\n"
+        "                         WHEN cancel_requested THEN 'cancelled'",
         (f"{POISON_TESTS}::test_a_cancel_requested_wins_over_the_poison_bound",),
-        # take_over_slot: the same, indented further.
-        also=(Edit("SET status = CASE WHEN cancel_requested THEN 'cancelled'\n"
-                   "                         WHEN takeovers >= :max_takeovers THEN 'poisoned'",
-                   "SET status = CASE WHEN takeovers >= :max_takeovers THEN 'poisoned'\n"
-                   "                         WHEN cancel_requested THEN 'cancelled'"),),
     ),
     # -- boots --------------------------------------------------------------------------------
     Mutant(
@@ -424,7 +402,6 @@ MUTANTS: list[Mutant] = [
         _SLOT_LOCKS,
         "",
         ("tests/workers/test_concurrency.py::test_racing_claims_cannot_both_take_the_last_slot",),
-        occurrences=4, nth=1,  # poimen_claim_slot
     ),
     Mutant(
         "slot_count_before_lock",
@@ -435,9 +412,9 @@ MUTANTS: list[Mutant] = [
         "",
         ("tests/workers/test_concurrency.py::"
          "test_a_claim_racing_a_takeover_counts_after_the_lock",),
-        occurrences=4, nth=0,
-        # ... and take them after the statement, in every slot function.
-        also=(Edit(";\nEND\n$body$", ";\n" + _SLOT_LOCKS + "END\n$body$", 4),),
+        # ... and take them after the statement.
+        also=(Edit("SELECT * FROM changed;\nEND\n$body$",
+                   "SELECT * FROM changed;\n" + _SLOT_LOCKS + "END\n$body$"),),
     ),
     Mutant(
         "slot_count_by_plain_status",
@@ -461,24 +438,22 @@ MUTANTS: list[Mutant] = [
         "('' || runs.status)",
         ("tests/app/test_slot_plans.py::"
          "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
-        occurrences=14, nth=0,
+        occurrences=7, nth=0,
         # Every lookup of a run by id, in every file.
         also=(Edit("(r.status || '')", "('' || r.status)", 1),
-              Edit("(w.status || '')", "('' || w.status)", 6),
               Edit("(runs.status || '')", "('' || runs.status)", 2, RUNS_SQL),
-              Edit("(w.status || '')", "('' || w.status)", 2, RUNS_SQL),
-              Edit("(w.status || '')", "('' || w.status)", 1, LEDGER_SQL)),
+              Edit("(w.status || '')", "('' || w.status)", 1, RUNS_SQL)),
     ),
     Mutant(
         "slot_end_without_lock",
         "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
         "that went waiting a moment before (no lost wake-up)",
         CLAIMS_SQL,
-        _SLOT_LOCKS,
-        "",
+        # poimen_finish: no locks, yet it hands the slot on.
+        "    v_locks := poimen_lock_slots(p_run);\n    UPDATE runs\n",
+        "    v_locks := 1;\n    UPDATE runs\n",
         ("tests/workers/test_concurrency.py::"
          "test_an_end_racing_a_claim_that_parks_still_wakes_it",),
-        occurrences=4, nth=(2, 3, 4),  # poimen_finish_slot, _inserted, _closed
     ),
     Mutant(
         "cap_lift_wakes_none",
@@ -716,8 +691,8 @@ MUTANTS: list[Mutant] = [
         "time_limit_fenced_by_host_and_pid",
         "the hard-time-limit write applies only to the run held by this worker's pool process",
         RUNS_SQL,
-        "WHERE node = :node AND pid = :pid)",
-        "WHERE pid = :pid)",
+        "WHERE node = p_node AND pid = p_pid)",
+        "WHERE pid = p_pid)",
         ("tests/workers/test_time_limit_fence.py",),
     ),
     # -- the step-entry ledger ----------------------------------------------------------------
@@ -1034,7 +1009,7 @@ MUTANTS: list[Mutant] = [
         ") >= me.concurrency_limit",
         ") > me.concurrency_limit",
         (MODEL_TEST,),
-        occurrences=3, nth=0,  # poimen_claim_slot, take_over_slot, adopt_slot
+        occurrences=2, nth=0,  # poimen_claim_slot, poimen_slot_verdict
     ),
     Mutant(
         "model_tenant_cap_off_by_one",
@@ -1043,7 +1018,7 @@ MUTANTS: list[Mutant] = [
         ") >= me.max_running",
         ") > me.max_running",
         (MODEL_TEST,),
-        occurrences=3, nth=0,  # poimen_claim_slot, take_over_slot, adopt_slot
+        occurrences=2, nth=0,  # poimen_claim_slot, poimen_slot_verdict
     ),
     Mutant(
         "model_repair_never_wakes_a_tenant",
@@ -1089,11 +1064,9 @@ MUTANTS: list[Mutant] = [
         "model_finish_unfenced",
         "a boot's write after it lost its claim is refused (model rule fenced)",
         CLAIMS_SQL,
-        "= 'running' AND claimed_by = ANY(:boots)",
+        "= 'running' AND claimed_by = ANY(p_boots)",
         "= 'running'",
         (MODEL_TEST,),
-        occurrences=5, nth=(1, 2, 3),  # finish_unlimited, _inserted_, _closed_
-        # poimen_finish_slot, _inserted, _closed: the same fence in the slot functions.
-        also=(Edit(" AND claimed_by = ANY(p_boots)", "", 3),),
+        occurrences=3, nth=1,  # poimen_finish
     ),
 ]

@@ -228,9 +228,8 @@ def test_a_run_ends_in_one_statement_in_autocommit(app, admit, pg, fresh_boot, s
     assert len(statements) == 2, [sql for sql, _ in statements]
     (claim, claim_autocommit), (finish, finish_autocommit) = statements
     assert "SET status = 'running'" in claim and claim_autocommit
-    assert "INSERT INTO step_entries" in finish and "SET status = %(status)s" in finish
+    assert finish.startswith("SELECT * FROM poimen_finish(") and "%(entry_mode)s" in finish
     assert finish_autocommit, "the finish ran inside a transaction (BEGIN ... COMMIT)"
-    assert "slot_woken" not in finish  # a run that holds no slot hands none on
     events = [r[0] for r in pg.execute(
         "SELECT event_type FROM outbox WHERE run_id = %s ORDER BY id", [run_id])]
     assert events == ["run.admitted", "run.started", "run.succeeded"]  # a bare function: no
@@ -243,7 +242,7 @@ def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admi
     """A limited run's cost: a message whose shadow names a workflow with a concurrency limit
     claims with one call that takes the group's locks and then counts the slots
     (``poimen_claim_slot``), not after a refused one-statement claim and a state read, and
-    ends with one call that takes the locks and then ends it (``poimen_finish_slot*``):
+    ends with one call that takes the locks and then ends it (``poimen_finish``):
     one statement each, in autocommit, like an unlimited run. The hint picks the path; the
     statements decide: a duplicate delivery of the claimed run does nothing."""
     from workers.execution import execute_run, limited_workflow
@@ -262,7 +261,7 @@ def test_a_limited_workflows_message_claims_under_the_slot_locks_first(app, admi
     assert len(statements) == 2, statements
     (claim_sql, claim_autocommit), (end_sql, end_autocommit) = statements
     assert claim_sql.startswith("SELECT * FROM poimen_claim_slot(") and claim_autocommit
-    assert end_sql.startswith("SELECT * FROM poimen_finish_slot") and end_autocommit
+    assert end_sql.startswith("SELECT * FROM poimen_finish(") and end_autocommit
     assert status_of(pg, run_id)[0] == "succeeded"
     with app.app_context():
         assert execute_run(str(run_id), limited=True).outcome == ClaimOutcome.FINISHED
@@ -362,8 +361,8 @@ def test_the_takeover_statement_itself_requires_the_claimers_lock(session, admit
     hold_as(pg, run_id, dead)
     rescuer = boot_factory()
     terminate_lock_backend(pg, rescuer)  # ... after claim_run's read saw it live
-    row = session.execute(TAKE_OVER, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
-                                       "max_takeovers": 5}).one_or_none()
+    row = session.execute(TAKE_OVER.call, {"run": run_id, "boot": rescuer.boot_id, "dead": dead,
+                                            "max_takeovers": 5}).one_or_none()
     session.commit()
     assert row is None
     assert status_of(pg, run_id) == ("running", dead, 1)

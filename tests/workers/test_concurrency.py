@@ -239,7 +239,7 @@ def test_a_limited_run_is_claimed_and_ended_by_calls_that_take_its_locks_first(
         assert execute_run(str(run_id)).outcome == ClaimOutcome.CLAIMED
     calls = [sql.split("(")[0] for sql, autocommit in statements if "poimen_" in sql and autocommit]
     assert calls == ["SELECT * FROM poimen_claim_slot",
-                     "SELECT * FROM poimen_finish_slot_inserted"], statements
+                     "SELECT * FROM poimen_finish"], statements
     assert state(pg, run_id)[0] == "succeeded"
 
 

@@ -759,8 +759,8 @@ def _finish_child(session, child, boot):
 def _wait(session, parent, boot, entry):
     from app.state.ledger import WAIT
 
-    row = session.execute(WAIT, {"run": parent, "boots": [boot], "entry": entry,
-                                  "actions": "[]", "outputs": "{}"}).one()
+    row = session.execute(WAIT.call, {"run": parent, "boots": [boot], "entry": entry,
+                                       "actions": "[]", "outputs": "{}"}).one()
     return row.entry_waits, row.run_waits
 
 

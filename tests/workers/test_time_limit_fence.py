@@ -32,8 +32,8 @@ def fail_for(app, run_id, node: uuid.UUID, pid: int):
     from app.extensions import db
 
     with app.app_context():
-        row = db.session.execute(TIME_LIMIT, {"run": run_id, "pid": pid, "node": node,
-                                                 "error": ERROR}).one_or_none()
+        row = db.session.execute(TIME_LIMIT.call, {"run": run_id, "pid": pid, "node": node,
+                                                      "error": ERROR}).one_or_none()
         db.session.commit()
         return row
 

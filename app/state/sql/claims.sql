@@ -33,7 +33,7 @@ UPDATE runs
     SELECT * FROM changed;
 
 -- name: poimen_claim_slot
--- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Slot functions").
+-- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Store functions").
 -- The claim of a run of a limited group: its ``me`` part is the run (due, the claimer
 -- live), ``verdict`` the slot it may not take (``reason``, NULL if it may): its tenant's
 -- cap first, then its group's limit. Slots held by live boots count, and so do older runs
@@ -59,14 +59,7 @@ CREATE OR REPLACE FUNCTION poimen_claim_slot(
 ) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
+    PERFORM poimen_lock_slots(p_run);
     RETURN QUERY WITH 
     me AS (
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
@@ -113,235 +106,24 @@ BEGIN
 END
 $body$;
 
--- name: take_over
--- Wreckage: the holder is dead. A compare-and-set on the dead boot (``claimed_by =
--- :dead``), by a live claimer, once the holder is *gone* (``app/liveness.py``: its lock
--- first seen free its bound ago, so its body has stopped). A cancelled run ends cancelled
--- instead of being resumed (a cancel wins over the bound); a run that has already outlived
--- ``:max_takeovers`` workers ends ``poisoned`` (its executions are what kills them: OOM, a
--- segfault, os._exit), not resumed again; else it resumes (``run.resumed``, the attempt and
--- the lost worker counted). A run it ends counts for its parent's join (README.md).
--- A run of no limited group; ``take_over_slot`` for one.
-WITH  changed AS (
-UPDATE runs
-   SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                     WHEN takeovers >= :max_takeovers THEN 'poisoned'
-                     ELSE 'running' END,
-       claimed_by = :boot,
-       attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                THEN 0 ELSE 1 END,
-       takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                    THEN 0 ELSE 1 END,
-       error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
-                    THEN jsonb_build_object(
-                        'code', 'poisoned', 'type', 'poimen.Poisoned',
-                        'message', 'the run killed ' || (takeovers + 1) || ' workers '
-                                   || '(max_takeovers ' || :max_takeovers || '): '
-                                   || 'poisoned, it is not resumed again',
-                        'traceback', '')
-                    ELSE error END,
-       finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                          THEN now() ELSE finished_at END,
-       updated_at = now()
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
-   AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error),
-    event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
-           jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END
-      FROM changed
-     WHERE true
-
-)
-    ,
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: take_over_slot
--- Wreckage: the holder is dead. A compare-and-set on the dead boot (``claimed_by =
--- :dead``), by a live claimer, once the holder is *gone* (``app/liveness.py``: its lock
--- first seen free its bound ago, so its body has stopped). A cancelled run ends cancelled
--- instead of being resumed (a cancel wins over the bound); a run that has already outlived
--- ``:max_takeovers`` workers ends ``poisoned`` (its executions are what kills them: OOM, a
--- segfault, os._exit), not resumed again; else it resumes (``run.resumed``, the attempt and
--- the lost worker counted). A run it ends counts for its parent's join (README.md).
--- ``take_over`` of a run of a limited group, after ``lock_slots``: it resumes only if a
--- slot is free (another run may have taken the dead holder's; its own holder's slot is not
--- counted against it): else it waits, unclaimed (``waiting``), with the lost worker counted.
--- A run it ends wakes the next one waiting for its slot.
-WITH
+-- name: poimen_slot_verdict
+-- The slot a held run may not keep (``reason``, NULL if it may), after its slot locks: its
+-- tenant's cap first, then its group's limit. Counted are the slots held by live boots
+-- (README.md, "Status tests that choose the index"), the run's own not among them (its
+-- lost holder's slot is not counted against it). A takeover and an adoption of a run of a
+-- limited group decide with it.
+CREATE OR REPLACE FUNCTION poimen_slot_verdict(
+    p_run uuid
+) RETURNS TABLE (reason text) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY WITH
     me AS (
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
-          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-    ),
-    verdict AS (
-        SELECT CASE
-               WHEN me.max_running IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
-               THEN 'tenant_cap'
-               WHEN me.concurrency_limit IS NOT NULL AND (
-                    (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
-               THEN 'concurrency'
-               END AS reason
-          FROM me
-    ), changed AS (
-    UPDATE runs
-       SET status = CASE WHEN cancel_requested THEN 'cancelled'
-                         WHEN takeovers >= :max_takeovers THEN 'poisoned'
-                         WHEN v.reason IS NOT NULL THEN 'waiting'
-                         ELSE 'running' END,
-           claimed_by = CASE WHEN v.reason IS NULL OR cancel_requested OR takeovers >= :max_takeovers THEN CAST(:boot AS uuid) END,
-           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= :max_takeovers OR v.reason IS NOT NULL
-                                    THEN 0 ELSE 1 END,
-           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                                        THEN 0 ELSE 1 END,
-           error = CASE WHEN NOT cancel_requested AND takeovers >= :max_takeovers
-                        THEN jsonb_build_object(
-                            'code', 'poisoned', 'type', 'poimen.Poisoned',
-                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
-                                       || '(max_takeovers ' || :max_takeovers || '): '
-                                       || 'poisoned, it is not resumed again',
-                            'traceback', '')
-                        ELSE error END,
-           finished_at = CASE WHEN cancel_requested OR takeovers >= :max_takeovers
-                              THEN now() ELSE finished_at END,
-           wait_reason = CASE WHEN cancel_requested OR takeovers >= :max_takeovers THEN NULL
-                              ELSE v.reason END,
-           updated_at = now()
-      FROM verdict v
-     WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
-       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = :dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, takeovers, error, wait_reason),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END,
-               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || status END) || jsonb_build_object('attempt', attempt) || jsonb_build_object('previous_boot', CAST(:dead AS text)) || CASE WHEN status = 'poisoned' THEN jsonb_build_object('error', error) ELSE '{}' END || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
-          FROM changed
-         WHERE true
-
+          FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = p_run
     )
-        ,
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-
-    )
-
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-
--- name: adopt
--- The process that lost its lock is still executing the run and registered a new
--- boot: it moves its own claim over (``run.adopted``), a compare-and-set on the dead boot,
--- for a live new boot, unless someone took the run over first.
-WITH  changed AS (
-UPDATE runs SET claimed_by = :boot, updated_at = now()
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-    event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.adopted',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.adopted') || jsonb_build_object('previous_boot', CAST(:dead AS text))
-      FROM changed
-     WHERE true
-
-)
-
-    SELECT * FROM changed;
-
--- name: adopt_slot
--- The process that lost its lock is still executing the run and registered a new
--- boot: it moves its own claim over (``run.adopted``), a compare-and-set on the dead boot,
--- for a live new boot, unless someone took the run over first.
--- A run of a limited group (after ``lock_slots``) keeps its slot only if it is still free:
--- while its boot was dead the slot was free, and another run may have it.
-WITH
-me AS (
-    SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-           r.created_at, t.max_running
-      FROM runs r JOIN tenants t ON t.id = r.tenant_id WHERE r.id = :run
-),
-verdict AS (
     SELECT CASE
            WHEN me.max_running IS NOT NULL AND (
                 (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(me.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.max_running
@@ -349,12 +131,108 @@ verdict AS (
            WHEN me.concurrency_limit IS NOT NULL AND (
                 (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(me.tenant_id AS text) || '|' || me.workflow_name || '|' || coalesce(me.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)) AND r.id <> me.id)) >= me.concurrency_limit
            THEN 'concurrency'
-           END AS reason
-      FROM me
-), changed AS (
+           END
+      FROM me;
+END
+$body$;
+
+-- name: poimen_take_over
+-- Wreckage: the holder is dead. A compare-and-set on the dead boot (``claimed_by =
+-- :dead``), by a live claimer, once the holder is *gone* (``app/liveness.py``: its lock
+-- first seen free its bound ago, so its body has stopped). A cancelled run ends cancelled
+-- instead of being resumed (a cancel wins over the bound); a run that has already outlived
+-- ``:max_takeovers`` workers ends ``poisoned`` (its executions are what kills them: OOM, a
+-- segfault, os._exit), not resumed again; else it resumes (``run.resumed``, the attempt and
+-- the lost worker counted). A run it ends counts for its parent's join (``poimen_ended``).
+-- A run of a limited group is taken over after its slot locks (``poimen_lock_slots``): it
+-- resumes only if a slot is free (``poimen_slot_verdict``: another run may have taken the
+-- dead holder's); else it waits, unclaimed (``waiting``), with the lost worker counted. A
+-- run of a limited group it ends hands its slot on.
+CREATE OR REPLACE FUNCTION poimen_take_over(
+    p_run uuid, p_boot uuid, p_dead uuid, p_max_takeovers integer
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
+    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
+    input runs.input%TYPE, failures runs.failures%TYPE,
+    cancel_requested runs.cancel_requested%TYPE,
+    concurrency_key runs.concurrency_key%TYPE,
+    concurrency_limit runs.concurrency_limit%TYPE, goal_id runs.goal_id%TYPE,
+    definition_hash runs.definition_hash%TYPE, created_at runs.created_at%TYPE,
+    started_at runs.started_at%TYPE, traceparent runs.traceparent%TYPE,
+    tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE,
+    takeovers runs.takeovers%TYPE, error runs.error%TYPE,
+    wait_reason runs.wait_reason%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_locks integer;
+    v_reason text;
+    v_run runs%ROWTYPE;
+BEGIN
+    v_locks := poimen_lock_slots(p_run);
+    IF v_locks > 0 THEN
+        v_reason := (SELECT v.reason FROM poimen_slot_verdict(p_run) AS v);
+    END IF;
+    UPDATE runs
+       SET status = CASE WHEN cancel_requested THEN 'cancelled'
+                         WHEN takeovers >= p_max_takeovers THEN 'poisoned'
+                         WHEN v_reason IS NOT NULL THEN 'waiting'
+                         ELSE 'running' END,
+           claimed_by = CASE WHEN v_reason IS NULL OR cancel_requested OR takeovers >= p_max_takeovers THEN p_boot END,
+           attempt = attempt + CASE WHEN cancel_requested OR takeovers >= p_max_takeovers OR v_reason IS NOT NULL
+                                    THEN 0 ELSE 1 END,
+           takeovers = takeovers + CASE WHEN cancel_requested OR takeovers >= p_max_takeovers
+                                        THEN 0 ELSE 1 END,
+           error = CASE WHEN NOT cancel_requested AND takeovers >= p_max_takeovers
+                        THEN jsonb_build_object(
+                            'code', 'poisoned', 'type', 'poimen.Poisoned',
+                            'message', 'the run killed ' || (takeovers + 1) || ' workers '
+                                       || '(max_takeovers ' || p_max_takeovers || '): '
+                                       || 'poisoned, it is not resumed again',
+                            'traceback', '')
+                        ELSE error END,
+           finished_at = CASE WHEN cancel_requested OR takeovers >= p_max_takeovers
+                              THEN now() ELSE finished_at END,
+           wait_reason = CASE WHEN cancel_requested OR takeovers >= p_max_takeovers THEN NULL
+                              ELSE v_reason END,
+           updated_at = now()
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = p_dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+       AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = p_dead AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT v_run.tenant_id, v_run.id, e.type,
+           jsonb_build_object('run_id', (v_run.id)::text, 'type', e.type) || jsonb_build_object('attempt', v_run.attempt) || jsonb_build_object('previous_boot', CAST(p_dead AS text)) || CASE WHEN v_run.status = 'poisoned' THEN jsonb_build_object('error', v_run.error) ELSE '{}' END || CASE WHEN v_run.status = 'waiting' THEN jsonb_build_object('reason', v_run.wait_reason) ELSE '{}' END
+      FROM (SELECT CASE v_run.status WHEN 'running' THEN 'run.resumed' ELSE 'run.' || v_run.status END) AS e(type);
+    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.attempt, v_run.workflow_name,
+                        v_run.workflow_version, v_run.input, v_run.failures,
+                        v_run.cancel_requested, v_run.concurrency_key, v_run.concurrency_limit,
+                        v_run.goal_id, v_run.definition_hash, v_run.created_at,
+                        v_run.started_at, v_run.traceparent, v_run.tracestate,
+                        (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = v_run.id ORDER BY e.entry_no DESC LIMIT 1),
+                        v_run.status, v_run.takeovers, v_run.error, v_run.wait_reason,
+                        CASE WHEN v_run.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+                             THEN (SELECT e.woken FROM poimen_ended(
+                                       ARRAY[v_run.id],
+                                       CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e)
+                             ELSE '[]'::jsonb END;
+END
+$body$;
+
+-- name: adopt
+-- The process that lost its lock is still executing the run and registered a new
+-- boot: it moves its own claim over (``run.adopted``), a compare-and-set on the dead boot,
+-- for a live new boot, unless someone took the run over first.
+-- A run of a limited group (after ``poimen_lock_slots``) keeps its slot only if it is still
+-- free (``poimen_slot_verdict``, NULL for a run of no limited group): while its boot was
+-- dead the slot was free, and another run may have it.
+WITH  changed AS (
 UPDATE runs SET claimed_by = :boot, updated_at = now()
-  FROM verdict v
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AND v.reason IS NULL
+ WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = :dead AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND (SELECT v.reason FROM poimen_slot_verdict(:run) AS v) IS NULL
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -367,123 +245,24 @@ UPDATE runs SET claimed_by = :boot, updated_at = now()
 
     SELECT * FROM changed;
 
--- name: poimen_finish_slot
--- FINISH, after the run's slot locks, as one call (README.md, "Slot functions").
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- No entry to close. The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot(
+-- name: poimen_finish
+-- A run's end, fenced by the claim (held by one of ``:boots``), with its last step entry
+-- and their events, in one call: one round trip, in autocommit (README.md, "Slot
+-- functions"). In order, each statement seeing the ones before:
+-- the run's slot locks (``poimen_lock_slots``: none for a run of no limited group); the run
+-- ends, fenced; its last entry (``entry_mode``): ``none``, no entry to write; ``insert``,
+-- the entry needed no row while it ran and is written now (with its ``step.entered``);
+-- ``close``, its row is closed, and the run ends only if that entry is still open; the
+-- events ``step.entered``, ``step.<status>``, ``run.<status>``, in that order, in one
+-- INSERT; then what the end sets off (``poimen_ended``): it counts for its parent's join,
+-- and a run that took its slot locks hands its slot on. Returns the ended run and the
+-- runs it re-queued (``woken``).
+CREATE OR REPLACE FUNCTION poimen_finish(
     p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_event_type text, p_event_extra text
-) RETURNS TABLE (
-    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
-    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
-    input runs.input%TYPE, failures runs.failures%TYPE,
-    cancel_requested runs.cancel_requested%TYPE,
-    concurrency_key runs.concurrency_key%TYPE,
-    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
-#variable_conflict use_column
-BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
-    UPDATE runs
-       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
-           finished_at = now(), updated_at = now(), failures = failures + p_failed
-     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-END
-$body$;
-
--- name: poimen_finish_slot_inserted
--- FINISH_INSERTED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry needed no row while it ran: it is written now (with its step.entered).
--- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
-    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_entry_no integer, p_step text, p_entry_status text,
+    p_boots uuid[], p_event_type text, p_event_extra text, p_entry_mode text,
+    p_entry bigint, p_entry_no integer, p_step text, p_entry_status text,
     p_actions text, p_outputs text, p_entry_error text, p_next_step text,
-    p_events boolean, p_entry_event text, p_event_type text, p_event_extra text
+    p_events boolean, p_entry_event text
 ) RETURNS TABLE (
     id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
     workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
@@ -491,495 +270,110 @@ CREATE OR REPLACE FUNCTION poimen_finish_slot_inserted(
     cancel_requested runs.cancel_requested%TYPE,
     concurrency_key runs.concurrency_key%TYPE,
     concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
+DECLARE
+    v_locks integer;
+    v_run runs%ROWTYPE;
+    v_entry step_entries%ROWTYPE;
 BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
+    v_locks := poimen_lock_slots(p_run);
     UPDATE runs
        SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
            finished_at = now(), updated_at = now(), failures = failures + p_failed
      WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    entry AS (
+       AND (p_entry_mode <> 'close'
+            OR EXISTS (SELECT 1 FROM step_entries e WHERE e.id = p_entry AND e.run_id = p_run
+                       AND e.status IN ('running', 'waiting')))
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF p_entry_mode = 'insert' THEN
         INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
                                   next_step, finished_at)
-        SELECT id, p_entry_no, p_step, p_entry_status, CAST(p_actions AS jsonb),
-               CAST(p_outputs AS jsonb), CAST(p_entry_error AS jsonb), p_next_step, now()
-          FROM changed
-        RETURNING id, run_id, entry_no, step_id, next_step, error),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-END
-$body$;
-
--- name: poimen_finish_slot_closed
--- FINISH_CLOSED, after the run's slot locks, as one call.
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry's row is closed; the run ends only if that entry is still open.
--- The end re-queues the next run waiting for the run's slot.
-CREATE OR REPLACE FUNCTION poimen_finish_slot_closed(
-    p_status text, p_result text, p_error text, p_failed integer, p_run uuid,
-    p_boots uuid[], p_entry bigint, p_entry_status text, p_actions text, p_outputs text,
-    p_entry_error text, p_next_step text, p_entry_event text, p_events boolean,
-    p_event_type text, p_event_extra text
-) RETURNS TABLE (
-    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, attempt runs.attempt%TYPE,
-    workflow_name runs.workflow_name%TYPE, workflow_version runs.workflow_version%TYPE,
-    input runs.input%TYPE, failures runs.failures%TYPE,
-    cancel_requested runs.cancel_requested%TYPE,
-    concurrency_key runs.concurrency_key%TYPE,
-    concurrency_limit runs.concurrency_limit%TYPE, status runs.status%TYPE, woken jsonb
-) LANGUAGE plpgsql VOLATILE AS $body$
-#variable_conflict use_column
-BEGIN
-    PERFORM count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l;
-    RETURN QUERY WITH changed AS (
-    UPDATE runs
-       SET status = p_status, result = CAST(p_result AS jsonb), error = CAST(p_error AS jsonb),
-           finished_at = now(), updated_at = now(), failures = failures + p_failed
-     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
-       AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = p_entry AND e.run_id = p_run
-                   AND e.status IN ('running', 'waiting'))
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-    entry AS (
+        VALUES (v_run.id, p_entry_no, p_step, p_entry_status, CAST(p_actions AS jsonb),
+                CAST(p_outputs AS jsonb), CAST(p_entry_error AS jsonb), p_next_step, now())
+        RETURNING * INTO v_entry;
+    ELSIF p_entry_mode = 'close' THEN
         UPDATE step_entries e
            SET status = p_entry_status, actions = CAST(p_actions AS jsonb),
                outputs = CAST(p_outputs AS jsonb), error = CAST(p_entry_error AS jsonb),
                next_step = p_next_step, finished_at = now()
-          FROM changed
          WHERE e.id = p_entry AND e.status IN ('running', 'waiting')
-        RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT c.tenant_id, c.id, e.type,
-               jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-          FROM changed c, (SELECT 2, CAST(p_entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(p_events AS boolean)
-                 UNION ALL SELECT 3, CAST(p_event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-         WHERE true
-         ORDER BY e.ord
-    ),
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-         
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-         
-    )
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+        RETURNING e.* INTO v_entry;
+    END IF;
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    SELECT v_run.tenant_id, v_run.id, e.type,
+           jsonb_build_object('run_id', (v_run.id)::text, 'type', e.type) || e.fields
+      FROM (SELECT 1, 'step.entered', jsonb_build_object('step', v_entry.step_id, 'entry', v_entry.entry_no, 'entry_id', v_entry.id) WHERE p_entry_mode = 'insert' AND v_entry.id IS NOT NULL AND p_events
+            UNION ALL SELECT 2, p_entry_event, jsonb_build_object('step', v_entry.step_id, 'entry', v_entry.entry_no, 'entry_id', v_entry.id) || jsonb_build_object('next_step', v_entry.next_step) || CASE WHEN v_entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', v_entry.error - 'traceback') END WHERE v_entry.id IS NOT NULL AND p_events
+            UNION ALL SELECT 3, p_event_type, jsonb_build_object('attempt', v_run.attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb)) AS e(ord, type, fields)
+     ORDER BY e.ord;
+    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.attempt, v_run.workflow_name,
+                        v_run.workflow_version, v_run.input, v_run.failures,
+                        v_run.cancel_requested, v_run.concurrency_key, v_run.concurrency_limit,
+                        v_run.status,
+                        (SELECT e.woken FROM poimen_ended(
+                             ARRAY[v_run.id],
+                             CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e);
 END
 $body$;
 
--- name: finish_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- No entry to close.
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: finish_inserted_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry needed no row while it ran: it is written now (with its step.entered).
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-entry AS (
-    INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
-                              next_step, finished_at)
-    SELECT id, :entry_no, :step, :entry_status, CAST(:actions AS jsonb),
-           CAST(:outputs AS jsonb), CAST(:entry_error AS jsonb), :next_step, now()
-      FROM changed
-    RETURNING id, run_id, entry_no, step_id, next_step, error),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 1, 'step.entered', jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: finish_closed_unlimited
--- A run's end, fenced by the claim (held by one of ``:boots``), its last step
--- entry's close and their events (``step.entered``, ``step.<status>``, ``run.<status>``, in
--- that order, in one INSERT): one statement, one round trip. A child's end counts for its
--- parent's join and may re-queue the parent (README.md).
--- The last entry's row is closed; the run ends only if that entry is still open.
--- A run claimed outside every limited group: no slot release (the statement costs Postgres
--- a third less to plan); a tenant cap set while it ran is woken by beat (``wake_waiting``).
-WITH changed AS (
-UPDATE runs
-   SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-       finished_at = now(), updated_at = now(), failures = failures + :failed
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
-   AND EXISTS (SELECT 1 FROM step_entries e WHERE e.id = :entry AND e.run_id = :run
-               AND e.status IN ('running', 'waiting'))
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, status),
-entry AS (
-    UPDATE step_entries e
-       SET status = :entry_status, actions = CAST(:actions AS jsonb),
-           outputs = CAST(:outputs AS jsonb), error = CAST(:entry_error AS jsonb),
-           next_step = :next_step, finished_at = now()
-      FROM changed
-     WHERE e.id = :entry AND e.status IN ('running', 'waiting')
-    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.next_step, e.error),
-event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT c.tenant_id, c.id, e.type,
-           jsonb_build_object('run_id', (c.id)::text, 'type', e.type) || e.fields
-      FROM changed c, (SELECT 2, CAST(:entry_event AS text), jsonb_build_object('step', entry.step_id, 'entry', entry.entry_no, 'entry_id', entry.id) || jsonb_build_object('next_step', entry.next_step) || CASE WHEN entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', entry.error - 'traceback') END FROM entry WHERE CAST(:events AS boolean)
-             UNION ALL SELECT 3, CAST(:event_type AS text), jsonb_build_object('attempt', attempt) || coalesce(CAST(:event_extra AS jsonb), '{}'::jsonb) FROM changed) AS e(ord, type, fields)
-     WHERE true
-     ORDER BY e.ord
-),
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: release
+-- name: poimen_release
 -- A run this boot claimed goes back to ``queued`` (a failure before user code started),
 -- fenced by the claim: if it was taken over meanwhile, this changes nothing. No user code
--- ran, so the claim's attempt is given back. Its slot goes to the next run waiting.
-WITH  changed AS (
-UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
-       attempt = attempt - 1
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-    event AS (
+-- ran, so the claim's attempt is given back. Its slot goes to the next run waiting
+-- (``poimen_ended``, after ``poimen_lock_slots``).
+CREATE OR REPLACE FUNCTION poimen_release(
+    p_run uuid, p_boots uuid[]
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'queued', claimed_by = NULL, updated_at = now(),
+           attempt = attempt - 1
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.released',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.released') || '{}'::jsonb
-      FROM changed
-     WHERE true
+    VALUES (v_run.tenant_id, v_run.id, 'run.released',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.released') || '{}'::jsonb);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+END
+$body$;
 
-)
-    ,
-slot_woken AS (
-    UPDATE runs w
-       SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE w.id IN (
-           SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'concurrency'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-           UNION
-           SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'tenant_cap'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s JOIN tenants t ON t.id = s.tenant_id
-            WHERE t.max_running IS NOT NULL AND true)
-       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-),
-slot_woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.woken',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-      FROM slot_woken
-     WHERE true
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-
--- name: retry
+-- name: poimen_retry
 -- A failed attempt goes back to ``queued``, due again in ``:delay`` seconds, fenced by the
--- claim. Its slot goes to the next run waiting.
-WITH  changed AS (
-UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
-       error = CAST(:error AS jsonb), updated_at = now(),
-       not_before = now() + make_interval(secs => :delay)
- WHERE id = :run AND (runs.status || '') = 'running' AND claimed_by = ANY(:boots)
- RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit),
-    event AS (
+-- claim. Its slot goes to the next run waiting (``poimen_ended``, after
+-- ``poimen_lock_slots``).
+CREATE OR REPLACE FUNCTION poimen_retry(
+    p_run uuid, p_boots uuid[], p_delay float8, p_error text
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
+           error = CAST(p_error AS jsonb), updated_at = now(),
+           not_before = now() + make_interval(secs => p_delay)
+     WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.retrying',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', attempt) || jsonb_build_object('delay', CAST(:delay AS float8), 'error', CAST(:error AS jsonb))
-      FROM changed
-     WHERE true
-
-)
-    ,
-slot_woken AS (
-    UPDATE runs w
-       SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE w.id IN (
-           SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'concurrency'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-           UNION
-           SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'tenant_cap'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM changed s JOIN tenants t ON t.id = s.tenant_id
-            WHERE t.max_running IS NOT NULL AND true)
-       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-),
-slot_woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.woken',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-      FROM slot_woken
-     WHERE true
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
+    VALUES (v_run.tenant_id, v_run.id, 'run.retrying',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', v_run.attempt) || jsonb_build_object('delay', p_delay, 'error', CAST(p_error AS jsonb)));
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+END
+$body$;
 
 -- name: claim_state
 -- A claim that changed nothing reads why: the run's state and the claimer's liveness.

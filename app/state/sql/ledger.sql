@@ -75,34 +75,10 @@ WITH
 
 -- name: complete_marker
 -- A marker this process holds completes (or fails), fenced, with its ``action.<status>``
--- event.
-WITH
-    run AS (SELECT id, tenant_id, cancel_requested FROM runs
-             WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
-,
-    done AS (
-        UPDATE step_markers m
-           SET status = :status, result = CAST(:result AS jsonb), error = CAST(:error AS jsonb),
-               finished_at = now()
-          FROM run
-         WHERE m.entry_id = :entry AND m.position = :position AND m.status = 'claimed'
-           AND m.claimed_by = ANY(:boots)
-        RETURNING m.position, m.error, run.id AS run_id, run.tenant_id
-    ),
-    event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, done.run_id, CAST(:event_type AS text),
-               jsonb_build_object('run_id', (done.run_id)::text, 'type', CAST(:event_type AS text)) || jsonb_build_object('step', CAST(:step AS text), 'entry', CAST(:entry_no AS int), 'position', done.position, 'action', CAST(:name AS text), 'idempotency_key', CAST(:key AS text)) || CASE WHEN done.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', done.error - 'traceback') END
-          FROM done
-         WHERE true
-
-    )
-    SELECT count(*) AS completed FROM done;
-
--- name: complete_spawn
--- ``complete_marker`` of a fan-out: it links its children to the entry (for the join) in
--- the statement that completes its marker, in the transaction that admitted them, and counts
--- the children that already ended.
+-- event. A fan-out's marker (``:children``, with their ``:ordinals`` and ``:item_keys``;
+-- empty for any other action) links its children to the entry (for the join) in the
+-- statement that completes it, in the transaction that admitted them, and counts the
+-- children that already ended.
 WITH
     run AS (SELECT id, tenant_id, cancel_requested FROM runs
              WHERE id = :run AND status = 'running' AND claimed_by = ANY(:boots) FOR SHARE)
@@ -130,7 +106,7 @@ WITH
                children_done = e.children_done + (
                    SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
                     WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
-         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM done)
+         WHERE e.id = :entry AND EXISTS (SELECT 1 FROM linked)
     ),
     event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -193,70 +169,47 @@ WITH
     )
     SELECT entry.id, run.cancel_requested FROM entry JOIN run ON run.id = entry.run_id;
 
--- name: wait
+-- name: poimen_wait
 -- A join releases its worker: the entry waits (only while some child is still
 -- running: its counters are on this row, which every child's end locks too,
--- README.md, "An end counts for the parent's join") and the run becomes 'waiting', unclaimed.
-WITH entry AS (
+-- README.md, "An end counts for the parent's join") and the run becomes 'waiting', unclaimed,
+-- fenced by the claim; a run that held a slot hands it on (``poimen_ended``, after
+-- ``poimen_lock_slots``). ``entry_waits`` without ``run_waits``: the entry would wait for a
+-- run that is not ours (the caller rolls back).
+CREATE OR REPLACE FUNCTION poimen_wait(
+    p_run uuid, p_boots uuid[], p_entry bigint, p_actions text, p_outputs text
+) RETURNS TABLE (entry_waits integer, run_waits integer, woken jsonb)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_entry step_entries%ROWTYPE;
+    v_run runs%ROWTYPE;
+BEGIN
     UPDATE step_entries e
-       SET status = 'waiting', actions = CAST(:actions AS jsonb),
-           outputs = CAST(:outputs AS jsonb)
-     WHERE e.id = :entry AND e.status = 'running' AND e.children_done < e.children_total
-       AND EXISTS (SELECT 1 FROM runs WHERE id = :run AND claimed_by = ANY(:boots))
-    RETURNING e.id, e.run_id, e.entry_no, e.step_id, e.children_total, e.children_done
-),
-waited AS (
+       SET status = 'waiting', actions = CAST(p_actions AS jsonb),
+           outputs = CAST(p_outputs AS jsonb)
+     WHERE e.id = p_entry AND e.status = 'running' AND e.children_done < e.children_total
+       AND EXISTS (SELECT 1 FROM runs WHERE id = p_run AND claimed_by = ANY(p_boots))
+    RETURNING e.* INTO v_entry;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 0, 0, '[]'::jsonb;
+        RETURN;
+    END IF;
     UPDATE runs r SET status = 'waiting', wait_reason = 'join', claimed_by = NULL,
            updated_at = now()
-      FROM entry
-     WHERE r.id = entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(:boots)
-    RETURNING r.id, r.tenant_id, r.attempt, r.workflow_name, r.concurrency_key,
-              r.concurrency_limit, entry.step_id, entry.entry_no, entry.children_total,
-              entry.children_done
-),
-event AS (
+     WHERE r.id = v_entry.run_id AND r.status = 'running' AND r.claimed_by = ANY(p_boots)
+    RETURNING r.* INTO v_run;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 1, 0, '[]'::jsonb;
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.waiting',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', attempt, 'reason', 'join', 'step', step_id, 'entry', entry_no, 'children', children_total, 'children_done', children_done)
-      FROM waited
-     WHERE true
-
-),
-slot_woken AS (
-    UPDATE runs w
-       SET status = 'queued', wait_reason = NULL, updated_at = now(),
-           last_sent_at = now()
-     WHERE w.id IN (
-           SELECT (SELECT r.id FROM runs r
-                    WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'concurrency'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM waited s WHERE s.concurrency_limit IS NOT NULL AND true
-           UNION
-           SELECT (SELECT r.id FROM runs r
-                    WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                      AND r.wait_reason = 'tenant_cap'
-                    ORDER BY r.created_at, r.id LIMIT 1)
-             FROM waited s JOIN tenants t ON t.id = s.tenant_id
-            WHERE t.max_running IS NOT NULL AND true)
-       AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-    RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-              w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-),
-slot_woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.woken',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-      FROM slot_woken
-     WHERE true
-
-)
-
-SELECT (SELECT count(*) FROM entry) AS entry_waits, (SELECT count(*) FROM waited) AS run_waits,
-       (SELECT coalesce(jsonb_agg(jsonb_build_object(
-               'id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version,
-               'traceparent', w.traceparent, 'tracestate', w.tracestate)), '[]'::jsonb)
-          FROM slot_woken w) AS woken;
+    VALUES (v_run.tenant_id, v_run.id, 'run.waiting',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done));
+    RETURN QUERY SELECT 1, 1, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+END
+$body$;
 
 -- name: children
 -- The child runs an entry spawned, in position and item order.

@@ -101,213 +101,173 @@ UPDATE runs SET released_key = dispatch_key, dispatch_key = NULL, updated_at = n
    AND finished_at <= now() - make_interval(secs => :ttl)
 RETURNING id;
 
--- name: cancel
--- One statement, so no interleaving can slip between "cancel if queued" and
+-- name: poimen_cancel
+-- One call, so no interleaving can slip between "cancel if queued" and
 -- "flag if running": a run that moves running -> queued (a retry, a release)
 -- while we wait on its row lock is re-checked on its new version by Postgres
 -- and cancelled outright.
 -- A waiting run (a join) holds no worker: it is cancelled outright, like a queued one.
-WITH  changed AS (
-UPDATE runs
-   SET status = CASE WHEN status IN ('queued', 'waiting')
-                     THEN 'cancelled' ELSE status END,
-       finished_at = CASE WHEN status IN ('queued', 'waiting')
-                          THEN now() ELSE finished_at END,
-       wait_reason = CASE WHEN status = 'waiting' THEN NULL
-                          ELSE wait_reason END,
-       cancel_requested = true, updated_at = now()
- WHERE id = :run AND tenant_id = :tenant
-   AND status IN ('queued', 'running', 'waiting')
- RETURNING *),
-    event AS (
+-- A run it ends counts for its parent's join (``poimen_ended``).
+CREATE OR REPLACE FUNCTION poimen_cancel(
+    p_run uuid, p_tenant integer
+) RETURNS TABLE (
+    id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, status runs.status%TYPE,
+    cancel_requested runs.cancel_requested%TYPE, woken jsonb
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs
+       SET status = CASE WHEN status IN ('queued', 'waiting')
+                         THEN 'cancelled' ELSE status END,
+           finished_at = CASE WHEN status IN ('queued', 'waiting')
+                              THEN now() ELSE finished_at END,
+           wait_reason = CASE WHEN status = 'waiting' THEN NULL
+                              ELSE wait_reason END,
+           cancel_requested = true, updated_at = now()
+     WHERE id = p_run AND tenant_id = p_tenant
+       AND status IN ('queued', 'running', 'waiting')
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF v_run.status = 'cancelled' THEN
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
+                jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
+    END IF;
+    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.status, v_run.cancel_requested,
+                        (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+END
+$body$;
+
+-- name: poimen_cancel_queued
+-- A delivery found a queued run whose cancellation was requested: it ends cancelled, and
+-- counts for its parent's join (``poimen_ended``).
+CREATE OR REPLACE FUNCTION poimen_cancel_queued(
+    p_run uuid
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
+     WHERE id = p_run AND status = 'queued' AND cancel_requested
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.cancelled',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || '{}'::jsonb
-      FROM changed
-     WHERE status = 'cancelled'
+    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+END
+$body$;
 
-)
-    ,
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: cancel_queued
--- A delivery found a queued run whose cancellation was requested.
-WITH  changed AS (
-UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
- WHERE id = :run AND status = 'queued' AND cancel_requested
- RETURNING id, tenant_id, status),
-    event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.cancelled',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || '{}'::jsonb
-      FROM changed
-     WHERE true
-
-)
-    ,
-joined AS (
-    UPDATE step_entries e SET children_done = e.children_done + 1
-      FROM step_children c JOIN changed s ON s.id = c.child_run_id
-     WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-),
-woken AS (
-    UPDATE runs p
-       SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                         ELSE p.status END,
-           wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                              ELSE p.wait_reason END,
-           updated_at = now(), last_sent_at = now()
-      FROM joined j
-     WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-       AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-    RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-              p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-),
-woken_event AS (
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    SELECT tenant_id, id, 'run.joined',
-           jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-      FROM woken
-     WHERE status = 'queued'
-
-)
-
-    SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM woken w WHERE w.status = 'queued') AS woken FROM changed;
-
--- name: end_abandoned
+-- name: poimen_end_abandoned
 -- Celery's revoke of a run whose cancel was requested and whose holder is gone
 -- (``app/liveness.py``: its lock first seen free its bound ago, so no body of it
 -- runs): it ends cancelled, as a takeover would end it (claims.sql, take_over), and its
--- slot goes to the next run. Conditional on both, so it races a takeover or the
--- run's own finish safely: one wins.
-WITH  changed AS (
+-- slot goes to the next run (``poimen_ended``, after ``poimen_lock_slots``). Conditional on
+-- both, so it races a takeover or the run's own finish safely: one wins.
+CREATE OR REPLACE FUNCTION poimen_end_abandoned(
+    p_run uuid
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
     UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
-     WHERE id = :run AND status = 'running' AND cancel_requested
+     WHERE id = p_run AND status = 'running' AND cancel_requested
        AND EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = runs.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds))
-     RETURNING id, tenant_id, status, attempt, workflow_name, workflow_version, concurrency_key, concurrency_limit),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.cancelled',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', attempt)
-          FROM changed
-         WHERE true
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', v_run.attempt));
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+END
+$body$;
 
-    )
-        ,
-    joined AS (
-        UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
-    ),
-    woken AS (
-        UPDATE runs p
-           SET status = CASE WHEN p.status = 'waiting' THEN 'queued'
-                             ELSE p.status END,
-               wait_reason = CASE WHEN p.status = 'waiting' THEN NULL
-                                  ELSE p.wait_reason END,
-               updated_at = now(), last_sent_at = now()
-          FROM joined j
-         WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
-        RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
-                  p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
-    ),
-    woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.joined',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
-          FROM woken
-         WHERE status = 'queued'
-
-    )
-,
-    slot_woken AS (
-        UPDATE runs w
-           SET status = 'queued', wait_reason = NULL, updated_at = now(),
-               last_sent_at = now()
-         WHERE w.id IN (
-               SELECT (SELECT r.id FROM runs r
-                        WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'concurrency'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
-               UNION
-               SELECT (SELECT r.id FROM runs r
-                        WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
-                          AND r.wait_reason = 'tenant_cap'
-                        ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
-           AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
-    ),
-    slot_woken_event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.woken',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
-          FROM slot_woken
-         WHERE true
-
-    )
-
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-
--- name: time_limit
+-- name: poimen_time_limit
 -- Celery's hard time limit: only the run held by the very pool process Celery
 -- is about to kill: its boots are this worker's (node: the main process's own
 -- id) with its pid, and only while it runs there. Another container's process
--- with the same hostname and pid is another node.
-WITH  changed AS (
-    UPDATE runs SET status = 'failed', error = CAST(:error AS jsonb),
+-- with the same hostname and pid is another node. The run fails; it counts for its
+-- parent's join and its slot goes to the next run (``poimen_ended``, after
+-- ``poimen_lock_slots``).
+CREATE OR REPLACE FUNCTION poimen_time_limit(
+    p_run uuid, p_node uuid, p_pid integer, p_error text
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'failed', error = CAST(p_error AS jsonb),
            failures = failures + 1, finished_at = now(), updated_at = now()
-     WHERE id = :run AND status = 'running'
+     WHERE id = p_run AND status = 'running'
        AND claimed_by IN (SELECT boot_id FROM worker_boots
-                           WHERE node = :node AND pid = :pid)
-     RETURNING id, tenant_id, status, attempt, error, workflow_name, workflow_version, concurrency_key, concurrency_limit),
-        event AS (
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        SELECT tenant_id, id, 'run.failed',
-               jsonb_build_object('run_id', (id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', attempt, 'error', error)
-          FROM changed
-         WHERE true
+                           WHERE node = p_node AND pid = p_pid)
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+    VALUES (v_run.tenant_id, v_run.id, 'run.failed',
+            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error));
+    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+END
+$body$;
 
-    )
-        ,
+-- name: poimen_lock_slots
+-- The locks of a run's groups, taken before any statement that claims, ends or
+-- parks a run of a limited group (README.md, "An end frees a slot"): its capped
+-- tenant first, then its (tenant, workflow, key), in that order everywhere, held
+-- until the transaction ends. Returns how many: 0 for a run of an unlimited workflow of an
+-- uncapped tenant (no lock). The aggregate consumes the ordered rows one by one.
+CREATE OR REPLACE FUNCTION poimen_lock_slots(
+    p_run uuid
+) RETURNS integer LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+BEGIN
+    RETURN (SELECT count(pg_advisory_xact_lock(l.space, l.key)) FROM (
+           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
+             FROM runs r JOIN tenants t ON t.id = r.tenant_id
+            WHERE r.id = p_run AND t.max_running IS NOT NULL
+           UNION ALL
+           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
+            ORDER BY ord) AS l);
+END
+$body$;
+
+-- name: poimen_ended
+-- What follows runs' ends, after the statements that ended them, in one statement: the
+-- runs ``p_ended`` (each in a status it never leaves) count for their parents' joins
+-- (README.md, "An end counts for the parent's join": ``joined``, ``woken``), and the runs
+-- ``p_freed`` (each out of ``running``, after its slot locks) hand their slots on
+-- (README.md, "An end frees a slot": ``slot_woken``). The two parts re-queue different runs
+-- (a parent waits for its join, a slot's waiter for a slot). Returns the runs they
+-- re-queued (``woken``: the parents first), for the caller's row.
+CREATE OR REPLACE FUNCTION poimen_ended(
+    p_ended uuid[], p_freed uuid[]
+) RETURNS TABLE (woken jsonb) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY WITH
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
-          FROM step_children c JOIN changed s ON s.id = c.child_run_id
-         WHERE e.id = c.entry_id AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+          FROM step_children c JOIN runs s ON s.id = c.child_run_id
+         WHERE c.child_run_id = ANY(p_ended) AND e.id = c.entry_id
+           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -329,9 +289,7 @@ WITH  changed AS (
                jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
           FROM woken
          WHERE status = 'queued'
-
-    )
-,
+    ),
     slot_woken AS (
         UPDATE runs w
            SET status = 'queued', wait_reason = NULL, updated_at = now(),
@@ -341,43 +299,30 @@ WITH  changed AS (
                         WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(s.tenant_id AS text) || '|' || s.workflow_name || '|' || coalesce(s.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'concurrency'
                         ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s WHERE s.concurrency_limit IS NOT NULL AND true
+                 FROM runs s WHERE s.id = ANY(p_freed) AND s.concurrency_limit IS NOT NULL
                UNION
                SELECT (SELECT r.id FROM runs r
                         WHERE CAST(r.tenant_id AS text) = CAST(s.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'waiting'
                           AND r.wait_reason = 'tenant_cap'
                         ORDER BY r.created_at, r.id LIMIT 1)
-                 FROM changed s JOIN tenants t ON t.id = s.tenant_id
-                WHERE t.max_running IS NOT NULL AND true)
+                 FROM runs s JOIN tenants t ON t.id = s.tenant_id
+                WHERE s.id = ANY(p_freed) AND t.max_running IS NOT NULL)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
-                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
+        RETURNING w.id, w.tenant_id, w.status, w.workflow_name, w.workflow_version,
+                  NULL::bigint AS entry_id, w.traceparent, w.tracestate, w.attempt,
+                  w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, 'run.woken',
                jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
           FROM slot_woken
-         WHERE true
-
     )
-
-        SELECT changed.*, (SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]'::jsonb) FROM (SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM woken w WHERE w.status = 'queued' UNION ALL SELECT w.id, w.workflow_name, w.workflow_version, w.traceparent, w.tracestate, w.attempt, w.parent_run_id, w.root_run_id FROM slot_woken w) w) AS woken FROM changed;
-
--- name: lock_slots
--- The locks of a run's groups, taken before any statement that claims, ends or
--- parks a run of a limited group (README.md, "An end frees a slot"): its capped
--- tenant first, then its (tenant, workflow, key), in that order everywhere, held
--- until the transaction ends. Nothing for a run of an unlimited workflow of an
--- uncapped tenant. The aggregate consumes the ordered rows one by one.
-SELECT count(pg_advisory_xact_lock(l.space, l.key)) AS locks FROM (
-       SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-         FROM runs r JOIN tenants t ON t.id = r.tenant_id
-        WHERE r.id = :run AND t.max_running IS NOT NULL
-       UNION ALL
-       SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-         FROM runs r WHERE r.id = :run AND r.concurrency_limit IS NOT NULL
-        ORDER BY ord) AS l;
+    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id) ORDER BY w.part), '[]'::jsonb)
+      FROM (SELECT 1 AS part, * FROM woken WHERE status = 'queued'
+            UNION ALL SELECT 2, * FROM slot_woken) AS w;
+END
+$body$;
 
 -- name: mark_holder_dead
 -- The holder of one run seen without its lock: stamped as ``mark_boot_dead`` (boots.sql) does.
