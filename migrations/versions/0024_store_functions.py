@@ -22,18 +22,19 @@ down_revision = '0023'
 branch_labels = None
 depends_on = None
 
-# The functions poimen_finish replaces (0014-0022 installed them).
-_REPLACED = ("poimen_finish_slot", "poimen_finish_slot_inserted", "poimen_finish_slot_closed")
+# The functions poimen_finish replaces (0014-0022 installed them) stay installed: during a
+# deploy the previous release's workers run beside the new schema (the release step
+# migrates before they stop) and finish their limited runs with them. Nothing of this
+# release calls them.
 
 
 def upgrade():
     for function in FUNCTIONS:
         op.execute(function.create)
-    for name in _REPLACED:
-        op.execute(f"DROP FUNCTION IF EXISTS {name}")
 
 
 def downgrade():
     # The store of revision 0023 calls the poimen_finish_slot functions its own
-    # app/state/sql/claims.sql holds: a downgrade runs that revision's FUNCTIONS again.
+    # app/state/sql/claims.sql holds, still installed: a downgrade runs that revision's
+    # FUNCTIONS again.
     pass

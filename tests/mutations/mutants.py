@@ -532,6 +532,16 @@ MUTANTS: list[Mutant] = [
          "tests/app/test_idempotent_admission.py::test_the_message_names_the_run_and_workflow"),
     ),
     Mutant(
+        "finish_skips_a_childs_join",
+        "a run's end counts for its parent's join: poimen_finish skips poimen_ended only "
+        "for a run with no slot to hand on and no parent's entry to count in",
+        CLAIMS_SQL,
+        "    IF v_locks > 0 OR EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = v_run.id)\n",
+        "    IF v_locks > 0\n",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_join_the_last_child_finishing_while_the_parent_goes_waiting_requeues_it_once",),
+    ),
+    Mutant(
         "finish_in_a_transaction",
         "a run outside every limited group ends in one statement in autocommit (issue 25)",
         "workers/fence.py",

@@ -277,6 +277,7 @@ DECLARE
     v_locks integer;
     v_run runs%ROWTYPE;
     v_entry step_entries%ROWTYPE;
+    v_woken jsonb;
 BEGIN
     v_locks := poimen_lock_slots(p_run);
     UPDATE runs
@@ -311,13 +312,18 @@ BEGIN
             UNION ALL SELECT 2, p_entry_event, jsonb_build_object('step', v_entry.step_id, 'entry', v_entry.entry_no, 'entry_id', v_entry.id) || jsonb_build_object('next_step', v_entry.next_step) || CASE WHEN v_entry.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', v_entry.error - 'traceback') END WHERE v_entry.id IS NOT NULL AND p_events
             UNION ALL SELECT 3, p_event_type, jsonb_build_object('attempt', v_run.attempt) || coalesce(CAST(p_event_extra AS jsonb), '{}'::jsonb)) AS e(ord, type, fields)
      ORDER BY e.ord;
+    IF v_locks > 0 OR EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = v_run.id)
+    THEN
+        v_woken := (SELECT e.woken FROM poimen_ended(
+                        ARRAY[v_run.id], CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END)
+                    AS e);
+    ELSE
+        v_woken := '[]';  -- no slot to hand on, no join to count: nothing to set off
+    END IF;
     RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.attempt, v_run.workflow_name,
                         v_run.workflow_version, v_run.input, v_run.failures,
                         v_run.cancel_requested, v_run.concurrency_key, v_run.concurrency_limit,
-                        v_run.status,
-                        (SELECT e.woken FROM poimen_ended(
-                             ARRAY[v_run.id],
-                             CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e);
+                        v_run.status, v_woken;
 END
 $body$;
 
