@@ -11,12 +11,16 @@ Every test is in one lane, assigned at collection (``tests/process_guard.py``):
 * ``system``: the ``processes`` mark: gunicorn, Celery, relays, chaos, the browser. A
   parallel pass (whole modules per worker, so a module-scoped server starts once),
   then the ``alone`` tests one at a time: they need the machine to themselves
-  (iptables, timing bounds measured under load).
+  (server-wide counts, timing bounds measured under load). The ``apart`` tests run on
+  a Postgres and a Redis of their own in a network namespace (the partition tests):
+  beside the unit and db lanes, away from the other system tests.
 
-The unit and db lanes run at the same time (the unit lane's output follows the db
-lane's). The system lane's parallel pass starts the longest modules first
-(``tests/durations.py``, from ``tests/durations.json``); ``--store-durations``
-writes that file from the pass's report.
+The passes run in three stages, the passes of a stage at the same time (the output of
+each printed whole, one after another): the unit lane, the db lane and the system
+lane's ``apart`` tests (on servers of their own: the partition tests); then the system
+lane's parallel pass; then its ``alone`` tests. The parallel pass starts the longest
+modules first (``tests/durations.py``, from ``tests/durations.json``);
+``--store-durations`` writes that file from the pass's report.
 
 Each pass prints its test count and seconds; any pass's non-zero pytest status fails
 the run (5, no tests collected, included), after every lane has run. The defaults
@@ -35,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LANES = ("unit", "db", "system")
 
@@ -51,7 +56,7 @@ class Pass:
     workers: int = 0  # 0: in this pytest process, no xdist
     dist: str = "load"
     env: dict[str, str] | None = None
-    beside_next: bool = False  # runs at the same time as the pass after it
+    stage: int = 0  # passes of one stage run at the same time; stages one after another
     longest_first: bool = False  # modules in tests/durations.json's order
 
 
@@ -60,13 +65,16 @@ def passes(lanes: list[str]) -> list[Pass]:
     # The system lane's tests mostly wait (takeover bounds, shutdown graces): one more.
     system_workers = int(os.environ.get("POIMEN_SYSTEM_WORKERS", "5"))
     table = {
-        "unit": [Pass("unit", "unit", env=NO_SERVICES, beside_next="db" in lanes)],
+        "unit": [Pass("unit", "unit", env=NO_SERVICES)],
         # worksteal: the model test's families take tens of seconds each, the rest
         # milliseconds; an idle worker takes over another's queue.
         "db": [Pass("db", "db", db_workers, "worksteal")],
-        "system": [Pass("system", "system and not alone", system_workers, "loadfile",
-                        longest_first=True),
-                   Pass("system alone", "system and alone")],
+        # `apart`: system tests on servers of their own (the partition tests), beside the
+        # unit and db lanes; then the parallel pass; then the `alone` tests.
+        "system": [Pass("system apart", "system and apart"),
+                   Pass("system", "system and not alone and not apart", system_workers,
+                        "loadfile", longest_first=True, stage=1),
+                   Pass("system alone", "system and alone", stage=2)],
     }
     return [p for lane in lanes for p in table[lane]]
 
@@ -106,34 +114,38 @@ def run(step: Pass, extra: list[str], report: Path,
 
 
 def run_all(steps: list[Pass], extra: list[str], reports: Path) -> list[tuple]:
-    """Every pass in order; a ``beside_next`` pass at the same time as the next one, its
-    output held and printed after the next one's."""
+    """Every stage in order; a stage's passes at the same time, the output of all but its
+    last held and printed after the last one's."""
     results: list[tuple] = []
-    i = 0
-    while i < len(steps):
-        step = steps[i]
-        report = reports / f"{step.lane.replace(' ', '-')}.xml"
-        if step.beside_next and i + 1 < len(steps):
-            held = tempfile.TemporaryFile("w+")
-            beside: list[tuple] = []
+    for stage in sorted({step.stage for step in steps}):
+        group = [step for step in steps if step.stage == stage]
+        held: list[tuple[Pass, Any, list[tuple]]] = []
+        threads = []
+        for step in group[:-1]:
+            out = tempfile.TemporaryFile("w+")
+            answer: list[tuple] = []
 
-            def run_beside(step=step, report=report, held=held, beside=beside) -> None:
-                beside.append(run(step, extra, report, held))
+            def run_beside(step=step, out=out, answer=answer) -> None:
+                answer.append(run(step, extra, _report(reports, step), out))
 
-            thread = threading.Thread(target=run_beside)
-            thread.start()
-            nxt = steps[i + 1]
-            after = run(nxt, extra, reports / f"{nxt.lane.replace(' ', '-')}.xml")
+            threads.append(threading.Thread(target=run_beside))
+            held.append((step, out, answer))
+            threads[-1].start()
+        last = group[-1]
+        after = run(last, extra, _report(reports, last))
+        for thread in threads:
             thread.join()
-            held.seek(0)
-            sys.stdout.write(held.read())
+        for step, out, answer in held:
+            out.seek(0)
+            sys.stdout.write(out.read())
             sys.stdout.flush()
-            results += [(step, *beside[0]), (nxt, *after)]
-            i += 2
-        else:
-            results.append((step, *run(step, extra, report)))
-            i += 1
+            results.append((step, *answer[0]))
+        results.append((last, *after))
     return results
+
+
+def _report(reports: Path, step: Pass) -> Path:
+    return reports / f"{step.lane.replace(' ', '-')}.xml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(passes(lanes), extra, reports)
     if store:
         from tests import durations
-        durations.store([reports / f"{p.lane.replace(' ', '-')}.xml"
-                         for p in passes(lanes) if p.longest_first])
+        durations.store([_report(reports, p) for p in passes(lanes) if p.longest_first])
         print(f"\n=== durations stored in {durations.FILE}", flush=True)
     print("\n=== lanes", flush=True)
     for step, status, tests, seconds, summary in results:

@@ -134,9 +134,11 @@ def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite(
     assert test and "services" in test.group(1).split()
     assert "-m tests.lanes --" in test.group(2), "make test runs every lane"
     assert not re.search(r"pytest[^\n]*\s-m\s", test.group(2)), "make test selects no marks"
-    # The passes select every lane whole: system's two passes split it by `alone`.
-    assert [p.marks for p in passes(list(LANES))] == [
-        "unit", "db", "system and not alone", "system and alone"]
+    # The passes select every lane whole: system's three passes split it by `apart` and
+    # `alone`; the first stage is unit, db and the `apart` tests.
+    assert [(p.marks, p.stage) for p in passes(list(LANES))] == [
+        ("unit", 0), ("db", 0), ("system and apart", 0),
+        ("system and not alone and not apart", 1), ("system and alone", 2)]
     assert all("system" not in p.marks for p in passes(["unit", "db"]))
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
@@ -148,9 +150,9 @@ def test_the_system_pass_starts_the_longest_modules_first():
     assert order(["a.py", "b.py", "new.py", "c.py"], {"a.py": 5, "b.py": 50, "c.py": 5}) == [
         "new.py", "b.py", "a.py", "c.py"]  # unknown first, then longest, ties as given
     (parallel,) = [p for p in passes(["system"]) if p.longest_first]
-    assert parallel.marks == "system and not alone" and parallel.dist == "loadfile"
+    assert parallel.marks == "system and not alone and not apart" and parallel.dist == "loadfile"
     unit, db = passes(["unit", "db"])
-    assert unit.beside_next and not db.beside_next
+    assert unit.stage == db.stage == 0
 
 
 def test_a_junit_report_gives_each_modules_seconds(tmp_path):

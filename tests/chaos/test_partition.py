@@ -31,9 +31,10 @@ from tests.chaos.conftest import PrivatePostgres, environment
 from tests.conftest import TABLES
 from tests.processes import BIN, ROOT, Process, free_port, start_beat, start_worker, wait_until
 
-# alone: iptables rules and a namespace per test, and bounds measured in seconds: after
-# the parallel pass, one test at a time (tests/lanes.py).
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+# apart: iptables rules in a namespace of their own, a Postgres and a Redis of their own,
+# and bounds measured in seconds: one test at a time, beside the unit and db lanes (which
+# reach no server of theirs), never beside the other system tests (tests/lanes.py).
+pytestmark = [pytest.mark.slow, pytest.mark.apart]
 
 RUN_SECONDS = 30
 # The run's span from admission (the ``tick`` body's ``until``): long enough that, without
