@@ -35,11 +35,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 LANES = ("unit", "db", "system")
 
@@ -118,28 +117,17 @@ def run_all(steps: list[Pass], extra: list[str], reports: Path) -> list[tuple]:
     last held and printed after the last one's."""
     results: list[tuple] = []
     for stage in sorted({step.stage for step in steps}):
-        group = [step for step in steps if step.stage == stage]
-        held: list[tuple[Pass, Any, list[tuple]]] = []
-        threads = []
-        for step in group[:-1]:
-            out = tempfile.TemporaryFile("w+")
-            answer: list[tuple] = []
-
-            def run_beside(step=step, out=out, answer=answer) -> None:
-                answer.append(run(step, extra, _report(reports, step), out))
-
-            threads.append(threading.Thread(target=run_beside))
-            held.append((step, out, answer))
-            threads[-1].start()
-        last = group[-1]
-        after = run(last, extra, _report(reports, last))
-        for thread in threads:
-            thread.join()
-        for step, out, answer in held:
-            out.seek(0)
-            sys.stdout.write(out.read())
-            sys.stdout.flush()
-            results.append((step, *answer[0]))
+        *beside, last = [step for step in steps if step.stage == stage]
+        with ThreadPoolExecutor(max_workers=max(1, len(beside))) as pool:
+            held = [(step, out, pool.submit(run, step, extra, _report(reports, step), out))
+                    for step in beside for out in [tempfile.TemporaryFile("w+")]]
+            after = run(last, extra, _report(reports, last))
+            for step, out, future in held:
+                answer = future.result()
+                out.seek(0)
+                sys.stdout.write(out.read())
+                sys.stdout.flush()
+                results.append((step, *answer))
         results.append((last, *after))
     return results
 
