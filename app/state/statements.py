@@ -110,12 +110,11 @@ class Function:
     @property
     def query(self) -> TextClause:
         """A slot function's ``RETURN QUERY`` as a statement of its own (its arguments
-        ``p_x`` as parameters ``:x``): what runs after the locks, for reading its plan."""
+        ``p_x`` and variables ``v_x`` as parameters ``:x``): what runs after the locks, for
+        reading its plan."""
         start = self.body.index("RETURN QUERY ") + len("RETURN QUERY ")
         query = self.body[start:self.body.rindex(";\nEND")]
-        for argument in self.arguments:
-            query = re.sub(rf"\b{argument}\b", ":" + argument.removeprefix("p_"), query)
-        return text(query)
+        return text(re.sub(r"\b[pv]_(\w+)\b", r":\1", query))
 
 
 _CREATE = re.compile(r"^CREATE OR REPLACE FUNCTION (\w+)\((.*?)\) RETURNS .*? AS \$body\$",

@@ -542,6 +542,17 @@ MUTANTS: list[Mutant] = [
          "test_join_the_last_child_finishing_while_the_parent_goes_waiting_requeues_it_once",),
     ),
     Mutant(
+        "ended_skips_a_limited_childs_join",
+        "an end counts for its parent's join whatever else it sets off: poimen_ended skips "
+        "the join's statement only when no ended run is a fan-out's child",
+        RUNS_SQL,
+        "    IF EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_ended)) THEN\n",
+        "    IF cardinality(p_freed) = 0\n"
+        "       AND EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_ended)) THEN\n",
+        ("tests/workers/test_step_entry_dispatch.py::"
+         "test_join_a_limited_childs_end_counts_for_the_join_and_hands_its_slot_on",),
+    ),
+    Mutant(
         "finish_in_a_transaction",
         "a run outside every limited group ends in one statement in autocommit (issue 25)",
         "workers/fence.py",

@@ -78,6 +78,9 @@ def queue(app, redis_client, queue_name):
     """This module's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
     from app.enqueue import sender
 
+    # What the fixtures before it committed is published by the sender thread: let it
+    # finish first, so none of it lands after the queue was emptied.
+    assert sender(app.extensions["celery"]).wait_idle(30)
     redis_client.delete(queue_name)
 
     def messages() -> list[str]:
@@ -804,6 +807,38 @@ def test_join_the_last_child_finishing_while_the_parent_goes_waiting_requeues_it
         == "queued"
     assert events_of(pg, parent).count("run.joined") == 1
     assert queue() == [str(parent)]  # (emptied after the setup) the join's one re-queue
+
+
+def test_join_a_limited_childs_end_counts_for_the_join_and_hands_its_slot_on(
+        app, join_world, pg, queue):
+    """A child of a limited group ends in two parts (``poimen_ended``): it frees a slot and
+    it counts for its parent's join; the one never stands in for the other."""
+    from app.extensions import db
+
+    parent, parent_boot, entry, (first, last), child_boot = join_world
+    # The tenant is capped while its runs run: each end takes the tenant's slot lock and
+    # hands a slot on, and a run parked behind the cap is the next to take one.
+    tenant = pg.execute("SELECT tenant_id FROM runs WHERE id = %s", [parent]).fetchone()[0]
+    pg.execute("UPDATE tenants SET max_running = 3 WHERE id = %s", [tenant])
+    parked = pg.execute("INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, "
+                        "workflow_version, input, status, wait_reason, attempt, failures, "
+                        "cancel_requested, origin, created_at, updated_at) "
+                        "SELECT gen_random_uuid(), tenant_id, 'noop@1', 'noop', '1', '{}', "
+                        "'waiting', 'tenant_cap', 0, 0, false, 'http', now(), now() "
+                        "FROM runs WHERE id = %s RETURNING id", [parent]).fetchone()[0]
+    with app.app_context():
+        session = db.session
+        assert tuple(_wait(session, parent, parent_boot, entry)) == (1, 1)
+        session.commit()
+        _finish_child(session, first, child_boot)
+        session.commit()
+        assert run_row(pg, parent)[0] == "waiting"  # one child left
+        _finish_child(session, last, child_boot)
+        session.commit()
+    assert run_row(pg, parent)[0] == "queued"
+    assert events_of(pg, parent).count("run.joined") == 1
+    assert run_row(pg, parked)[0] == "queued"  # a freed slot went to the parked run
+    assert events_of(pg, parked).count("run.woken") == 1
 
 
 def test_join_a_parent_going_waiting_after_its_last_child_finished_does_not_wait(

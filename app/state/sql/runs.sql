@@ -249,20 +249,24 @@ END
 $body$;
 
 -- name: poimen_ended
--- What follows runs' ends, after the statements that ended them, in one statement: the
--- runs ``p_ended`` (each in a status it never leaves) count for their parents' joins
--- (README.md, "An end counts for the parent's join": ``joined``, ``woken``), and the runs
--- ``p_freed`` (each out of ``running``, after its slot locks) hand their slots on
--- (README.md, "An end frees a slot": ``slot_woken``). The two parts re-queue different runs
--- (a parent waits for its join, a slot's waiter for a slot). Returns the runs they
--- re-queued (``woken``: the parents first), for the caller's row.
+-- What follows runs' ends, after the statements that ended them: the runs ``p_ended``
+-- (each in a status it never leaves) count for their parents' joins (README.md, "An end
+-- counts for the parent's join": ``joined``, ``woken``), a statement run only when one of
+-- them is a fan-out's child; then the runs ``p_freed`` (each out of ``running``, after
+-- its slot locks) hand their slots on (README.md, "An end frees a slot": ``slot_woken``).
+-- The two parts re-queue different runs (a parent waits for its join, a slot's waiter
+-- for a slot). Returns the runs they re-queued (``woken``: the parents first), for the
+-- caller's row.
 CREATE OR REPLACE FUNCTION poimen_ended(
     p_ended uuid[], p_freed uuid[]
 ) RETURNS TABLE (woken jsonb) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
+DECLARE
+    v_joined jsonb := '[]';
 BEGIN
-    RETURN QUERY WITH
+    IF EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_ended)) THEN
+    WITH
     joined AS (
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN runs s ON s.id = c.child_run_id
@@ -289,7 +293,11 @@ BEGIN
                jsonb_build_object('run_id', (id)::text, 'type', 'run.joined') || jsonb_build_object('entry_id', entry_id)
           FROM woken
          WHERE status = 'queued'
-    ),
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]')
+      INTO v_joined FROM woken w WHERE w.status = 'queued';
+    END IF;
+    RETURN QUERY WITH
     slot_woken AS (
         UPDATE runs w
            SET status = 'queued', wait_reason = NULL, updated_at = now(),
@@ -308,9 +316,8 @@ BEGIN
                  FROM runs s JOIN tenants t ON t.id = s.tenant_id
                 WHERE s.id = ANY(p_freed) AND t.max_running IS NOT NULL)
            AND (w.status || '') = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
-        RETURNING w.id, w.tenant_id, w.status, w.workflow_name, w.workflow_version,
-                  NULL::bigint AS entry_id, w.traceparent, w.tracestate, w.attempt,
-                  w.parent_run_id, w.root_run_id
+        RETURNING w.id, w.tenant_id, w.workflow_name, w.workflow_version, w.traceparent,
+                  w.tracestate, w.attempt, w.parent_run_id, w.root_run_id
     ),
     slot_woken_event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -318,9 +325,8 @@ BEGIN
                jsonb_build_object('run_id', (id)::text, 'type', 'run.woken') || '{}'::jsonb
           FROM slot_woken
     )
-    SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id) ORDER BY w.part), '[]'::jsonb)
-      FROM (SELECT 1 AS part, * FROM woken WHERE status = 'queued'
-            UNION ALL SELECT 2, * FROM slot_woken) AS w;
+    SELECT v_joined || coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id)), '[]')
+      FROM slot_woken w;
 END
 $body$;
 
