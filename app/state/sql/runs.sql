@@ -470,17 +470,15 @@ SELECT pg_advisory_xact_lock(1347373396, CAST(:tenant AS integer));
 UPDATE tenants SET max_running = :max_running WHERE id = :tenant;
 
 -- name: wake_tenant
--- ``wake_waiting`` for a tenant's cap change (``change_tenant_cap``, after ``lock_tenant``
--- and ``set_tenant_cap``): the runs waiting for the tenant's slots that the new cap frees,
--- every one if it was lifted, oldest first.
+-- ``wake_waiting``'s rule for a tenant's cap (``change_tenant_cap``, after ``lock_tenant``
+-- and ``set_tenant_cap``): of the runs waiting for this tenant's cap, every one if it was
+-- lifted, else the waiter at ``tenant_place`` in the tenant's line (1: the oldest) when
+-- place + the tenant's slots held by live boots + its older queued due runs <= the cap;
+-- oldest first. A run waiting for a group's slot is no change of the cap's to wake.
 WITH
 waiters AS (
-    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
-           w.wait_reason, w.created_at,
-           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
-                              ORDER BY w.created_at, w.id) AS group_place,
-           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
-                              ORDER BY w.created_at, w.id) AS tenant_place
+    SELECT w.id, w.tenant_id, w.created_at,
+           row_number() OVER (ORDER BY w.created_at, w.id) AS tenant_place
       FROM runs w
      WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
 ), changed AS (
@@ -488,13 +486,7 @@ UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
        last_sent_at = now()
  WHERE id IN (
        SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
-        WHERE CASE WHEN w.wait_reason = 'concurrency'
-                   THEN w.group_place <= w.concurrency_limit
-                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
-                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                            <= w.concurrency_limit
-                   WHEN t.max_running IS NULL THEN true
+        WHERE CASE WHEN t.max_running IS NULL THEN true
                    ELSE w.tenant_place <= t.max_running
                         AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
                           + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
