@@ -203,6 +203,9 @@ LOCK_SLOTS = function("poimen_lock_slots")
 # What follows runs' ends (their parents' joins counted, their slots handed on), called by
 # the functions that end runs or take them out of ``running``.
 ENDED = function("poimen_ended")
+# A one-run change's event and what it sets off: the tail of the functions that end a run
+# or take it out of ``running`` (all but ``poimen_finish`` and ``poimen_take_over``).
+EVENT_ENDED = function("poimen_event_ended")
 
 
 def lock_slots(session: Executor, run_id: uuid.UUID) -> int:

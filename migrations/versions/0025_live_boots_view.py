@@ -1,7 +1,9 @@
 """the one definition of a live boot as a view, poimen_live_boots (app/state/sql/boots.sql,
 live_boots), read by mark_dead_boots, prune_dead_boots, marker_state and app/liveness.py
-instead of each joining pg_locks itself; and the store's functions and the relay's again,
-so the bodies changed since 0024 land on existing databases
+instead of each joining pg_locks itself; poimen_event_ended, the event and poimen_ended
+call that poimen_release, poimen_retry, poimen_wait, poimen_cancel, poimen_cancel_queued,
+poimen_end_abandoned and poimen_time_limit end with; and the store's functions and the
+relay's again, so the bodies changed since 0024 land on existing databases
 
 Revision ID: 0025
 Revises: 0024

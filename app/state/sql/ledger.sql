@@ -193,10 +193,9 @@ BEGIN
         RETURN QUERY SELECT 1, 0, '[]'::jsonb;
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.waiting',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done));
-    RETURN QUERY SELECT 1, 1, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT 1, 1, poimen_event_ended(
+        v_run, 'run.waiting', jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done),
+        '{}', ARRAY[v_run.id]);
 END
 $body$;
 

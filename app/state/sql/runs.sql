@@ -133,13 +133,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    IF v_run.status = 'cancelled' THEN
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-                jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
-    END IF;
     RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.status, v_run.cancel_requested,
-                        (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+                        poimen_event_ended(v_run, CASE WHEN v_run.status = 'cancelled'
+                                                       THEN 'run.cancelled' END,
+                                           '{}', ARRAY[v_run.id], '{}');
 END
 $body$;
 
@@ -160,10 +157,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(v_run, 'run.cancelled', '{}',
+                                                     ARRAY[v_run.id], '{}');
 END
 $body$;
 
@@ -188,10 +183,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', v_run.attempt));
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
+        v_run, 'run.cancelled', jsonb_build_object('attempt', v_run.attempt),
+        ARRAY[v_run.id], ARRAY[v_run.id]);
 END
 $body$;
 
@@ -219,10 +213,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.failed',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error));
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
+        v_run, 'run.failed', jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error),
+        ARRAY[v_run.id], ARRAY[v_run.id]);
 END
 $body$;
 
@@ -321,6 +314,27 @@ BEGIN
     SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id) ORDER BY w.part), '[]'::jsonb)
       FROM (SELECT 1 AS part, * FROM woken WHERE status = 'queued'
             UNION ALL SELECT 2, * FROM slot_woken) AS w;
+END
+$body$;
+
+-- name: poimen_event_ended
+-- The tail of a function that changed one run (``p_run``, as its UPDATE returned it): the
+-- run's event ``p_event`` (none when NULL), its payload the run's id and the type, then
+-- ``p_fields``; then what the change sets off (``poimen_ended(p_ended, p_freed)``), whose
+-- ``woken`` it returns. ``poimen_release``, ``poimen_retry``, ``poimen_wait``,
+-- ``poimen_cancel``, ``poimen_cancel_queued``, ``poimen_end_abandoned`` and
+-- ``poimen_time_limit`` end so.
+CREATE OR REPLACE FUNCTION poimen_event_ended(
+    p_run runs, p_event text, p_fields jsonb, p_ended uuid[], p_freed uuid[]
+) RETURNS jsonb LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+BEGIN
+    IF p_event IS NOT NULL THEN
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        VALUES (p_run.tenant_id, p_run.id, p_event,
+                jsonb_build_object('run_id', (p_run.id)::text, 'type', p_event) || p_fields);
+    END IF;
+    RETURN (SELECT e.woken FROM poimen_ended(p_ended, p_freed) AS e);
 END
 $body$;
 
