@@ -219,6 +219,27 @@ BEGIN
 END
 $body$;
 
+-- name: poimen_event_ended
+-- The tail of a function that changed one run (``p_run``, as its UPDATE returned it): the
+-- run's event ``p_event`` (none when NULL), its payload the run's id and the type, then
+-- ``p_fields``; then what the change sets off (``poimen_ended(p_ended, p_freed)``), whose
+-- ``woken`` it returns. ``poimen_release``, ``poimen_retry``, ``poimen_wait``,
+-- ``poimen_cancel``, ``poimen_cancel_queued``, ``poimen_end_abandoned`` and
+-- ``poimen_time_limit`` end so.
+CREATE OR REPLACE FUNCTION poimen_event_ended(
+    p_run runs, p_event text, p_fields jsonb, p_ended uuid[], p_freed uuid[]
+) RETURNS jsonb LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+BEGIN
+    IF p_event IS NOT NULL THEN
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        VALUES (p_run.tenant_id, p_run.id, p_event,
+                jsonb_build_object('run_id', (p_run.id)::text, 'type', p_event) || p_fields);
+    END IF;
+    RETURN (SELECT e.woken FROM poimen_ended(p_ended, p_freed) AS e);
+END
+$body$;
+
 -- name: poimen_lock_slots
 -- The locks of a run's groups, taken before any statement that claims, ends or
 -- parks a run of a limited group (README.md, "An end frees a slot"): its capped
@@ -314,27 +335,6 @@ BEGIN
     SELECT coalesce(jsonb_agg(jsonb_build_object('id', w.id, 'ref', w.workflow_name || '@' || w.workflow_version, 'traceparent', w.traceparent, 'tracestate', w.tracestate, 'attempt', w.attempt, 'parent_run_id', w.parent_run_id, 'root_run_id', w.root_run_id) ORDER BY w.part), '[]'::jsonb)
       FROM (SELECT 1 AS part, * FROM woken WHERE status = 'queued'
             UNION ALL SELECT 2, * FROM slot_woken) AS w;
-END
-$body$;
-
--- name: poimen_event_ended
--- The tail of a function that changed one run (``p_run``, as its UPDATE returned it): the
--- run's event ``p_event`` (none when NULL), its payload the run's id and the type, then
--- ``p_fields``; then what the change sets off (``poimen_ended(p_ended, p_freed)``), whose
--- ``woken`` it returns. ``poimen_release``, ``poimen_retry``, ``poimen_wait``,
--- ``poimen_cancel``, ``poimen_cancel_queued``, ``poimen_end_abandoned`` and
--- ``poimen_time_limit`` end so.
-CREATE OR REPLACE FUNCTION poimen_event_ended(
-    p_run runs, p_event text, p_fields jsonb, p_ended uuid[], p_freed uuid[]
-) RETURNS jsonb LANGUAGE plpgsql VOLATILE
-SET plan_cache_mode = force_generic_plan AS $body$
-BEGIN
-    IF p_event IS NOT NULL THEN
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        VALUES (p_run.tenant_id, p_run.id, p_event,
-                jsonb_build_object('run_id', (p_run.id)::text, 'type', p_event) || p_fields);
-    END IF;
-    RETURN (SELECT e.woken FROM poimen_ended(p_ended, p_freed) AS e);
 END
 $body$;
 
