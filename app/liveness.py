@@ -42,24 +42,13 @@ if TYPE_CHECKING:
 # "POIM": the first key of every boot's two-key advisory lock.
 LOCK_NAMESPACE = 0x504F494D
 
-# The one definition of a live boot: its row joined to its granted advisory
-# lock in this database. The FROM clause alone (``b`` the boot, ``l`` its lock,
-# ``l.pid`` the backend holding it) serves queries that need more than the id.
-_LIVE_BOOT_LOCKS = f"""
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST({LOCK_NAMESPACE} AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-"""
-# The same, as a SQL fragment that yields live boot ids.
-LIVE_BOOTS_SQL = f"""
-    SELECT b.boot_id{_LIVE_BOOT_LOCKS}"""
-
+# The one definition of a live boot: its row joined to its lock, granted exclusively in
+# this database, is the view ``poimen_live_boots`` (``app/state/sql/boots.sql``,
+# ``live_boots``): ``boot_id``, ``hostname``, ``pid`` and ``lock_pid`` (the backend holding
+# the lock). Every statement and query that lists live boots reads it.
+LIVE_BOOTS_VIEW = "poimen_live_boots"
+# The live boot ids, as a SQL fragment (``b`` the view's row).
+LIVE_BOOTS_SQL = f"SELECT b.boot_id FROM {LIVE_BOOTS_VIEW} b"
 
 
 def claimer_live_sql(boot_param: str) -> str:
@@ -134,8 +123,9 @@ _LIVE_COUNT = text(f"SELECT count(*) FROM ({LIVE_BOOTS_SQL}) AS live")
 # state_change as NULL: the age is then unknown, and the boot is still listed.
 _PROBE_AGES_SQL = f"""
     SELECT b.boot_id, b.hostname, b.pid,
-           CAST(extract(epoch FROM clock_timestamp() - a.state_change) AS float8) AS age{_LIVE_BOOT_LOCKS}
-      LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+           CAST(extract(epoch FROM clock_timestamp() - a.state_change) AS float8) AS age
+      FROM {LIVE_BOOTS_VIEW} b
+      LEFT JOIN pg_stat_activity a ON a.pid = b.lock_pid
 """
 _PROBE_AGES = text(_PROBE_AGES_SQL + " ORDER BY b.boot_id")
 _PROBE_AGE = text(_PROBE_AGES_SQL + " WHERE b.boot_id = :boot_id")

@@ -114,8 +114,8 @@ def test_no_sql_is_assembled_in_the_stores_python():
 
 
 def test_the_statements_use_the_one_definition_of_a_live_boot():
-    """A boot's liveness is ``app/liveness.py``'s; the statements write it out. Each place
-    a statement tests a boot's lock or its bound is that definition, word for word."""
+    """A boot's liveness is ``app/liveness.py``'s. The live boots are one view; each other
+    place a statement tests a boot's lock or its bound is the definition, word for word."""
     from app import liveness
     from app.state import statements
 
@@ -123,8 +123,13 @@ def test_the_statements_use_the_one_definition_of_a_live_boot():
         return " ".join(sql.split())
 
     text = words("\n".join(n.sql for n in statements.STATEMENTS.values()))
+    # The live boots: one view, the only reader of pg_locks, which app/liveness.py names.
+    view = statements.sql("live_boots")
+    assert view.startswith(f"CREATE OR REPLACE VIEW {liveness.LIVE_BOOTS_VIEW} AS")
+    assert f"CAST({liveness.LOCK_NAMESPACE} AS oid)" in view
+    assert text.count("pg_locks") == view.count("pg_locks") == 1
+    assert liveness.LIVE_BOOTS_VIEW in liveness.LIVE_BOOTS_SQL
     checks = {
-        "JOIN pg_locks": words(liveness.LIVE_BOOTS_SQL),
         "WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared": words(
             liveness.claimer_live_sql(":boot")),
         "WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared": words(

@@ -32,6 +32,8 @@ def register_boot(conn: LockConnection, *, boot_id: uuid.UUID, lock_key: int, ho
     conn.execute(REGISTER_BOOT, [boot_id, lock_key, hostname[:255], pid, node, dead_after])
 
 
+# The view of the live boots (``app/liveness.py``'s definition), installed by migrations.
+LIVE_BOOTS = sql("live_boots")
 MARK_BOOT_DEAD = statement("mark_boot_dead")
 MARK_DEAD_BOOTS = statement("mark_dead_boots")
 

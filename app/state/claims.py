@@ -165,10 +165,11 @@ RETRY = function("poimen_retry")
 # Every function of the store, installed by migrations (``CREATE OR REPLACE``) from their
 # blocks: a change to one needs a migration that runs them again
 # (tests/app/test_slot_functions.py fails while an installed body differs).
+# In this order, a function before the ones that call it.
 FUNCTIONS: tuple[Function, ...] = (
-    runs.LOCK_SLOTS, runs.ENDED, runs.CANCEL, runs.CANCEL_QUEUED, runs.END_ABANDONED,
-    runs.TIME_LIMIT, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT, TAKE_OVER, FINISH, RELEASE,
-    RETRY)
+    runs.LOCK_SLOTS, runs.ENDED, runs.EVENT_ENDED, runs.CANCEL, runs.CANCEL_QUEUED,
+    runs.END_ABANDONED, runs.TIME_LIMIT, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT,
+    TAKE_OVER, FINISH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
 GONE_IN = statement("gone_in")

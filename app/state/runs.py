@@ -33,7 +33,7 @@ from sqlalchemy.engine import Engine
 from .boots import mark_dead_boots
 from .compose import RunToSend, send_row_after_commit, send_woken, woken_of
 from .executor import Executor, build
-from .statements import function, statement
+from .statements import function, sql, statement
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,9 @@ LOCK_SLOTS = function("poimen_lock_slots")
 # What follows runs' ends (their parents' joins counted, their slots handed on), called by
 # the functions that end runs or take them out of ``running``.
 ENDED = function("poimen_ended")
+# A one-run change's event and what it sets off: the tail of the functions that end a run
+# or take it out of ``running`` (all but ``poimen_finish`` and ``poimen_take_over``).
+EVENT_ENDED = function("poimen_event_ended")
 
 
 def lock_slots(session: Executor, run_id: uuid.UUID) -> int:
@@ -290,6 +293,9 @@ def repair_lock(engine: Engine, *, wait: bool) -> Iterator[bool]:
         conn.close()
 
 
+# The runs waiting for their tenant's cap that it lets go: a view, installed by migrations,
+# that both wake-ups read.
+CAP_WAKES = sql("cap_wakes")
 WAKE_WAITING = statement("wake_waiting")
 LOCK_TENANT = statement("lock_tenant")
 SET_TENANT_CAP = statement("set_tenant_cap")

@@ -23,38 +23,35 @@ UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
 -- Every boot whose lock is free (beat's repair, each tick, and ``flask runs redrive``):
 -- so a boot nobody asked about is gone within one tick of its bound.
 UPDATE worker_boots b SET first_seen_dead_at = clock_timestamp()
-     WHERE b.first_seen_dead_at IS NULL
-       AND b.boot_id NOT IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-);
+ WHERE b.first_seen_dead_at IS NULL
+   AND b.boot_id NOT IN (SELECT v.boot_id FROM poimen_live_boots v);
 
 -- name: prune_dead_boots
 -- A dead boot that no run points at any more is history: without pruning, the
 -- table (and the join every liveness check makes) grows by one row per worker
 -- process lifetime, forever (think --max-tasks-per-child at high throughput).
 DELETE FROM worker_boots b
-     WHERE b.boot_id IN (
-            SELECT d.boot_id FROM worker_boots d
-             WHERE d.boot_id NOT IN (
-    SELECT b.boot_id
-      FROM worker_boots b
-      JOIN pg_locks l
-        ON l.locktype = 'advisory'
-       AND l.classid = CAST(1347373389 AS oid)
-       AND l.objid = CAST(b.lock_key AS oid)
-       AND l.objsubid = 2
-       AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)
-               AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)
-             LIMIT :limit);
+ WHERE b.boot_id IN (
+       SELECT d.boot_id FROM worker_boots d
+        WHERE d.boot_id NOT IN (SELECT v.boot_id FROM poimen_live_boots v)
+          AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.claimed_by = d.boot_id)
+        LIMIT :limit);
+
+-- name: live_boots
+-- The one definition of a live boot (``app/liveness.py``), the view every statement and
+-- query that lists live boots reads: each boot whose lock ``(1347373389 "POIM",
+-- lock_key)`` is granted *exclusively* in this database (only the boot's own lock session
+-- holds it so; a claimer's check holds it shared), with the backend that holds it
+-- (``lock_pid``). A simple view: the planner inlines it into each statement.
+-- Migration 0025 installs it; a change to it needs a migration that runs it again.
+CREATE OR REPLACE VIEW poimen_live_boots AS
+SELECT b.boot_id, b.hostname, b.pid, l.pid AS lock_pid
+  FROM worker_boots b
+  JOIN pg_locks l
+    ON l.locktype = 'advisory'
+   AND l.classid = CAST(1347373389 AS oid)
+   AND l.objid = CAST(b.lock_key AS oid)
+   AND l.objsubid = 2
+   AND l.granted
+   AND l.mode = 'ExclusiveLock'
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());

@@ -347,10 +347,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.released',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.released') || '{}'::jsonb);
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(v_run, 'run.released', '{}',
+                                                     '{}', ARRAY[v_run.id]);
 END
 $body$;
 
@@ -374,10 +372,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.retrying',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.retrying') || jsonb_build_object('attempt', v_run.attempt) || jsonb_build_object('delay', p_delay, 'error', CAST(p_error AS jsonb)));
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
+        v_run, 'run.retrying', jsonb_build_object('attempt', v_run.attempt)
+                               || jsonb_build_object('delay', p_delay, 'error', CAST(p_error AS jsonb)),
+        '{}', ARRAY[v_run.id]);
 END
 $body$;
 

@@ -46,18 +46,7 @@ WITH
 -- name: marker_state
 -- A marker's state after a claim that inserted nothing, and whether its holder is live.
 SELECT m.status, m.claimed_by, m.claims, m.result, m.error,
-          EXISTS (
-   SELECT b.boot_id
-     FROM worker_boots b
-     JOIN pg_locks l
-       ON l.locktype = 'advisory'
-      AND l.classid = CAST(1347373389 AS oid)
-      AND l.objid = CAST(b.lock_key AS oid)
-      AND l.objsubid = 2
-      AND l.granted
-      AND l.mode = 'ExclusiveLock'
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-WHERE b.boot_id = m.claimed_by) AS holder_live
+          EXISTS (SELECT 1 FROM poimen_live_boots v WHERE v.boot_id = m.claimed_by) AS holder_live
      FROM step_markers m WHERE m.entry_id = :entry AND m.position = :position;
 
 -- name: take_over_marker
@@ -204,10 +193,9 @@ BEGIN
         RETURN QUERY SELECT 1, 0, '[]'::jsonb;
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.waiting',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.waiting') || jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done));
-    RETURN QUERY SELECT 1, 1, (SELECT e.woken FROM poimen_ended('{}', ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT 1, 1, poimen_event_ended(
+        v_run, 'run.waiting', jsonb_build_object('attempt', v_run.attempt, 'reason', 'join', 'step', v_entry.step_id, 'entry', v_entry.entry_no, 'children', v_entry.children_total, 'children_done', v_entry.children_done),
+        '{}', ARRAY[v_run.id]);
 END
 $body$;
 

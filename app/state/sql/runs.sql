@@ -133,13 +133,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    IF v_run.status = 'cancelled' THEN
-        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-        VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-                jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
-    END IF;
     RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.status, v_run.cancel_requested,
-                        (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+                        poimen_event_ended(v_run, CASE WHEN v_run.status = 'cancelled'
+                                                       THEN 'run.cancelled' END,
+                                           '{}', ARRAY[v_run.id], '{}');
 END
 $body$;
 
@@ -160,10 +157,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || '{}'::jsonb);
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], '{}') AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(v_run, 'run.cancelled', '{}',
+                                                     ARRAY[v_run.id], '{}');
 END
 $body$;
 
@@ -188,10 +183,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.cancelled',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.cancelled') || jsonb_build_object('attempt', v_run.attempt));
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
+        v_run, 'run.cancelled', jsonb_build_object('attempt', v_run.attempt),
+        ARRAY[v_run.id], ARRAY[v_run.id]);
 END
 $body$;
 
@@ -219,10 +213,30 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    INSERT INTO outbox (tenant_id, run_id, event_type, payload)
-    VALUES (v_run.tenant_id, v_run.id, 'run.failed',
-            jsonb_build_object('run_id', (v_run.id)::text, 'type', 'run.failed') || jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error));
-    RETURN QUERY SELECT v_run.id, (SELECT e.woken FROM poimen_ended(ARRAY[v_run.id], ARRAY[v_run.id]) AS e);
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
+        v_run, 'run.failed', jsonb_build_object('attempt', v_run.attempt, 'error', v_run.error),
+        ARRAY[v_run.id], ARRAY[v_run.id]);
+END
+$body$;
+
+-- name: poimen_event_ended
+-- The tail of a function that changed one run (``p_run``, as its UPDATE returned it): the
+-- run's event ``p_event`` (none when NULL), its payload the run's id and the type, then
+-- ``p_fields``; then what the change sets off (``poimen_ended(p_ended, p_freed)``), whose
+-- ``woken`` it returns. ``poimen_release``, ``poimen_retry``, ``poimen_wait``,
+-- ``poimen_cancel``, ``poimen_cancel_queued``, ``poimen_end_abandoned`` and
+-- ``poimen_time_limit`` end so.
+CREATE OR REPLACE FUNCTION poimen_event_ended(
+    p_run runs, p_event text, p_fields jsonb, p_ended uuid[], p_freed uuid[]
+) RETURNS jsonb LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+BEGIN
+    IF p_event IS NOT NULL THEN
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        VALUES (p_run.tenant_id, p_run.id, p_event,
+                jsonb_build_object('run_id', (p_run.id)::text, 'type', p_event) || p_fields);
+    END IF;
+    RETURN (SELECT e.woken FROM poimen_ended(p_ended, p_freed) AS e);
 END
 $body$;
 
@@ -403,6 +417,31 @@ SELECT pg_try_advisory_xact_lock(:namespace, 0);
 -- One repair at a time: the lock, waited for.
 SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 
+-- name: cap_wakes
+-- The runs waiting for their tenant's cap that the cap lets go, as a view that
+-- ``wake_waiting`` and ``wake_tenant`` read (the planner inlines it, and a statement's test
+-- of the tenant reaches the scan of ``runs``; migration 0025 installs it, a change to it
+-- needs a migration that runs it again). A tenant whose cap is gone (NULL) holds no run
+-- back: every run that waited for its cap. Else the waiter at ``tenant_place`` in its
+-- tenant's line (1: the oldest), when place + the tenant's slots held by live boots + its
+-- queued due runs older than the waiter <= the cap: as many as the slots free, never one
+-- that would park again behind an older one.
+CREATE OR REPLACE VIEW poimen_cap_wakes AS
+SELECT w.id, w.tenant_id, w.created_at
+  FROM (SELECT w.id, w.tenant_id, w.created_at,
+               row_number() OVER (PARTITION BY w.tenant_id
+                                  ORDER BY w.created_at, w.id) AS tenant_place
+          FROM runs w
+         WHERE ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap') AS w
+  JOIN tenants t ON t.id = w.tenant_id
+ WHERE CASE WHEN t.max_running IS NULL THEN true
+            ELSE w.tenant_place <= t.max_running
+                 AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                   + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                         AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                     <= t.max_running
+       END;
+
 -- name: wake_waiting
 -- Beat's backstop: runs waiting for a slot that is free (a slot's holder died: its
 -- boot's lock is gone; a queued run ahead of them was cancelled; a cap was raised or
@@ -415,39 +454,33 @@ SELECT true FROM (SELECT pg_advisory_xact_lock(:namespace, 0)) AS held;
 -- due runs older than it and the older runs waiting for that slot number fewer than the
 -- limit. So the waiter at ``place`` in its group's line (1: the oldest) is woken when
 -- place + held + older queued <= limit: as many as the slots free, never one that would park
--- again behind an older one. A tenant whose cap is gone (NULL) holds no run back: every run
--- that waited for its cap is woken. In a group's line, runs that wait for the tenant's cap
--- stand too (the claim counts them ahead of the group's newer runs). The woken runs go back
--- to ``queued`` (``run.woken``), marked sent; each claims again under its group's locks.
+-- again behind an older one; a run waiting for its tenant's cap, when ``cap_wakes`` lets it
+-- go. In a group's line, runs that wait for the tenant's cap stand too (the claim counts
+-- them ahead of the group's newer runs). The woken runs go back to ``queued``
+-- (``run.woken``), marked sent; each claims again under its group's locks.
 WITH
 waiters AS (
     SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
            w.wait_reason, w.created_at,
            row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
-                              ORDER BY w.created_at, w.id) AS group_place,
-           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
-                              ORDER BY w.created_at, w.id) AS tenant_place
+                              ORDER BY w.created_at, w.id) AS group_place
       FROM runs w
      WHERE w.status = 'waiting' AND w.wait_reason IN ('concurrency', 'tenant_cap')
 ), changed AS (
 UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
        last_sent_at = now()
  WHERE id IN (
-       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
-        WHERE CASE WHEN w.wait_reason = 'concurrency'
-                   THEN w.group_place <= w.concurrency_limit
-                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
-                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                            <= w.concurrency_limit
-                   WHEN t.max_running IS NULL THEN true
-                   ELSE w.tenant_place <= t.max_running
-                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
-                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                            <= t.max_running
-              END
-        ORDER BY w.created_at, w.id
+       SELECT u.id FROM (
+              SELECT w.id, w.created_at FROM waiters w
+               WHERE w.wait_reason = 'concurrency'
+                 AND w.group_place <= w.concurrency_limit
+                 AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
+                   + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
+                         AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
+                     <= w.concurrency_limit
+              UNION ALL
+              SELECT c.id, c.created_at FROM poimen_cap_wakes c) AS u
+        ORDER BY u.created_at, u.id
         LIMIT :limit)
    AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
  RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
@@ -477,37 +510,16 @@ UPDATE tenants SET max_running = :max_running WHERE id = :tenant;
 
 -- name: wake_tenant
 -- ``wake_waiting`` for a tenant's cap change (``change_tenant_cap``, after ``lock_tenant``
--- and ``set_tenant_cap``): the runs waiting for the tenant's slots that the new cap frees,
--- every one if it was lifted, oldest first.
-WITH
-waiters AS (
-    SELECT w.id, w.tenant_id, w.workflow_name, w.concurrency_key, w.concurrency_limit,
-           w.wait_reason, w.created_at,
-           row_number() OVER (PARTITION BY (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')), w.concurrency_limit IS NULL
-                              ORDER BY w.created_at, w.id) AS group_place,
-           row_number() OVER (PARTITION BY w.tenant_id, w.wait_reason
-                              ORDER BY w.created_at, w.id) AS tenant_place
-      FROM runs w
-     WHERE CAST(w.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text) AND ('' || w.status) = 'waiting' AND w.wait_reason = 'tenant_cap'
-), changed AS (
+-- and ``set_tenant_cap``): the runs waiting for this tenant's cap that the new cap lets go
+-- (``cap_wakes``), every one if it was lifted, oldest first. A run waiting for a group's
+-- slot is no change of the cap's to wake.
+WITH changed AS (
 UPDATE runs SET status = 'queued', wait_reason = NULL, updated_at = now(),
        last_sent_at = now()
  WHERE id IN (
-       SELECT w.id FROM waiters w JOIN tenants t ON t.id = w.tenant_id
-        WHERE CASE WHEN w.wait_reason = 'concurrency'
-                   THEN w.group_place <= w.concurrency_limit
-                        AND w.group_place + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
-                          + (SELECT count(*) FROM runs r WHERE (CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')) = (CAST(w.tenant_id AS text) || '|' || w.workflow_name || '|' || coalesce(w.concurrency_key, '')) AND r.concurrency_limit IS NOT NULL AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                            <= w.concurrency_limit
-                   WHEN t.max_running IS NULL THEN true
-                   ELSE w.tenant_place <= t.max_running
-                        AND w.tenant_place + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting') AND ('' || r.status) = 'running' AND NOT EXISTS (SELECT 1 FROM worker_boots g WHERE g.boot_id = r.claimed_by AND g.first_seen_dead_at <= now() - make_interval(secs => g.dead_after_seconds)))
-                          + (SELECT count(*) FROM runs r WHERE CAST(r.tenant_id AS text) = CAST(w.tenant_id AS text) AND ('' || r.status) IN ('queued', 'running', 'waiting')
-                                AND ('' || r.status) = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.created_at, r.id) < (w.created_at, w.id))
-                            <= t.max_running
-              END
-        ORDER BY w.created_at, w.id
+       SELECT c.id FROM poimen_cap_wakes c
+        WHERE CAST(c.tenant_id AS text) = CAST(CAST(:tenant AS integer) AS text)
+        ORDER BY c.created_at, c.id
         LIMIT :limit)
    AND (runs.status || '') = 'waiting' AND wait_reason IN ('concurrency', 'tenant_cap')
  RETURNING id, tenant_id, workflow_name, workflow_version, traceparent, tracestate, attempt, parent_run_id, root_run_id),
