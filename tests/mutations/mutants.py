@@ -445,6 +445,18 @@ MUTANTS: list[Mutant] = [
               Edit("(w.status || '')", "('' || w.status)", 1, RUNS_SQL)),
     ),
     Mutant(
+        "lock_slots_skips_the_group",
+        "a limited run's statements run under its group's lock: poimen_lock_slots takes it "
+        "whenever the run's workflow declares a limit",
+        RUNS_SQL,
+        "    IF v_limited THEN\n",
+        "    IF false THEN\n",
+        ("tests/workers/test_concurrency.py::"
+         "test_an_end_racing_a_claim_that_parks_still_wakes_it",
+         "tests/workers/test_concurrency.py::"
+         "test_a_claim_racing_a_takeover_counts_after_the_lock"),
+    ),
+    Mutant(
         "slot_end_without_lock",
         "the end of a slot's holder wakes the next run under the group's lock: it sees a run "
         "that went waiting a moment before (no lost wake-up)",

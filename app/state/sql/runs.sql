@@ -245,20 +245,31 @@ $body$;
 -- parks a run of a limited group (README.md, "An end frees a slot"): its capped
 -- tenant first, then its (tenant, workflow, key), in that order everywhere, held
 -- until the transaction ends. Returns how many: 0 for a run of an unlimited workflow of an
--- uncapped tenant (no lock). The aggregate consumes the ordered rows one by one.
+-- uncapped tenant (no lock). One read of the run and its tenant decides both; the locks
+-- are taken after it, one by one.
 CREATE OR REPLACE FUNCTION poimen_lock_slots(
     p_run uuid
 ) RETURNS integer LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan AS $body$
+DECLARE
+    v_capped boolean;
+    v_limited boolean;
+    v_tenant integer;
+    v_group integer;
 BEGIN
-    RETURN (SELECT count(pg_advisory_xact_lock(l.space, l.key)) FROM (
-           SELECT 1 AS ord, 1347373396 AS space, r.tenant_id AS key
-             FROM runs r JOIN tenants t ON t.id = r.tenant_id
-            WHERE r.id = p_run AND t.max_running IS NOT NULL
-           UNION ALL
-           SELECT 2, 1347373379, hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
-             FROM runs r WHERE r.id = p_run AND r.concurrency_limit IS NOT NULL
-            ORDER BY ord) AS l);
+    SELECT t.max_running IS NOT NULL, r.concurrency_limit IS NOT NULL, r.tenant_id,
+           hashtext((CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|' || coalesce(r.concurrency_key, '')))
+      INTO v_capped, v_limited, v_tenant, v_group
+      FROM runs r JOIN tenants t ON t.id = r.tenant_id
+     WHERE r.id = p_run;
+    IF v_capped THEN
+        PERFORM pg_advisory_xact_lock(1347373396, v_tenant);
+    END IF;
+    IF v_limited THEN
+        PERFORM pg_advisory_xact_lock(1347373379, v_group);
+    END IF;
+    RETURN CAST(coalesce(v_capped, false) AS integer)
+           + CAST(coalesce(v_limited, false) AS integer);
 END
 $body$;
 
