@@ -200,6 +200,9 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "KAFKA_BOOTSTRAP_SERVERS": get_str(env, "KAFKA_BOOTSTRAP_SERVERS"),
         "POIMEN_REPAIR_INTERVAL": get_float(env, "POIMEN_REPAIR_INTERVAL"),
         "POIMEN_REPAIR_MIN_AGE": get_float(env, "POIMEN_REPAIR_MIN_AGE"),
+        # Beat's timer thread (workers/timers.py): delayed runs sent when due, expiry.
+        "POIMEN_RELEASE_INTERVAL": get_float(env, "POIMEN_RELEASE_INTERVAL"),
+        "POIMEN_RELEASE_PAGE": get_int(env, "POIMEN_RELEASE_PAGE"),
         # A worker publishes its buffered Celery task events this often (0: at every turn
         # of its event loop, Celery's own way); workers/task_events.py.
         "POIMEN_EVENT_FLUSH_INTERVAL": get_float(env, "POIMEN_EVENT_FLUSH_INTERVAL"),

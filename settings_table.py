@@ -239,6 +239,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between beat's repair ticks (a dead worker's run is re-sent on the first "
             "tick after its lock is seen gone, for delivery once the worker is gone: T_c + 1 + 2 "
             "seconds later)."),
+    _celery("POIMEN_RELEASE_INTERVAL", float, 1.0, BEAT,
+            "Seconds between beat's timer ticks: delayed runs now due are sent, and runs "
+            "never started whose expires_at passed end expired."),
+    _celery("POIMEN_RELEASE_PAGE", int, 1000, BEAT,
+            "Runs one statement of a timer tick sends or expires at most (a full page is "
+            "followed at once by the next, up to 20 per tick)."),
     _celery("POIMEN_REPAIR_MIN_AGE", float, 10.0, (BEAT, CLI),
             "Seconds after its last send before a queued run may be re-sent."),
     _celery("POIMEN_TAKEOVER_DELAY", float, 6.0, (BEAT, CLI),

@@ -20,6 +20,7 @@ import math
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from json.encoder import (  # the C string encoders the json module uses itself
     encode_basestring,
     encode_basestring_ascii,
@@ -34,10 +35,10 @@ from .models import AdmissionOrigin, RunStatus
 from .state import runs
 from .state.compose import send_row_after_commit
 from .state.executor import Executor
-from .state.runs import AdmittedRun, KeyHolder
+from .state.runs import NO_TIMING, AdmittedRun, KeyHolder, Timing
 from .tracecontext import TraceContext
 
-_COMPARED = ("workflow_ref", "input", "goal_id")
+_COMPARED = ("workflow_ref", "input", "goal_id", "not_before", "expires_at")
 
 # Keys Poimen derives name one run forever: a schedule's tick (``schedule:``), an inbox
 # message's place in its log and so every DLQ replay of it (``kafka:``), a fan-out child
@@ -221,6 +222,10 @@ def admit_run(
     parent_run_id: uuid.UUID | None = None,
     concurrency_key: str | None = None,
     trace: TraceContext | None = None,
+    not_before: datetime | None = None,
+    delay_seconds: float | None = None,
+    expires_at: datetime | None = None,
+    expires_in_seconds: float | None = None,
 ) -> Admission:
     """Admit one run in ``session``'s transaction; the caller commits.
 
@@ -234,8 +239,14 @@ def admit_run(
     The run is sent to Celery only after the caller's commit succeeds.
     ``trace`` (W3C Trace Context) is kept on a new run; it is not part of the
     request a replay is compared with, and a replay keeps the first run's.
+    ``not_before`` or ``delay_seconds`` (counted by Postgres) delays the run: it is sent
+    when due, by beat, never as a Celery ETA. ``expires_at`` or ``expires_in_seconds``: a
+    run no worker started by then ends ``expired``. A replay compares an instant with the
+    one stored, and a relative time only by its presence (it counts from the first
+    admission).
     """
     input_json = dumps(input)
+    timing = Timing(not_before, delay_seconds, expires_at, expires_in_seconds)
     try:
         workflow = registry.resolve(workflow_ref)
     except registry.UnknownWorkflow:
@@ -243,7 +254,7 @@ def admit_run(
         # registry (a rolling deploy, a retired version) is still a replay: the
         # key decides, then the registry.
         replay = None if dispatch_key is None else _replay(
-            session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
+            session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id, timing)
         if replay is None:
             raise
         return replay
@@ -268,6 +279,7 @@ def admit_run(
         concurrency_limit=limit,
         traceparent=trace.traceparent if trace is not None else None,
         tracestate=trace.tracestate if trace is not None else None,
+        **timing.insert(),
     )
     event_fields = {
         "workflow_ref": workflow.ref, "goal_id": goal_id, "dispatch_key": dispatch_key,
@@ -292,7 +304,8 @@ def admit_run(
             continue
         # Under READ COMMITTED this statement sees the row the conflicting transaction
         # committed (ON CONFLICT waited for it).
-        replay = _replay(session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id)
+        replay = _replay(session, tenant_id, dispatch_key, workflow_ref, input_json, goal_id,
+                         timing)
         if replay is not None:
             return replay
         # Nobody holds the key: between this request's statements another one released
@@ -302,14 +315,15 @@ def admit_run(
 
 
 def _replay(session: Executor, tenant_id: int, dispatch_key: str, workflow_ref: str,
-            input_json: str, goal_id: str | None) -> Admission | None:
+            input_json: str, goal_id: str | None,
+            timing: Timing = NO_TIMING) -> Admission | None:
     """Return the run ``dispatch_key`` already names as a replay, None if there is none.
 
     Raises ``AdmissionConflict`` when the stored request differs (compared by Postgres).
     """
     existing = runs.holder_of_key(
         session, tenant_id=tenant_id, dispatch_key=dispatch_key, workflow_ref=workflow_ref,
-        input_json=input_json, goal_id=goal_id)
+        input_json=input_json, goal_id=goal_id, timing=timing)
     if existing is None:
         return None
     outcome = _replay_of(session, existing)
@@ -328,6 +342,15 @@ class RunRequest:
     dispatch_key: str | None = None
     concurrency_key: str | None = None
     trace: TraceContext | None = None
+    not_before: datetime | None = None
+    delay_seconds: float | None = None
+    expires_at: datetime | None = None
+    expires_in_seconds: float | None = None
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(self.not_before, self.delay_seconds, self.expires_at,
+                      self.expires_in_seconds)
 
 
 # What admit_many answers per request: the admission, or what admit_run would have raised.
@@ -381,6 +404,7 @@ def admit_many(
             concurrency_limit=limit,
             traceparent=req.trace.traceparent if req.trace is not None else None,
             tracestate=req.trace.tracestate if req.trace is not None else None,
+            **req.timing.insert(),
         ))
     origin_value = AdmissionOrigin(origin).value
     if inserts:
@@ -408,7 +432,8 @@ def admit_many(
             session, tenant_id=tenant_id, requests_json=dumps([
                 {"ord": i, "dispatch_key": requests[i].dispatch_key,
                  "workflow_ref": requests[i].workflow_ref, "input": requests[i].input,
-                 "goal_id": requests[i].goal_id} for i in sorted(taken)]))}
+                 "goal_id": requests[i].goal_id, **requests[i].timing.compared()}
+                for i in sorted(taken)]))}
         for ordinal in taken:
             existing = holders.get(ordinal)
             if existing is None:
@@ -427,7 +452,10 @@ def _admit_alone(session: Executor, req: RunRequest, **common: Any) -> Outcome:
     try:
         return admit_run(session, workflow_ref=req.workflow_ref, input=req.input,
                          goal_id=req.goal_id, dispatch_key=req.dispatch_key,
-                         concurrency_key=req.concurrency_key, trace=req.trace, **common)
+                         concurrency_key=req.concurrency_key, trace=req.trace,
+                         not_before=req.not_before, delay_seconds=req.delay_seconds,
+                         expires_at=req.expires_at,
+                         expires_in_seconds=req.expires_in_seconds, **common)
     except (AdmissionConflict, registry.UnknownWorkflow, registry.InvalidConcurrencyKey) as err:
         return err
 
@@ -437,7 +465,8 @@ def _replay_of(session: Executor, existing: KeyHolder) -> Admission | AdmissionC
     diffs = [name for name in _COMPARED if not getattr(existing, f"same_{name}")]
     if diffs:
         return AdmissionConflict(existing, diffs)
-    if existing.status == RunStatus.QUEUED:
-        # Its first message may have been lost; a duplicate is absorbed by claims.
+    if existing.status == RunStatus.QUEUED and existing.due:
+        # Its first message may have been lost; a duplicate is absorbed by claims. (A run
+        # not due yet is beat's to send: a retry's delayed message, a delayed admission.)
         send_row_after_commit(session, existing)
     return Admission(run=existing, created=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sqlalchemy import exc as sa_exc
@@ -35,7 +35,11 @@ from .state.executor import Executor
 from .state.runs import AdmittedRun
 
 API_PREFIX = "/v1"
-RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"}
+RUN_FIELDS = {"workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key",
+              "not_before", "delay_seconds", "expires_at", "expires_in_seconds"}
+# The longest delay or expiry a request may ask for, in seconds (a year): a run parked in
+# Postgres costs a row, but a typo of a few zeros should be an error, not a run in 2080.
+MAX_WAIT_SECONDS = 366 * 24 * 3600
 MAX_KEY_LEN = 255
 MAX_REF_LEN = 200
 JSON = "application/json"
@@ -112,6 +116,10 @@ def serialize_run(run: Run | AdmittedRun, tenant_name: str) -> dict[str, Any]:
         "updated_at": ts(run.updated_at),
         "started_at": ts(run.started_at),
         "finished_at": ts(run.finished_at),
+        # Not before this time (a delayed admission's, or a retry's), and when a run no
+        # worker started by then ends expired.
+        "not_before": ts(run.not_before),
+        "expires_at": ts(run.expires_at),
     }
 
 
@@ -158,6 +166,46 @@ def _optional_string(body: dict, name: str, problems: dict) -> str | None:
     return value
 
 
+def _instant(body: dict, name: str, problems: dict) -> datetime | None:
+    """An RFC 3339 timestamp with its offset (``2026-12-05T18:00:00Z``), or None."""
+    value = body.get(name)
+    if value is None:
+        return None
+    problem = "must be an RFC 3339 timestamp with a UTC offset, e.g. 2026-12-05T18:00:00Z"
+    if not isinstance(value, str) or len(value) > 64:
+        problems[name] = problem
+        return None
+    try:
+        instant = datetime.fromisoformat(value)
+    except ValueError:
+        problems[name] = problem
+        return None
+    if instant.tzinfo is None or "T" not in value.upper():
+        problems[name] = problem
+        return None
+    if abs((instant - datetime.now(UTC)).total_seconds()) > MAX_WAIT_SECONDS:
+        problems[name] = f"must be within {MAX_WAIT_SECONDS // 86400} days of now"
+        return None
+    return instant
+
+
+def _seconds(body: dict, name: str, problems: dict) -> float | None:
+    """A non-negative number of seconds up to ``MAX_WAIT_SECONDS``, or None."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= MAX_WAIT_SECONDS:
+        problems[name] = f"must be a number of seconds from 0 to {MAX_WAIT_SECONDS}"
+        return None
+    return float(value)
+
+
+def _one_of(body: dict, first: str, second: str, problems: dict) -> None:
+    if body.get(first) is not None and body.get(second) is not None:
+        problems[second] = f"give {first} or {second}, not both"
+
+
 def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
     """Return the cleaned fields of a ``POST /v1/runs`` body or raise a 422."""
     problems: dict[str, str] = {}
@@ -178,10 +226,16 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"):
         if name not in problems and (reason := unstorable_reason(body.get(name))):
             problems[name] = reason
+    timing = {"not_before": _instant(body, "not_before", problems),
+              "delay_seconds": _seconds(body, "delay_seconds", problems),
+              "expires_at": _instant(body, "expires_at", problems),
+              "expires_in_seconds": _seconds(body, "expires_in_seconds", problems)}
+    _one_of(body, "not_before", "delay_seconds", problems)
+    _one_of(body, "expires_at", "expires_in_seconds", problems)
     if problems:
         raise ApiError(422, "validation_failed", "the run request is invalid", {"fields": problems})
     return {"workflow_ref": ref, "input": input_, "goal_id": goal_id, "dispatch_key": dispatch_key,
-            "concurrency_key": concurrency_key}
+            "concurrency_key": concurrency_key, **timing}
 
 
 def idempotency_key(fields: dict[str, Any], header: str | None) -> str | None:

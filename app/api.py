@@ -196,7 +196,10 @@ def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
             return admit_run(on_session(db.session), workflow_ref=req.workflow_ref,
                              input=req.input, goal_id=req.goal_id,
                              dispatch_key=req.dispatch_key,
-                             concurrency_key=req.concurrency_key, trace=req.trace, **common)
+                             concurrency_key=req.concurrency_key, trace=req.trace,
+                             not_before=req.not_before, delay_seconds=req.delay_seconds,
+                             expires_at=req.expires_at,
+                             expires_in_seconds=req.expires_in_seconds, **common)
     except REFUSALS as err:
         return err
 

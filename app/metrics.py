@@ -90,7 +90,7 @@ RUN_DURATION_SECONDS = Histogram(
 CLAIMS = Counter(
     "poimen_claims_total",
     "Deliveries of runs to workers by claim outcome (claimed, taken_over, duplicate, "
-    "finished, waiting, slot_wait, not_due, missing, claimer_dead).",
+    "finished, waiting, slot_wait, not_due, expired, missing, claimer_dead).",
     ["outcome"],
 )
 RUNS_POISONED = Counter(
@@ -99,6 +99,16 @@ RUNS_POISONED = Counter(
     "os._exit, OOM), so the last takeover ended them instead of resuming them; by tenant "
     "(its name) and workflow.",
     ["tenant", "workflow"],
+)
+RUNS_EXPIRED = Counter(
+    "poimen_runs_expired_total",
+    "Runs ended expired: no worker started them by their expires_at; by what ended them "
+    "(beat: its timer tick; claim: a delivery that found the run expired).",
+    ["by"],
+)
+RELEASES = Counter(
+    "poimen_delayed_releases_total",
+    "Delayed runs beat sent to Celery once due (admitted with not_before or delay_seconds).",
 )
 REPAIRS = Counter(
     "poimen_repairs_total",

@@ -36,6 +36,8 @@ class RunStatus(enum.StrEnum):
     CANCELLED = "cancelled"
     # Its executions kept killing their workers: ended after max_takeovers takeovers.
     POISONED = "poisoned"
+    # No worker started it by its expires_at (admission's expires_at/expires_in_seconds).
+    EXPIRED = "expired"
 
 
 class WaitReason(enum.StrEnum):
@@ -47,7 +49,7 @@ class WaitReason(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED,
-                               RunStatus.POISONED})
+                               RunStatus.POISONED, RunStatus.EXPIRED})
 
 
 class Tenant(db.Model):
@@ -137,11 +139,16 @@ class Run(db.Model):
     concurrency_limit: Mapped[int | None] = mapped_column(Integer)
     # What a 'waiting' run waits for (WaitReason); None otherwise.
     wait_reason: Mapped[str | None] = mapped_column(String(16))
+    # Delayed runs and expiry (migration 0026): the not_before the run was admitted with
+    # (a retry moves not_before, never this; a replay is compared with it), and the time by
+    # which a worker must have started it, else it ends expired.
+    admitted_not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         CheckConstraint(
             "status IN ('queued', 'running', 'waiting', 'succeeded', 'failed', 'cancelled', "
-            "'poisoned')",
+            "'poisoned', 'expired')",
             name="ck_runs_status",
         ),
         # Exactly-once admission is decided here: the index, not application code.

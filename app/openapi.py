@@ -62,7 +62,7 @@ RUN_FIELDS = [
     "id", "tenant", "workflow_ref", "workflow", "input", "goal_id", "dispatch_key",
     "key_released", "status", "wait_reason", "concurrency_key", "attempt", "cancel_requested",
     "result", "error", "origin", "parent_run_id", "traceparent", "created_at", "updated_at",
-    "started_at", "finished_at",
+    "started_at", "finished_at", "not_before", "expires_at",
 ]
 
 TRACEPARENT = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
@@ -100,6 +100,28 @@ def openapi_document() -> dict[str, Any]:
                                "(default: the workflow's concurrency_key(input), "
                                "else none); a workflow with a concurrency_limit "
                                "runs at most that many runs of one key at once"},
+            "not_before": {
+                "type": "string", "format": "date-time", "nullable": True,
+                "description": "Delay: the run starts no earlier (RFC 3339 with an offset, "
+                               "within a year of now). It waits in Postgres and beat sends "
+                               "it when due (no Celery ETA). A replay must name the same "
+                               "instant. Not with delay_seconds"},
+            "delay_seconds": {
+                "type": "number", "minimum": 0, "maximum": 31622400, "nullable": True,
+                "description": "Delay: seconds from admission (Postgres's clock). A replay "
+                               "compares only that it is delayed (the time counts from the "
+                               "first admission). Not with not_before"},
+            "expires_at": {
+                "type": "string", "format": "date-time", "nullable": True,
+                "description": "A run no worker started by then ends expired (a terminal "
+                               "status, event run.expired), wherever it waits: in Redis, "
+                               "for a slot, or delayed. A started run is not expired. A "
+                               "replay must name the same instant. Not with "
+                               "expires_in_seconds"},
+            "expires_in_seconds": {
+                "type": "number", "minimum": 0, "maximum": 31622400, "nullable": True,
+                "description": "Expiry in seconds from admission. A replay compares only "
+                               "that it expires. Not with expires_at"},
         },
     }
     return {
@@ -323,11 +345,13 @@ def openapi_document() -> dict[str, Any]:
                                            "dispatch_key (the workflow's key_reuse policy); "
                                            "a replay of the key answers with the newer run"},
                         "status": {"type": "string", "enum": [s.value for s in RunStatus],
-                                   "description": "succeeded, failed, cancelled and poisoned "
-                                                  "are terminal; poisoned: the run's "
-                                                  "executions killed its workflow's "
+                                   "description": "succeeded, failed, cancelled, poisoned "
+                                                  "and expired are terminal; poisoned: the "
+                                                  "run's executions killed its workflow's "
                                                   "max_takeovers + 1 workers, and it was not "
-                                                  "resumed again (error.code poisoned)"},
+                                                  "resumed again (error.code poisoned); "
+                                                  "expired: no worker started it by its "
+                                                  "expires_at"},
                         "wait_reason": {"type": "string", "nullable": True,
                                         "enum": [*(r.value for r in WaitReason), None],
                                         "description": "What a waiting run waits for"},
@@ -349,6 +373,14 @@ def openapi_document() -> dict[str, Any]:
                                        "nullable": True},
                         "finished_at": {"type": "string", "format": "date-time",
                                         "nullable": True},
+                        "not_before": {"type": "string", "format": "date-time",
+                                       "nullable": True,
+                                       "description": "Not started before this time (a "
+                                                      "delayed admission's, or a retry's)"},
+                        "expires_at": {"type": "string", "format": "date-time",
+                                       "nullable": True,
+                                       "description": "Ends expired if no worker started it "
+                                                      "by then"},
                     },
                 },
                 "RunWithSteps": {

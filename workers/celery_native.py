@@ -116,6 +116,10 @@ def _not_executed(task: Any, claim: Claim) -> str:
         # holding its slot re-queues it and sends it again.
         what = f"waiting for a slot ({claim.wait_reason})"
         raise Retry(f"run {claim.run_id} {what}", exc=RunRetrying(what))
+    if claim.outcome == ClaimOutcome.EXPIRED:
+        # Celery's own expiry announces a revoke with expired=True; so does this one.
+        _announce_cancelled(task, expired=True)
+        raise Ignore()
     if claim.outcome == ClaimOutcome.FINISHED:
         status, error = db.session.execute(
             text("SELECT status, error FROM runs WHERE id = :run"), {"run": claim.run_id}
@@ -130,11 +134,12 @@ def _not_executed(task: Any, claim: Claim) -> str:
     raise Ignore()
 
 
-def _announce_cancelled(task: Any) -> None:
+def _announce_cancelled(task: Any, *, expired: bool = False) -> None:
     # Celery's own revoke announces REVOKED; a run cancelled through the API
-    # says the same, so Flower shows cancelled runs as REVOKED.
+    # says the same, so Flower shows cancelled runs as REVOKED (and expired ones too,
+    # with expired=True, as Celery's ``expires`` does).
     try:
-        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        task.send_event("task-revoked", terminated=False, signum=None, expired=expired)
     except Exception:  # noqa: BLE001 - an event is a courtesy; the run is recorded
         log.warning("could not send task-revoked for %s", task.request.id, exc_info=True)
 

@@ -21,7 +21,13 @@ from app.enqueue import Tree, send_pending, send_run
 from app.extensions import db
 from app.liveness import GONE_SLACK
 from app.logs import note_tenant, tenant_name
-from app.metrics import CLAIMS, QUEUE_WAIT_SECONDS, RUN_DURATION_SECONDS, RUNS_POISONED
+from app.metrics import (
+    CLAIMS,
+    QUEUE_WAIT_SECONDS,
+    RUN_DURATION_SECONDS,
+    RUNS_EXPIRED,
+    RUNS_POISONED,
+)
 from app.models import RunStatus
 from app.state.claims import (
     Adoption,
@@ -193,6 +199,8 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
 def observe_claim(claim: Claim) -> None:
     """Count the claim's outcome; a run's first start observes its queue wait."""
     CLAIMS.labels(claim.outcome.value).inc()
+    if claim.outcome == ClaimOutcome.EXPIRED:
+        RUNS_EXPIRED.labels("claim").inc()
     count_poisoned(claim)
     row = claim.run
     if row is None:

@@ -135,7 +135,7 @@ def serve_global_metrics(flask_app: Flask, celery_app: Celery) -> None:
     """Serve the global gauges from ``beat`` on ``METRICS_PORT`` (else ``PORT``)."""
     from prometheus_client import CollectorRegistry
 
-    from app.metrics import GlobalGauges
+    from app.metrics import RELEASES, RUNS_EXPIRED, GlobalGauges
 
     port = flask_app.config["METRICS_PORT"]  # poimenconfig.metrics_port
     if port is None:
@@ -150,6 +150,9 @@ def serve_global_metrics(flask_app: Flask, celery_app: Celery) -> None:
             return {}
 
     registry.register(GlobalGauges(flask_app, depths))
+    # What beat's own timer tick counts (workers/timers.py): delayed runs sent, runs expired.
+    registry.register(RELEASES)
+    registry.register(RUNS_EXPIRED)
     try:
         start_metrics_server(port, registry)
     except OSError as err:

@@ -320,9 +320,10 @@ def _validate(wf: Workflow) -> None:
 KEY_REUSE_POLICIES = {
     # policy: the statuses of an ended run whose key a new admission may take
     "never": (),
-    # (a poisoned run failed: it killed its workers, and its key is free like a failed run's)
-    "after_failure": ("failed", "cancelled", "poisoned"),
-    "after_end": ("succeeded", "failed", "cancelled", "poisoned"),
+    # (a poisoned run failed: it killed its workers, and its key is free like a failed run's;
+    # an expired run never ran, and its key is free like a cancelled run's)
+    "after_failure": ("failed", "cancelled", "poisoned", "expired"),
+    "after_end": ("succeeded", "failed", "cancelled", "poisoned", "expired"),
 }
 CATCH_UP = ("last", "none")
 

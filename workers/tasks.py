@@ -112,6 +112,15 @@ def _start_schedules(sender: Any = None, **_: Any) -> None:
     schedules.start(sender.app.flask_app)
 
 
+@beat_init.connect
+def _start_timers(sender: Any = None, **_: Any) -> None:
+    # Delayed runs are sent when due and unstarted runs expire, from Postgres, once a
+    # second (workers/timers.py): never a Celery ETA.
+    from . import timers
+
+    timers.start(sender.app.flask_app)
+
+
 @worker_init.connect
 def _check_queue_arguments(sender: Any = None, **_: Any) -> None:
     # RabbitMQ: a queue's arguments (x-max-priority) must match the existing queue's.

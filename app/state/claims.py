@@ -48,7 +48,7 @@ from .boots import mark_boot_dead
 from .compose import send_woken, to_json, woken_of
 from .executor import Executor, build
 from .ledger import EntryClose
-from .runs import finish_requested_cancel, lock_slots
+from .runs import expire_run, finish_requested_cancel, lock_slots
 from .statements import Function, function, statement
 
 
@@ -58,6 +58,7 @@ class ClaimOutcome(enum.StrEnum):
     DUPLICATE = "duplicate"
     FINISHED = "finished"
     NOT_DUE = "not_due"
+    EXPIRED = "expired"  # never started by its expires_at: this delivery ended it expired
     MISSING = "missing"
     CLAIMER_DEAD = "claimer_dead"  # the claiming boot itself lost its lock
     WAITING = "waiting"  # a join waits for children; the last one's finish re-queues it
@@ -120,6 +121,7 @@ class _State:
     workflow_version: str
     claimer_live: bool
     due: bool
+    expired: bool  # never started, and its expires_at passed
     slots: bool
 
 
@@ -168,7 +170,7 @@ RETRY = function("poimen_retry")
 # In this order, a function before the ones that call it.
 FUNCTIONS: tuple[Function, ...] = (
     runs.LOCK_SLOTS, runs.ENDED, runs.EVENT_ENDED, runs.CANCEL, runs.CANCEL_QUEUED,
-    runs.END_ABANDONED, runs.TIME_LIMIT, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT,
+    runs.END_ABANDONED, runs.TIME_LIMIT, runs.EXPIRE, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT,
     TAKE_OVER, FINISH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
@@ -194,7 +196,7 @@ def claim_run(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, *,
             (current.status == RunStatus.RUNNING and current.claimed_by != boot_id
              and current.claimed_by is not None and not boot_alive(session, current.claimed_by))
             or (current.status == RunStatus.QUEUED and current.due
-                and not current.cancel_requested)):
+                and not current.cancel_requested and not current.expired)):
         # A queued run to claim, or a dead holder's run to take over: under the locks.
         return claim_slot(session, run_id, boot_id, max_takeovers=max_takeovers,
                           transaction=transaction)
@@ -256,6 +258,10 @@ def _decide(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, current: _
         if current.cancel_requested:
             finish_requested_cancel(session, run_id)
             return Claim(ClaimOutcome.FINISHED, run_id, boot_id)
+        if current.expired:
+            # Nobody started it by its expires_at: it ends expired, never runs late.
+            expire_run(session, run_id)
+            return Claim(ClaimOutcome.EXPIRED, run_id, boot_id)
         # A retry scheduled for later (its own delayed message will come), or a
         # row another delivery claimed and released between our two statements.
         return Claim(ClaimOutcome.NOT_DUE, run_id, boot_id)

@@ -73,6 +73,9 @@ class AdmittedRun:
     concurrency_key: str | None
     concurrency_limit: int | None
     wait_reason: str | None
+    admitted_not_before: datetime | None
+    expires_at: datetime | None
+    due: bool  # not delayed, or its not_before passed: it may be sent now
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class KeyHolder(AdmittedRun):
     same_workflow_ref: bool
     same_input: bool
     same_goal_id: bool
+    same_not_before: bool
+    same_expires_at: bool
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,37 @@ class StrandedRun(RunToSend):
     gone_in: float
 
 
+@dataclass(frozen=True)
+class Timing:
+    """When a run may start and until when (admission's ``not_before``/``delay_seconds``,
+    ``expires_at``/``expires_in_seconds``): an instant, or seconds counted by Postgres from
+    the admission. Nothing set: due now, never expires."""
+
+    not_before: datetime | None = None
+    delay: float | None = None
+    expires_at: datetime | None = None
+    expires_in: float | None = None
+
+    def insert(self) -> dict[str, Any]:
+        """The parameters ``admit`` (and an ``admit_many`` row) takes."""
+        return {"not_before": _iso(self.not_before), "delay": self.delay,
+                "expires_at": _iso(self.expires_at), "expires_in": self.expires_in}
+
+    def compared(self) -> dict[str, Any]:
+        """The parameters ``existing`` (and a ``holders`` request) compares a holder with."""
+        return {"not_before": _iso(self.not_before),
+                "delayed": self.not_before is not None or self.delay is not None,
+                "expires_at": _iso(self.expires_at),
+                "expiring": self.expires_at is not None or self.expires_in is not None}
+
+
+NO_TIMING = Timing()
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
 class WorkflowVersion(NamedTuple):
     workflow_name: str
     workflow_version: str
@@ -151,7 +187,8 @@ def admit(session: Executor, values: dict[str, Any], *, input_json: str,
                           ).one_or_none()
     if row is None:
         return None
-    send_row_after_commit(session, row)
+    if row.due:  # a delayed run is sent when due, by beat (``release_due_runs``)
+        send_row_after_commit(session, row)
     return build(AdmittedRun, row)
 
 
@@ -166,25 +203,28 @@ def admit_many(session: Executor, *, tenant_id: int, runs_json: str, origin: str
         "tenant_id": tenant_id, "runs": runs_json, "origin": origin,
         "origin_detail": origin_detail, "parent_run_id": parent_run_id}).all()
     for row in rows:
-        send_row_after_commit(session, row)
+        if row.due:  # a delayed run is sent when due, by beat (``release_due_runs``)
+            send_row_after_commit(session, row)
     return [build(AdmittedRun, row) for row in rows]
 
 
 def holders_of_keys(session: Executor, *, tenant_id: int, requests_json: str
                     ) -> list[BatchKeyHolder]:
     """The runs holding the keys of ``requests_json`` (a JSON array of objects: ``ord``,
-    ``dispatch_key``, ``workflow_ref``, ``input``, ``goal_id``), each with ``request_ord``
+    ``dispatch_key``, ``workflow_ref``, ``input``, ``goal_id`` and ``Timing.compared()``'s
+    fields), each with ``request_ord``
     and the ``same_*`` columns comparing that request."""
     return [build(BatchKeyHolder, row) for row in session.execute(
         HOLDERS, {"tenant_id": tenant_id, "requests": requests_json}).all()]
 
 
 def holder_of_key(session: Executor, *, tenant_id: int, dispatch_key: str, workflow_ref: str,
-                  input_json: str, goal_id: str | None) -> KeyHolder | None:
+                  input_json: str, goal_id: str | None,
+                  timing: Timing = NO_TIMING) -> KeyHolder | None:
     """The run that holds ``dispatch_key``, with ``same_*`` columns comparing this request."""
     row = session.execute(EXISTING, {
         "tenant_id": tenant_id, "dispatch_key": dispatch_key, "workflow_ref": workflow_ref,
-        "input": input_json, "goal_id": goal_id,
+        "input": input_json, "goal_id": goal_id, **timing.compared(),
     }).one_or_none()
     return None if row is None else build(KeyHolder, row)
 
@@ -195,6 +235,7 @@ CANCEL = function("poimen_cancel")
 CANCEL_QUEUED = function("poimen_cancel_queued")
 END_ABANDONED = function("poimen_end_abandoned")
 TIME_LIMIT = function("poimen_time_limit")
+EXPIRE = function("poimen_expire")
 
 
 # -- concurrency slots ---------------------------------------------------------------------------
@@ -235,6 +276,46 @@ def finish_requested_cancel(session: Executor, run_id: uuid.UUID) -> bool:
     row = session.execute(CANCEL_QUEUED.call, {"run": run_id}).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
+
+
+def expire_run(session: Executor, run_id: uuid.UUID) -> bool:
+    """End ``run_id`` ``expired`` if it was never started and its ``expires_at`` passed;
+    True if it was. A parent whose join it completes is sent after the commit."""
+    row = session.execute(EXPIRE.call, {"run": run_id}).one_or_none()
+    send_woken(session, woken_of(row))
+    return row is not None
+
+
+@dataclass(frozen=True)
+class ExpiredRun:
+    """A run ``expire_due_runs`` ended: its id, tenant and workflow (for the counter)."""
+
+    id: uuid.UUID
+    tenant_id: int
+    workflow_name: str
+
+
+# -- delayed runs and expiry (beat: ``workers/timers.py``) -------------------------------------
+
+RELEASE_DUE = statement("release_due")
+EXPIRE_DUE = statement("expire_due")
+
+
+def release_due_runs(session: Executor, *, limit: int) -> list[RunToSend]:
+    """Mark sent (and return, to send after the caller's commit) up to ``limit`` delayed
+    runs now due that were never sent since they were admitted, earliest due first."""
+    return [build(RunToSend, row)
+            for row in session.execute(RELEASE_DUE, {"limit": limit}).all()]
+
+
+def expire_due_runs(session: Executor, *, limit: int) -> list[ExpiredRun]:
+    """End ``expired`` up to ``limit`` runs never started whose ``expires_at`` passed,
+    earliest first (each counts for its parent's join; woken parents are sent after the
+    caller's commit). Return them."""
+    rows = session.execute(EXPIRE_DUE, {"limit": limit}).all()
+    for row in rows:
+        send_woken(session, row.woken)
+    return [build(ExpiredRun, row) for row in rows]
 
 
 MARK_HOLDER_DEAD = statement("mark_holder_dead")

@@ -78,6 +78,7 @@ _HELD_BY_LOCK = ("r.claimed_by IN (SELECT b.boot_id FROM worker_boots b "
 _SLOT_LOCKS = "    PERFORM poimen_lock_slots(p_run);\n"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
+DELAYED_TESTS = "tests/workers/test_delayed_runs.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -115,9 +116,9 @@ MUTANTS: list[Mutant] = [
         "SELECT :id, :tenant_id,",
         ("tests/app/test_idempotent_admission.py::"
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
-        also=(Edit(":concurrency_limit)\n"
+        also=(Edit("AS float8))))\n"
                    "ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING",
-                   ":concurrency_limit\n"
+                   "AS float8)))\n"
                    " WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
                    "                      AND dispatch_key = CAST(:dispatch_key AS varchar))"),),
     ),
@@ -193,8 +194,9 @@ MUTANTS: list[Mutant] = [
         "claim_without_claimer_liveness",
         "a boot without its lock claims nothing (liveness is part of the claim statement)",
         CLAIMS_SQL,
-        "   AND (not_before IS NULL OR not_before <= now())\n   AND " + _CLAIMER_LIVE + "\n",
-        "   AND (not_before IS NULL OR not_before <= now())\n",
+        "   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)\n   AND "
+        + _CLAIMER_LIVE + "\n",
+        "   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)\n",
         (f"{CLAIM_TESTS}::test_a_boot_cut_off_server_side_claims_nothing",),
     ),
     Mutant(
@@ -441,7 +443,7 @@ MUTANTS: list[Mutant] = [
         occurrences=7, nth=0,
         # Every lookup of a run by id, in every file.
         also=(Edit("(r.status || '')", "('' || r.status)", 1),
-              Edit("(runs.status || '')", "('' || runs.status)", 2, RUNS_SQL),
+              Edit("(runs.status || '')", "('' || runs.status)", 3, RUNS_SQL),
               Edit("(w.status || '')", "('' || w.status)", 1, RUNS_SQL)),
     ),
     Mutant(
@@ -1073,6 +1075,77 @@ MUTANTS: list[Mutant] = [
         # The model finds this within the gate's examples on most seeds, not all: the
         # deterministic witness of the rule stands beside it.
         (MODEL_TEST, "tests/app/test_key_reuse.py::test_the_default_policy_replays_a_failed_run"),
+    ),
+    Mutant(
+        "claim_runs_an_expired_run",
+        "a run no worker started by its expires_at is never started: the claim statement "
+        "refuses it (and the delivery ends it expired), limited or not",
+        CLAIMS_SQL,
+        "   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)\n",
+        "",
+        (f"{DELAYED_TESTS}::test_a_delivery_after_expiry_ends_the_run_expired_and_runs_nothing",
+         f"{DELAYED_TESTS}::test_a_limited_runs_delivery_after_expiry_ends_it_expired"),
+        also=(Edit(" AND (r.expires_at IS NULL OR r.expires_at > now() OR r.started_at IS NOT "
+                   "NULL)", ""),),
+    ),
+    Mutant(
+        "expiry_ends_a_started_run",
+        "expiry is about the first start: a run a worker started (retried, resumed, taken "
+        "over) is never ended expired",
+        RUNS_SQL,
+        "       AND started_at IS NULL AND expires_at <= now()\n",
+        "       AND expires_at <= now()\n",
+        (f"{DELAYED_TESTS}::test_a_started_run_never_expires_even_when_taken_over",),
+        also=(Edit("        WHERE r.expires_at IS NOT NULL AND r.started_at IS NULL\n",
+                   "        WHERE r.expires_at IS NOT NULL\n"),),
+    ),
+    Mutant(
+        "admission_sends_a_delayed_run",
+        "a delayed run is sent by beat when due, never at admission (no Celery ETA: nothing "
+        "waits in a worker's memory for Redis to deliver twice)",
+        "app/state/runs.py",
+        "    if row.due:  # a delayed run is sent when due, by beat (``release_due_runs``)\n",
+        "    if True:\n",
+        (f"{DELAYED_TESTS}::test_a_delayed_run_is_stored_with_its_time_and_not_sent",),
+        occurrences=2, nth=0,  # admit, admit_many
+    ),
+    Mutant(
+        "release_sends_a_sent_run",
+        "beat sends a delayed run once: release_due picks only runs never sent since they "
+        "came due, and marks them sent in the statement that picks them",
+        RUNS_SQL,
+        "        WHERE r.status = 'queued' AND r.last_sent_at < r.not_before\n",
+        "        WHERE r.status = 'queued'\n",
+        (f"{DELAYED_TESTS}::test_beat_sends_a_delayed_run_once_when_due_and_never_before",
+         f"{DELAYED_TESTS}::test_a_retrys_delayed_message_counts_as_sent_and_beat_leaves_it"),
+    ),
+    Mutant(
+        "retry_message_counts_unsent",
+        "a retry's delayed message (sent by its worker) counts as sent at its not_before, so "
+        "beat's release does not send it a second time",
+        CLAIMS_SQL,
+        "           not_before = now() + make_interval(secs => p_delay),\n"
+        "           last_sent_at = now() + make_interval(secs => p_delay)\n",
+        "           not_before = now() + make_interval(secs => p_delay)\n",
+        (f"{DELAYED_TESTS}::test_a_retrys_delayed_message_counts_as_sent_and_beat_leaves_it",),
+    ),
+    Mutant(
+        "replay_ignores_the_delay",
+        "a replay compares the delay it asks for with the run's: a different instant, or a "
+        "delay against an undelayed run, is a conflict, never a silent other run",
+        "app/admission.py",
+        '_COMPARED = ("workflow_ref", "input", "goal_id", "not_before", "expires_at")',
+        '_COMPARED = ("workflow_ref", "input", "goal_id", "expires_at")',
+        (f"{DELAYED_TESTS}::"
+         "test_a_replay_compares_an_instant_as_stored_and_a_delay_by_its_presence",),
+    ),
+    Mutant(
+        "join_skips_an_expired_child",
+        "an expired child has ended: it counts for its parent's join like a cancelled one",
+        RUNS_SQL,
+        "           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')",
+        "           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')",
+        (f"{DELAYED_TESTS}::test_an_expired_child_counts_for_its_parents_join",),
     ),
     Mutant(
         "model_tick_from_the_beat_clock",

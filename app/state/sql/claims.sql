@@ -3,7 +3,8 @@
 
 -- name: claim_queued
 -- The one-statement claim: ``queued`` -> ``running`` under this boot, with its
--- ``run.started`` event, if the run is due and not cancelled. Liveness is part of it: the
+-- ``run.started`` event, if the run is due, not cancelled and not expired (a run never
+-- started whose ``expires_at`` passed: ``poimen_expire`` ends it). Liveness is part of it: the
 -- claiming boot must hold its lock *in the same statement* (a process whose lock vanished
 -- may not know yet; Postgres does, and refuses). A run of a limited group (its workflow's
 -- limit, its tenant's cap) is refused here and claimed with ``poimen_claim_slot``.
@@ -16,6 +17,7 @@ UPDATE runs
        started_at = coalesce(started_at, now()), updated_at = now()
  WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
    AND (not_before IS NULL OR not_before <= now())
+   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)
    AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
    AND concurrency_limit IS NULL
    AND NOT EXISTS (SELECT 1 FROM tenants t
@@ -65,7 +67,7 @@ BEGIN
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
                r.created_at, t.max_running
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = p_run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+         WHERE r.id = p_run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.expires_at IS NULL OR r.expires_at > now() OR r.started_at IS NOT NULL) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
     ),
     verdict AS (
         SELECT CASE
@@ -214,7 +216,7 @@ BEGIN
                         v_run.started_at, v_run.traceparent, v_run.tracestate,
                         (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = v_run.id ORDER BY e.entry_no DESC LIMIT 1),
                         v_run.status, v_run.takeovers, v_run.error, v_run.wait_reason,
-                        CASE WHEN v_run.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+                        CASE WHEN v_run.status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')
                              THEN (SELECT e.woken FROM poimen_ended(
                                        ARRAY[v_run.id],
                                        CASE WHEN v_locks > 0 THEN ARRAY[v_run.id] ELSE '{}' END) AS e)
@@ -354,7 +356,9 @@ $body$;
 
 -- name: poimen_retry
 -- A failed attempt goes back to ``queued``, due again in ``:delay`` seconds, fenced by the
--- claim. Its slot goes to the next run waiting (``poimen_ended``, after
+-- claim. Its delayed message (the worker sends it) counts as sent when due
+-- (``last_sent_at = not_before``): beat's ``release_due``, which sends delayed admissions,
+-- leaves it alone, and repair re-sends it only once it is overdue. Its slot goes to the next run waiting (``poimen_ended``, after
 -- ``poimen_lock_slots``).
 CREATE OR REPLACE FUNCTION poimen_retry(
     p_run uuid, p_boots uuid[], p_delay float8, p_error text
@@ -366,7 +370,8 @@ DECLARE
 BEGIN
     UPDATE runs SET status = 'queued', claimed_by = NULL, failures = failures + 1,
            error = CAST(p_error AS jsonb), updated_at = now(),
-           not_before = now() + make_interval(secs => p_delay)
+           not_before = now() + make_interval(secs => p_delay),
+           last_sent_at = now() + make_interval(secs => p_delay)
      WHERE id = p_run AND (runs.status || '') = 'running' AND claimed_by = ANY(p_boots)
      RETURNING * INTO v_run;
     IF NOT FOUND THEN
@@ -381,8 +386,9 @@ $body$;
 
 -- name: claim_state
 -- A claim that changed nothing reads why: the run's state and the claimer's liveness.
+-- ``expired``: never started, and its ``expires_at`` passed.
 -- ``slots``: the run is in a limited group (its workflow's or its tenant's).
-SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
+SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (expires_at <= now() AND started_at IS NULL) IS TRUE AS expired, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
 
 -- name: holder
 -- Who holds a run (an adoption that changed nothing reads why).

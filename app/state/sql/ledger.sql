@@ -94,7 +94,7 @@ WITH
            SET children_total = e.children_total + (SELECT count(*) FROM linked),
                children_done = e.children_done + (
                    SELECT count(*) FROM linked l JOIN runs r ON r.id = l.child_run_id
-                    WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned'))
+                    WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired'))
          WHERE e.id = :entry AND EXISTS (SELECT 1 FROM linked)
     ),
     event AS (

@@ -6,16 +6,25 @@
 -- partial unique index (ON CONFLICT DO NOTHING), never by a read first; with its
 -- ``run.admitted`` event. A miss reads the holder with ``existing``. A fan-out child's
 -- root_run_id is its parent's root, or its parent: one lookup of the parent, made only for
--- a child (the subquery is an InitPlan, run when the CASE first needs it).
+-- a child (the subquery is an InitPlan, run when the CASE first needs it). A delayed run
+-- (``:not_before``, or ``:delay`` seconds from now, by Postgres's clock) keeps the time it
+-- was admitted with in ``admitted_not_before`` (a retry moves ``not_before``, never that);
+-- ``due`` says whether it may be sent now (else beat's ``release_due`` sends it).
+-- ``expires_at`` (or ``:expires_in`` seconds from now): a run not started by then ends
+-- ``expired`` (``poimen_expire``).
 WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
-                  traceparent, tracestate, concurrency_key, concurrency_limit)
+                  traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
+                  admitted_not_before, expires_at)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
         :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, :definition_hash,
-        :traceparent, :tracestate, :concurrency_key, :concurrency_limit)
+        :traceparent, :tracestate, :concurrency_key, :concurrency_limit,
+        coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
+        coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
+        coalesce(CAST(:expires_at AS timestamptz), now() + make_interval(secs => CAST(:expires_in AS float8))))
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
     event AS (
@@ -27,17 +36,28 @@ ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
 
 )
 
-    SELECT * FROM changed;
+    SELECT *, (not_before IS NULL OR not_before <= now()) AS due FROM changed;
 
 -- name: existing
 -- A miss: the row that holds the key, and whether it was admitted with this very
 -- request, decided by Postgres on the stored values: jsonb equality compares
 -- numbers as numbers (1e23 = 100000000000000000000000) and never equates true
 -- with 1, which Python's == does and a float round trip cannot get right.
-SELECT runs.*,
+-- A delay compares as the run was admitted (``admitted_not_before``): an instant
+-- (``:not_before``) must be the same instant; a relative one (``:delayed``, counted from
+-- the first admission) only asks that the run was admitted delayed. Expiry likewise.
+SELECT runs.*, (not_before IS NULL OR not_before <= now()) AS due,
        workflow_ref IS NOT DISTINCT FROM :workflow_ref AS same_workflow_ref,
        input = CAST(:input AS jsonb) AS same_input,
-       goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id
+       goal_id IS NOT DISTINCT FROM :goal_id AS same_goal_id,
+       CASE WHEN CAST(:not_before AS timestamptz) IS NOT NULL
+            THEN admitted_not_before IS NOT DISTINCT FROM CAST(:not_before AS timestamptz)
+            ELSE (admitted_not_before IS NOT NULL) = CAST(:delayed AS boolean) END
+         AS same_not_before,
+       CASE WHEN CAST(:expires_at AS timestamptz) IS NOT NULL
+            THEN expires_at IS NOT DISTINCT FROM CAST(:expires_at AS timestamptz)
+            ELSE (expires_at IS NOT NULL) = CAST(:expiring AS boolean) END
+         AS same_expires_at
   FROM runs
  WHERE tenant_id = :tenant_id AND dispatch_key = :dispatch_key;
 
@@ -53,15 +73,20 @@ WITH  changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
-                  traceparent, tracestate, concurrency_key, concurrency_limit)
+                  traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
+                  admitted_not_before, expires_at)
 SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
        r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
        :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, r.definition_hash,
-       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit
+       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit,
+       coalesce(r.not_before, now() + make_interval(secs => r.delay)),
+       coalesce(r.not_before, now() + make_interval(secs => r.delay)),
+       coalesce(r.expires_at, now() + make_interval(secs => r.expires_in))
   FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
        ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
        input jsonb, goal_id text, dispatch_key text, definition_hash text,
-       traceparent text, tracestate text, concurrency_key text, concurrency_limit int)
+       traceparent text, tracestate text, concurrency_key text, concurrency_limit int,
+       not_before timestamptz, delay float8, expires_at timestamptz, expires_in float8)
  ORDER BY r.dispatch_key, r.ord
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
@@ -74,17 +99,25 @@ ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
 
 )
 
-    SELECT * FROM changed;
+    SELECT *, (not_before IS NULL OR not_before <= now()) AS due FROM changed;
 
 -- name: holders
 -- A batch's misses: for each request (``:requests``, its ``ord``, key and compared fields)
 -- whose key was taken, the run that holds it, compared by Postgres as ``existing`` does.
 SELECT q.ord AS request_ord, runs.*,
+       (runs.not_before IS NULL OR runs.not_before <= now()) AS due,
        runs.workflow_ref IS NOT DISTINCT FROM q.workflow_ref AS same_workflow_ref,
        runs.input = q.input AS same_input,
-       runs.goal_id IS NOT DISTINCT FROM q.goal_id AS same_goal_id
+       runs.goal_id IS NOT DISTINCT FROM q.goal_id AS same_goal_id,
+       CASE WHEN q.not_before IS NOT NULL
+            THEN runs.admitted_not_before IS NOT DISTINCT FROM q.not_before
+            ELSE (runs.admitted_not_before IS NOT NULL) = q.delayed END AS same_not_before,
+       CASE WHEN q.expires_at IS NOT NULL
+            THEN runs.expires_at IS NOT DISTINCT FROM q.expires_at
+            ELSE (runs.expires_at IS NOT NULL) = q.expiring END AS same_expires_at
   FROM jsonb_to_recordset(CAST(:requests AS jsonb)) AS q(
-       ord int, dispatch_key text, workflow_ref text, input jsonb, goal_id text)
+       ord int, dispatch_key text, workflow_ref text, input jsonb, goal_id text,
+       not_before timestamptz, delayed boolean, expires_at timestamptz, expiring boolean)
   JOIN runs ON runs.tenant_id = :tenant_id AND runs.dispatch_key = q.dispatch_key
            AND runs.dispatch_key IS NOT NULL;
 
@@ -159,6 +192,38 @@ BEGIN
     END IF;
     RETURN QUERY SELECT v_run.id, poimen_event_ended(v_run, 'run.cancelled', '{}',
                                                      ARRAY[v_run.id], '{}');
+END
+$body$;
+
+-- name: poimen_expire
+-- A run nobody started by its ``expires_at`` ends ``expired``: queued (sent, delayed, or
+-- re-queued for a slot) or waiting for a slot, never started (``started_at IS NULL``; a run
+-- a worker started, a join's parent among them, runs to its end). Conditional on all of it
+-- in the statement, so it races a claim, a cancel and another beat safely: one wins, and a
+-- claim refuses an expired run (``claim_queued``). It counts for its parent's join
+-- (``poimen_ended``); it held no slot, so it hands none on (repair wakes a run waiting
+-- behind it, as after a cancel).
+CREATE OR REPLACE FUNCTION poimen_expire(
+    p_run uuid
+) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE,
+                 workflow_name runs.workflow_name%TYPE, woken jsonb)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_run runs%ROWTYPE;
+BEGIN
+    UPDATE runs SET status = 'expired', finished_at = now(), updated_at = now(),
+           wait_reason = NULL
+     WHERE id = p_run AND (runs.status || '') IN ('queued', 'waiting')
+       AND started_at IS NULL AND expires_at <= now()
+     RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.workflow_name, poimen_event_ended(
+        v_run, 'run.expired', jsonb_build_object('expires_at', v_run.expires_at),
+        ARRAY[v_run.id], '{}');
 END
 $body$;
 
@@ -296,7 +361,7 @@ BEGIN
         UPDATE step_entries e SET children_done = e.children_done + 1
           FROM step_children c JOIN runs s ON s.id = c.child_run_id
          WHERE c.child_run_id = ANY(p_ended) AND e.id = c.entry_id
-           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')
         RETURNING e.id AS entry_id, e.run_id, e.status, e.children_done, e.children_total
     ),
     woken AS (
@@ -308,7 +373,7 @@ BEGIN
                updated_at = now(), last_sent_at = now()
           FROM joined j
          WHERE p.id = j.run_id AND j.status = 'waiting' AND j.children_done = j.children_total
-           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned')
+           AND p.status NOT IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')
         RETURNING p.id, p.tenant_id, p.status, p.workflow_name, p.workflow_version, j.entry_id,
                   p.traceparent, p.tracestate, p.attempt, p.parent_run_id, p.root_run_id
     ),
@@ -409,6 +474,35 @@ UPDATE runs SET last_sent_at = now()
           FOR UPDATE OF r SKIP LOCKED)
 RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
           parent_run_id, root_run_id;
+
+-- name: release_due
+-- Delayed admissions now due and never sent since (``last_sent_at < not_before``: a retry's
+-- delayed message counts as sent at its ``not_before``, ``poimen_retry``), earliest due
+-- first, a page at a time, marked sent in the statement that picks them (two beats never
+-- send one twice; a lost send is repair's, like any queued run's). Served by
+-- ``ix_runs_delayed``, whose predicate this repeats.
+UPDATE runs SET last_sent_at = now()
+ WHERE id IN (
+       SELECT r.id FROM runs r
+        WHERE r.status = 'queued' AND r.last_sent_at < r.not_before
+          AND r.not_before <= now()
+        ORDER BY r.not_before
+        LIMIT :limit
+          FOR UPDATE OF r SKIP LOCKED)
+RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
+          parent_run_id, root_run_id;
+
+-- name: expire_due
+-- Runs never started whose ``expires_at`` passed, earliest first, a page at a time, each
+-- ended by ``poimen_expire`` (which decides again on the row: a claim may win). Served by
+-- ``ix_runs_expiring``, whose predicate this repeats.
+SELECT e.* FROM (
+       SELECT r.id FROM runs r
+        WHERE r.expires_at IS NOT NULL AND r.started_at IS NULL
+          AND r.status IN ('queued', 'waiting') AND r.expires_at <= now()
+        ORDER BY r.expires_at
+        LIMIT :limit) AS due,
+       LATERAL poimen_expire(due.id) AS e;
 
 -- name: queued_workflows
 -- The workflows (name, version) that have queued runs due for a re-send: repair

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -36,7 +37,7 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 log = logging.getLogger("poimen.client")
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled", "poisoned"})
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "poisoned", "expired"})
 # Answers worth another attempt of the same request: the server was away, overloaded or
 # slow. 401/403/404/409/4xx about the request are the caller's to fix: never retried.
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -248,6 +249,21 @@ class Run:
             finished_at=doc.get("finished_at"), raw=doc, replayed=replayed)
 
 
+def timing_fields(value: float | timedelta | datetime | None, instant: str,
+                  relative: str) -> dict[str, Any]:
+    """A delay or an expiry as the API's fields: ``instant`` (RFC 3339) for a ``datetime``
+    (aware: a naive one is refused here, as the API would), ``relative`` seconds else."""
+    if value is None:
+        return {}
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"{instant}: a datetime with a timezone (e.g. UTC), not a naive one")
+        return {instant: value.isoformat()}
+    if isinstance(value, timedelta):
+        return {relative: value.total_seconds()}
+    return {relative: float(value)}
+
+
 def _is_run(doc: Any) -> bool:
     return (isinstance(doc, dict) and isinstance(doc.get("id"), str)
             and isinstance(doc.get("status"), str) and "workflow_ref" in doc)
@@ -315,7 +331,9 @@ class Runs:
 
     def admit(self, workflow_ref: str, input: Mapping[str, Any] | None = None,
               dispatch_key: str | None = None, goal_id: str | None = None,
-              concurrency_key: str | None = None) -> Run:
+              concurrency_key: str | None = None, *,
+              delay: float | timedelta | datetime | None = None,
+              expires: float | timedelta | datetime | None = None) -> Run:
         """Admit a run; return it (``replayed`` if the API answered with an existing one).
 
         Without ``dispatch_key`` one is generated for this call (``client-<uuid4>``),
@@ -323,6 +341,10 @@ class Runs:
         still two runs. Raise ``DispatchKeyConflict`` if the key names another request.
         ``concurrency_key`` is the run's group under its workflow's ``concurrency_limit``
         (where the workflow derives none itself).
+        ``delay``: seconds (or a ``timedelta``) from admission, or an aware ``datetime``, before
+        which the run does not start (Celery's ``countdown``/``eta``, kept in Postgres).
+        ``expires``: likewise, the time by which a worker must have started the run, else it
+        ends ``expired`` (Celery's ``expires``).
         """
         key = dispatch_key if dispatch_key is not None else f"{GENERATED_KEY_PREFIX}{uuid.uuid4()}"
         request: dict[str, Any] = {"workflow_ref": workflow_ref, "input": dict(input or {}),
@@ -331,6 +353,8 @@ class Runs:
             request["goal_id"] = goal_id
         if concurrency_key is not None:
             request["concurrency_key"] = concurrency_key
+        request.update(timing_fields(delay, "not_before", "delay_seconds"))
+        request.update(timing_fields(expires, "expires_at", "expires_in_seconds"))
         answer, doc = self._call("POST", "/v1/runs", json.dumps(request).encode())
         return Run.from_json(doc, replayed=answer.status == 200)
 
