@@ -25,7 +25,8 @@ modules first (``tests/durations.py``, from ``tests/durations.json``);
 Each pass prints its test count and seconds; any pass's non-zero pytest status fails
 the run (5, no tests collected, included), after every lane has run. The defaults
 are chosen for two cores: ``POIMEN_TEST_WORKERS`` (3) is the db lane's worker count,
-``POIMEN_SYSTEM_WORKERS`` (5) the system lane's.
+``POIMEN_SYSTEM_WORKERS`` the system lane's (unset: 5 on a fast machine, 3 on a slow one,
+by a timed probe: ``default_system_workers``).
 """
 
 from __future__ import annotations
@@ -59,13 +60,39 @@ class Pass:
     longest_first: bool = False  # modules in tests/durations.json's order
 
 
+# A fixed piece of Python work, and how long it may take on a machine fast enough for the
+# system lane's 5 workers (3 million loop steps: 0.06 s on the faster 2-core machine this
+# suite was tuned on, 0.5-0.75 s on one 2.5 times slower per direct finish).
+_PROBE_STEPS = 3_000_000
+_FAST_PROBE_SECONDS = 0.25
+
+
+def default_system_workers() -> int:
+    """The system lane's workers when ``POIMEN_SYSTEM_WORKERS`` is unset: 5 on a fast
+    machine, 3 on a slow one. The lane's tests start processes (web, workers, relays) that
+    load both cores, and some bound a process's answer in seconds (a cap change beside an
+    8 s run, a pooled web's answer, a kill -9 recovery): at 5 workers on a machine 2.5
+    times slower, the load average stood near 9 and six of them failed for it; at 3 they
+    passed. The probe is the best of three timings of a fixed loop, printed with the
+    choice."""
+    best = min(_probe() for _ in range(3))
+    workers = 5 if best <= _FAST_PROBE_SECONDS else 3
+    print(f"system lane: {workers} workers (a {_PROBE_STEPS:,}-step loop took {best:.2f}s; "
+          f"5 at or under {_FAST_PROBE_SECONDS}s; POIMEN_SYSTEM_WORKERS overrides)", flush=True)
+    return workers
+
+
+def _probe() -> float:
+    started = time.perf_counter()
+    total = 0
+    for step in range(_PROBE_STEPS):
+        total += step
+    return time.perf_counter() - started
+
+
 def passes(lanes: list[str]) -> list[Pass]:
     db_workers = int(os.environ.get("POIMEN_TEST_WORKERS", "3"))
-    # The system lane's tests start processes (web, workers, relays) that load both cores:
-    # at 5 workers the load average stood near 9, and on a slower machine the tests that
-    # bound a process's answer in seconds (a cap change beside an 8 s run, a pooled web's
-    # answer, a kill -9 recovery) failed for it. 3 keep them within their bounds.
-    system_workers = int(os.environ.get("POIMEN_SYSTEM_WORKERS", "3"))
+    system_workers = int(os.environ.get("POIMEN_SYSTEM_WORKERS") or default_system_workers())
     table = {
         "unit": [Pass("unit", "unit", env=NO_SERVICES)],
         # worksteal: the model test's families take tens of seconds each, the rest
