@@ -41,7 +41,6 @@ from .errors import ApiError
 from .extensions import autocommit_next, db
 from .models import AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
-from .state import runs
 from .state.direct import single_statements
 from .state.executor import on_session
 
@@ -296,16 +295,23 @@ def _parent_run_id(value: str | None) -> uuid.UUID | None:
 @bp.post("/runs/<run_id>/cancel")
 @require_token(CANCEL)
 def cancel_run(run_id: str):
+    unknown = sorted(set(request.args) - {"cascade"})
+    cascade = request.args.get("cascade", "true").lower()
+    if unknown or cascade not in ("true", "false"):
+        raise ApiError(400, "invalid_parameter", "invalid query parameters", {"names": {
+            **{name: "unknown parameter" for name in unknown},
+            **({} if cascade in ("true", "false") else {"cascade": "true or false"})}})
     run = _load_run(run_id)
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
-    # left as it is.
-    changed = runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
-    db.session.commit()
-    if changed is not None:
-        db.session.refresh(run)
-    return _json(serialize_run(run, g.principal.tenant_name),
-                 202 if run.status == RunStatus.RUNNING else 200)
+    # left as it is. With the cascade (the default), so are its descendants.
+    outcome = run_service.cancel_run(db.session, run.tenant_id, run.id,
+                                     cascade=cascade == "true")
+    db.session.refresh(run)
+    response = _json(serialize_run(run, g.principal.tenant_name),
+                     202 if run.status == RunStatus.RUNNING else 200)
+    response.headers["Poimen-Cancelled-Descendants"] = str(outcome.descendants)
+    return response
 
 
 @bp.get("/openapi.json")

@@ -144,6 +144,10 @@ class Run(db.Model):
     # which a worker must have started it, else it ends expired.
     admitted_not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The cancel requested reaches the run's descendants (migration 0027): a child admitted
+    # under it from now on is admitted with its cancellation requested.
+    cancel_cascade: Mapped[bool] = mapped_column(Boolean, nullable=False,
+                                                 server_default=text("false"))
 
     __table_args__ = (
         CheckConstraint(

@@ -65,6 +65,11 @@ RUN_FIELDS = [
     "started_at", "finished_at", "not_before", "expires_at",
 ]
 
+CANCELLED_DESCENDANTS = {"Poimen-Cancelled-Descendants": {
+    "description": "How many of the run's descendants this cancel cancelled or asked to "
+                   "stop (0 with cascade=false)",
+    "schema": {"type": "integer", "minimum": 0}}}
+
 TRACEPARENT = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 
 
@@ -274,12 +279,24 @@ def openapi_document() -> dict[str, Any]:
             "/v1/runs/{run_id}/cancel": {
                 "post": {
                     "operationId": "cancelRun",
-                    "summary": "Cancel a queued run, or ask a running one to stop",
-                    "parameters": [run_id, tenant_header],
+                    "summary": "Cancel a queued run, or ask a running one to stop; and its "
+                               "descendants",
+                    "parameters": [run_id, tenant_header, {
+                        "name": "cascade", "in": "query", "required": False,
+                        "description": "true (the default): the cancel reaches every "
+                                       "descendant not ended (fan-out children, theirs, "
+                                       "...), each with its event, and a child admitted "
+                                       "under the run afterwards is admitted cancelled; "
+                                       "false: the run alone",
+                        "schema": {"type": "string", "enum": ["true", "false"],
+                                   "default": "true"}}],
                     "responses": {
-                        "200": _run("Cancelled, or already finished (unchanged)"),
-                        "202": _run("Running: cancellation requested"),
-                        **_auth_errors(not_found="no such run for this tenant"),
+                        "200": _run("Cancelled, or already finished (unchanged)",
+                                    CANCELLED_DESCENDANTS),
+                        "202": _run("Running: cancellation requested", CANCELLED_DESCENDANTS),
+                        **_auth_errors(not_found="no such run for this tenant",
+                                       bad_request="an unknown query parameter, or cascade "
+                                                   "not true or false"),
                     },
                 }
             },

@@ -27,6 +27,49 @@ from .tracecontext import of_run
 
 log = logging.getLogger(__name__)
 
+# A cascading cancel's page of descendants; each is cancelled in a transaction of its own.
+CASCADE_PAGE = 100
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """What a cancel did: to the run (``run``: None when it had already finished) and, with
+    the cascade, how many of its descendants it cancelled or asked to stop."""
+
+    run: runs.Cancel | None
+    descendants: int = 0
+
+
+def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID, *,
+               cascade: bool = True) -> CancelOutcome:
+    """Cancel ``run_id`` and, with ``cascade`` (the default), every descendant not ended.
+
+    The run first, committed with its cascade recorded: from then on a child admitted
+    under it (a fan-out in flight) is admitted cancelled, and a fan-out that committed
+    before is seen by the walk that follows (the admission locks its parent's row, so the
+    two are ordered; ``sql/runs.sql``, ``admit``). Then the descendants a page at a time
+    (``runs.descendants``), each cancelled in its own transaction: queued, delayed and
+    waiting ones at once, running ones at their next checkpoint, each with its event. A
+    finished run's descendants are still walked (a tree can outlive its root's end).
+    Commits; the parents their ends complete are sent after each commit.
+    """
+    store = on_session(session)
+    changed = runs.cancel_run(store, tenant_id, run_id, cascade=cascade)
+    session.commit()
+    if not cascade:
+        return CancelOutcome(changed)
+    count = 0
+    while ids := runs.descendants(store, run_id, limit=CASCADE_PAGE):
+        session.commit()
+        for child in ids:
+            count += runs.cancel_run(store, tenant_id, child, cascade=True) is not None
+            session.commit()
+    session.commit()
+    if count:
+        log.info("cancel of run %s reached %d descendant(s)", run_id, count)
+    return CancelOutcome(changed, count)
+
+
 def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:
     """Return the tenant id of any tenant's run ``run_id`` (None if there is no such run)."""
     return session.execute(_TENANT_OF, {"run": run_id}).scalar_one_or_none()

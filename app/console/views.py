@@ -36,7 +36,6 @@ from ..auth import ADMIT, REPLAY_DLQ
 from ..errors import ApiError
 from ..extensions import db
 from ..models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus, WaitReason
-from ..state import runs
 from ..state.executor import on_session
 from . import reads
 from .session import (
@@ -282,15 +281,18 @@ def cancel(run_id: str):
     if not principal.allows("cancel"):
         raise ConsoleError(403, "forbidden", "this token may not cancel runs")
     run = _load_run(run_id)
-    # The API's cancel: one statement, its run.cancelled event, a waiting parent woken.
-    changed = runs.cancel_run(on_session(db.session), run.tenant_id, run.id)
-    db.session.commit()
+    # The API's cancel, cascading: the run and its descendants, each with its event.
+    outcome = run_service.cancel_run(db.session, run.tenant_id, run.id)
+    changed = outcome.run
+    below = (f" {outcome.descendants} descendant run(s) cancelled or asked to stop."
+             if outcome.descendants else "")
     if changed is None:
-        flash("The run had already finished; nothing to cancel.", "info")
+        flash("The run had already finished; nothing to cancel." + below, "info")
     elif changed.status == RunStatus.CANCELLED:
-        flash("Cancelled.", "ok")
+        flash("Cancelled." + below, "ok")
     else:
-        flash("Cancel requested: the run stops at its workflow's next checkpoint.", "ok")
+        flash("Cancel requested: the run stops at its workflow's next checkpoint." + below,
+              "ok")
     log.info("console: cancel of run %s by token %s", run.id, principal.token_id)
     return redirect(url_for("console.run", run_id=run.id), 303)
 

@@ -259,16 +259,29 @@ def lock_slots(session: Executor, run_id: uuid.UUID) -> int:
     return int(session.execute(LOCK_SLOTS.call, {"run": run_id}).scalar_one())
 
 
-def cancel_run(session: Executor, tenant_id: int, run_id: uuid.UUID) -> Cancel | None:
+def cancel_run(session: Executor, tenant_id: int, run_id: uuid.UUID, *,
+               cascade: bool = False) -> Cancel | None:
     """Cancel ``run_id`` (queued or waiting: at once; running: at its next checkpoint).
 
     Return what changed, or None when the run was already finished (then
     there is nothing to cancel). The caller commits; a parent whose join this
-    run completes is sent after the commit.
+    run completes is sent after the commit. ``cascade``: the cancel is to reach the
+    run's descendants, those admitted from now on among them (they are admitted
+    cancelled); the caller cancels the ones there are with ``descendants``.
     """
-    row = session.execute(CANCEL.call, {"run": run_id, "tenant": tenant_id}).one_or_none()
+    row = session.execute(CANCEL.call, {"run": run_id, "tenant": tenant_id,
+                                        "cascade": cascade}).one_or_none()
     send_woken(session, woken_of(row))
     return None if row is None else build(Cancel, row)
+
+
+DESCENDANTS = statement("descendants")
+
+
+def descendants(session: Executor, run_id: uuid.UUID, *, limit: int) -> list[uuid.UUID]:
+    """Up to ``limit`` runs below ``run_id`` (at any depth) not ended and not yet cancelled
+    with the cascade: a cascading cancel's next page."""
+    return [row.id for row in session.execute(DESCENDANTS, {"run": run_id, "limit": limit}).all()]
 
 
 def finish_requested_cancel(session: Executor, run_id: uuid.UUID) -> bool:

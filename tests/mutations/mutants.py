@@ -79,6 +79,7 @@ _SLOT_LOCKS = "    PERFORM poimen_lock_slots(p_run);\n"
 CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
 DELAYED_TESTS = "tests/workers/test_delayed_runs.py"
+CASCADE_TESTS = "tests/workers/test_cascade_cancel.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -116,9 +117,9 @@ MUTANTS: list[Mutant] = [
         "SELECT :id, :tenant_id,",
         ("tests/app/test_idempotent_admission.py::"
          "test_the_index_decides_a_key_held_by_an_uncommitted_admission",),
-        also=(Edit("AS float8))))\n"
+        also=(Edit("(SELECT cancelled FROM parent), false))\n"
                    "ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING",
-                   "AS float8)))\n"
+                   "(SELECT cancelled FROM parent), false)\n"
                    " WHERE NOT EXISTS (SELECT 1 FROM runs WHERE tenant_id = :tenant_id\n"
                    "                      AND dispatch_key = CAST(:dispatch_key AS varchar))"),),
     ),
@@ -1146,6 +1147,37 @@ MUTANTS: list[Mutant] = [
         "           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')",
         "           AND s.status IN ('succeeded', 'failed', 'cancelled', 'poisoned')",
         (f"{DELAYED_TESTS}::test_an_expired_child_counts_for_its_parents_join",),
+    ),
+    Mutant(
+        "fan_out_ignores_a_cancelled_parent",
+        "a child admitted under a parent whose cascading cancel committed is admitted with its "
+        "cancellation requested: it never starts after the cancel's answer",
+        RUNS_SQL,
+        "p.cancel_requested AND p.cancel_cascade AS cancelled",
+        "false AS cancelled",
+        (f"{CASCADE_TESTS}::"
+         "test_a_child_admitted_after_the_cancel_is_admitted_cancelled_and_never_runs",),
+        occurrences=2, nth=0,  # admit, admit_many
+    ),
+    Mutant(
+        "fan_out_does_not_lock_its_parent",
+        "a child's admission locks its parent's row, so a cascading cancel meeting a fan-out "
+        "in flight waits for its commit and then finds the children",
+        RUNS_SQL,
+        "      FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid) FOR SHARE),",
+        "      FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)),",
+        (f"{CASCADE_TESTS}::"
+         "test_a_cancel_meeting_a_fan_out_in_flight_waits_for_it_then_cancels_its_children",),
+        occurrences=2, nth=0,
+    ),
+    Mutant(
+        "cancel_reaches_only_children",
+        "a cancel reaches every descendant not ended, at any depth",
+        RUNS_SQL,
+        "    SELECT c.id FROM runs c WHERE c.parent_run_id = :run\n    UNION ALL\n"
+        "    SELECT c.id FROM tree JOIN runs c ON c.parent_run_id = tree.id)",
+        "    SELECT c.id FROM runs c WHERE c.parent_run_id = :run)",
+        (f"{CASCADE_TESTS}::test_a_cancel_reaches_every_descendant_not_ended",),
     ),
     Mutant(
         "model_tick_from_the_beat_clock",

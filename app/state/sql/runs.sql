@@ -5,26 +5,35 @@
 -- A run is admitted unless its ``(tenant_id, dispatch_key)`` is taken, decided by the
 -- partial unique index (ON CONFLICT DO NOTHING), never by a read first; with its
 -- ``run.admitted`` event. A miss reads the holder with ``existing``. A fan-out child's
--- root_run_id is its parent's root, or its parent: one lookup of the parent, made only for
--- a child (the subquery is an InitPlan, run when the CASE first needs it). A delayed run
+-- root_run_id is its parent's root, or its parent (``parent``: one lookup by the primary
+-- key, of nothing for a run that is no child). The lookup locks the parent's row FOR
+-- SHARE: a cascading cancel of the parent (``poimen_cancel``) either waits for this
+-- admission's commit and then finds the child, or commits first and the child is admitted
+-- with its cancellation requested, and the cascade for its own children (never started).
+-- A delayed run
 -- (``:not_before``, or ``:delay`` seconds from now, by Postgres's clock) keeps the time it
 -- was admitted with in ``admitted_not_before`` (a retry moves ``not_before``, never that);
 -- ``due`` says whether it may be sent now (else beat's ``release_due`` sends it).
 -- ``expires_at`` (or ``:expires_in`` seconds from now): a run not started by then ends
 -- ``expired`` (``poimen_expire``).
-WITH  changed AS (
+WITH  parent AS (
+    SELECT coalesce(p.root_run_id, p.id) AS root_id, p.cancel_requested AND p.cancel_cascade AS cancelled
+      FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid) FOR SHARE),
+      changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                   traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
-                  admitted_not_before, expires_at)
+                  admitted_not_before, expires_at, cancel_cascade)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
-        CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0, false, :origin,
-        :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, :definition_hash,
+        CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0,
+        coalesce((SELECT cancelled FROM parent), false), :origin,
+        :origin_detail, :parent_run_id, (SELECT root_id FROM parent), :definition_hash,
         :traceparent, :tracestate, :concurrency_key, :concurrency_limit,
         coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
         coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
-        coalesce(CAST(:expires_at AS timestamptz), now() + make_interval(secs => CAST(:expires_in AS float8))))
+        coalesce(CAST(:expires_at AS timestamptz), now() + make_interval(secs => CAST(:expires_in AS float8))),
+        coalesce((SELECT cancelled FROM parent), false))
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
     event AS (
@@ -69,19 +78,24 @@ SELECT runs.*, (not_before IS NULL OR not_before <= now()) AS due,
 -- the same batch) is skipped, to be read back with ``holders``. The rows go in ordered by
 -- key: two batches that share keys take them in one order, so neither can hold a key the
 -- other waits for while it waits for one the other holds (a deadlock).
-WITH  changed AS (
+WITH  parent AS (
+    SELECT coalesce(p.root_run_id, p.id) AS root_id, p.cancel_requested AND p.cancel_cascade AS cancelled
+      FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid) FOR SHARE),
+      changed AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
                   traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
-                  admitted_not_before, expires_at)
+                  admitted_not_before, expires_at, cancel_cascade)
 SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
-       r.goal_id, r.dispatch_key, 'queued', 0, 0, false, :origin,
-       :origin_detail, :parent_run_id, CASE WHEN CAST(:parent_run_id AS uuid) IS NULL THEN NULL ELSE (SELECT coalesce(p.root_run_id, p.id) FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid)) END, r.definition_hash,
+       r.goal_id, r.dispatch_key, 'queued', 0, 0,
+       coalesce((SELECT cancelled FROM parent), false), :origin,
+       :origin_detail, :parent_run_id, (SELECT root_id FROM parent), r.definition_hash,
        r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit,
        coalesce(r.not_before, now() + make_interval(secs => r.delay)),
        coalesce(r.not_before, now() + make_interval(secs => r.delay)),
-       coalesce(r.expires_at, now() + make_interval(secs => r.expires_in))
+       coalesce(r.expires_at, now() + make_interval(secs => r.expires_in)),
+       coalesce((SELECT cancelled FROM parent), false)
   FROM jsonb_to_recordset(CAST(:runs AS jsonb)) AS r(
        ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
        input jsonb, goal_id text, dispatch_key text, definition_hash text,
@@ -140,9 +154,11 @@ RETURNING id;
 -- while we wait on its row lock is re-checked on its new version by Postgres
 -- and cancelled outright.
 -- A waiting run (a join) holds no worker: it is cancelled outright, like a queued one.
--- A run it ends counts for its parent's join (``poimen_ended``).
+-- A run it ends counts for its parent's join (``poimen_ended``). ``p_cascade``: the cancel
+-- reaches the run's descendants (``cancel_cascade``): the children admitted after it are
+-- admitted cancelled (``admit``), and the caller cancels those found (``descendants``).
 CREATE OR REPLACE FUNCTION poimen_cancel(
-    p_run uuid, p_tenant integer
+    p_run uuid, p_tenant integer, p_cascade boolean DEFAULT false
 ) RETURNS TABLE (
     id runs.id%TYPE, tenant_id runs.tenant_id%TYPE, status runs.status%TYPE,
     cancel_requested runs.cancel_requested%TYPE, woken jsonb
@@ -159,7 +175,8 @@ BEGIN
                               THEN now() ELSE finished_at END,
            wait_reason = CASE WHEN status = 'waiting' THEN NULL
                               ELSE wait_reason END,
-           cancel_requested = true, updated_at = now()
+           cancel_requested = true, cancel_cascade = cancel_cascade OR p_cascade,
+           updated_at = now()
      WHERE id = p_run AND tenant_id = p_tenant
        AND status IN ('queued', 'running', 'waiting')
      RETURNING * INTO v_run;
@@ -172,6 +189,20 @@ BEGIN
                                            '{}', ARRAY[v_run.id], '{}');
 END
 $body$;
+
+-- name: descendants
+-- A cascading cancel's next page: the runs below ``:run`` (its children, theirs, ...,
+-- through ``ix_runs_parent``) not ended and not yet cancelled with the cascade. Each is
+-- cancelled by its own ``poimen_cancel`` call (one run's row lock at a time: a child's end
+-- locks the child, then its parent's entry and row, so holding several would deadlock).
+WITH RECURSIVE tree(id) AS (
+    SELECT c.id FROM runs c WHERE c.parent_run_id = :run
+    UNION ALL
+    SELECT c.id FROM tree JOIN runs c ON c.parent_run_id = tree.id)
+SELECT r.id FROM tree JOIN runs r ON r.id = tree.id
+ WHERE (r.status || '') IN ('queued', 'running', 'waiting')
+   AND NOT (r.cancel_requested AND r.cancel_cascade)
+ LIMIT :limit;
 
 -- name: poimen_cancel_queued
 -- A delivery found a queued run whose cancellation was requested: it ends cancelled, and

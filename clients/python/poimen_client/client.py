@@ -412,9 +412,11 @@ class Runs:
                 return
             query["cursor"] = cursor
 
-    def cancel(self, run_id: str) -> Run:
-        """Cancel the run: a queued one at once, a running one at its next checkpoint."""
-        return Run.from_json(self._call("POST", f"/v1/runs/{run_id}/cancel", b"{}")[1])
+    def cancel(self, run_id: str, *, cascade: bool = True) -> Run:
+        """Cancel the run: a queued one at once, a running one at its next checkpoint; with
+        ``cascade`` (the default) its descendants too (fan-out children, theirs, ...)."""
+        path = f"/v1/runs/{run_id}/cancel" + ("" if cascade else "?cascade=false")
+        return Run.from_json(self._call("POST", path, b"{}")[1])
 
     def wait(self, run_id: str, timeout: float, poll_interval: float = 0.2,
              poll_max: float = 2.0) -> Run:
