@@ -150,6 +150,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Build the Flask config from ``env`` (default: ``os.environ``)."""
     env = _environ(env)
     raw_db = raw(env, "DATABASE_URL")
+    web = get_str(env, "POIMEN_WEB_PROCESS") == "1"
     return {
         "SQLALCHEMY_DATABASE_URI": database_url(raw_db) if raw_db else None,
         "SQLALCHEMY_ENGINE_OPTIONS": {
@@ -161,8 +162,13 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
             # per transaction under load. POIMEN_DB_PRE_PING=0 turns pinging off.
             "pool_pre_ping": False,
             "pool_recycle": get_int(env, "POIMEN_DB_POOL_RECYCLE"),
-            "pool_size": get_int(env, "POIMEN_DB_POOL_SIZE"),
-            "max_overflow": get_int(env, "POIMEN_DB_MAX_OVERFLOW"),
+            # A gunicorn worker (app/gunicorn_conf.py marks it) holds WEB_DB_CONNECTIONS at
+            # most, whatever its threads: the threads beyond them serve requests that wait
+            # on a run holding no connection (?wait=), and the plan's connection budget
+            # (docs/operations/deploy.md) stays the same.
+            "pool_size": (get_int(env, "WEB_DB_CONNECTIONS") if web
+                          else get_int(env, "POIMEN_DB_POOL_SIZE")),
+            "max_overflow": 0 if web else get_int(env, "POIMEN_DB_MAX_OVERFLOW"),
             # Statement parameters (whole run inputs) stay out of exception messages.
             "hide_parameters": True,
             # Admission's miss path reads the row a conflicting transaction just
@@ -216,6 +222,10 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "POIMEN_ADMISSION_FAST_PATH": get_str(env, "POIMEN_ADMISSION_FAST_PATH") != "0",
         # The most runs one POST /v1/runs/batch may admit.
         "POIMEN_BATCH_MAX": get_int(env, "POIMEN_BATCH_MAX"),
+        # GET /v1/runs/<id>?wait= (app/waiter.py).
+        "POIMEN_WAIT_MAX": get_int(env, "POIMEN_WAIT_MAX"),
+        "POIMEN_WAIT_MAX_SECONDS": get_float(env, "POIMEN_WAIT_MAX_SECONDS"),
+        "POIMEN_WAIT_POLL_SECONDS": get_float(env, "POIMEN_WAIT_POLL_SECONDS"),
         # Seconds a run in flight may take after SIGTERM (Heroku kills at 30).
         "POIMEN_SHUTDOWN_GRACE": shutdown_grace(env),
         # How long a worker retries recording a run's outcome while the database is away.

@@ -155,7 +155,18 @@ SETTINGS: tuple[Setting, ...] = (
           "alone exports the global gauges (docs/operations/metrics.md).",
           shown=f"worker and beat: off, inbox: {INBOX_METRICS_PORT}, outbox: {OUTBOX_METRICS_PORT}"),
     _proc("WEB_CONCURRENCY", int, 2, WEB, "gunicorn worker processes (Procfile)."),
-    _proc("WEB_THREADS", int, 4, WEB, "threads per gunicorn worker (Procfile)."),
+    _proc("POIMEN_WEB_PROCESS", str, None, WEB,
+          "set to `1` by `app/gunicorn_conf.py` in `web`'s processes (never by hand): their "
+          "database pool is `WEB_DB_CONNECTIONS`."),
+    _proc("WEB_DB_CONNECTIONS", int, 4, WEB,
+          "database connections one gunicorn worker's pool holds at most (its pool size; no "
+          "overflow; `POIMEN_DB_POOL_SIZE` and `POIMEN_DB_MAX_OVERFLOW` are the other "
+          "processes'). Its threads beyond them wait for one, or wait on a run (`?wait=`), "
+          "which holds none."),
+    _proc("WEB_THREADS", int, 128, WEB,
+          "threads per gunicorn worker (Procfile). A request waiting on a run "
+          "(`GET /v1/runs/<id>?wait=`) takes one, and no database connection; "
+          "`POIMEN_WAIT_MAX` of them at most, so the rest stay for admissions."),
     _proc("WORKER_CONCURRENCY", int, 2, WORKER,
           "Celery pool processes (Procfile). Each holds one lock connection to Postgres."),
     _proc("CELERY_BEAT_SCHEDULE", str, "/tmp/poimen-celerybeat-schedule", BEAT,
@@ -181,6 +192,16 @@ SETTINGS: tuple[Setting, ...] = (
           "a hook, signal receiver or middleware other than Poimen's would see "
           "(`opentelemetry-instrument`, Sentry's Flask integration, an extension's "
           "`before_request`)."),
+    _proc("POIMEN_WAIT_MAX", int, 120, WEB,
+          "Requests one gunicorn worker lets wait on a run at once (`?wait=`); one more "
+          "answers at once with the run as it is and `Poimen-Wait: full`. Keep it below "
+          "`WEB_THREADS`: the threads left over serve admissions."),
+    _proc("POIMEN_WAIT_MAX_SECONDS", float, 60.0, WEB,
+          "The longest `?wait=` a request may ask for."),
+    _proc("POIMEN_WAIT_POLL_SECONDS", float, 0.05, WEB,
+          "How often a gunicorn worker reads whether its waited runs ended (one statement "
+          "for all of them, only while one waits): the most an answer lags a run's end, "
+          "besides the read."),
     _proc("POIMEN_BATCH_MAX", int, 1000, WEB,
           "The most items one `POST /v1/runs/batch` may carry; more is a 413 "
           "(`batch_too_large`) and nothing is admitted. The body must also fit in 1 MiB."),

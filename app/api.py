@@ -39,10 +39,11 @@ from .auth import ADMIT, require_token
 from .enqueue import send_pending
 from .errors import ApiError
 from .extensions import autocommit_next, db
-from .models import AdmissionOrigin, Run, RunStatus
+from .models import TERMINAL_STATUSES, AdmissionOrigin, Run, RunStatus
 from .openapi import openapi_document
 from .state.direct import single_statements
 from .state.executor import on_session
+from .waiter import waiter
 
 bp = Blueprint("v1", __name__, url_prefix=API_PREFIX)
 log = logging.getLogger(__name__)
@@ -210,10 +211,44 @@ def _load_run(run_id: str) -> Run:
 @bp.get("/runs/<run_id>")
 @require_token(READ)
 def get_run(run_id: str):
+    """The run; with ``?wait=N`` (seconds, up to ``POIMEN_WAIT_MAX_SECONDS``), once it
+    has ended or after N seconds, whichever comes first (``app/waiter.py``)."""
+    unknown = sorted(set(request.args) - {"wait"})
+    wait = _wait_seconds(request.args.get("wait"))
+    if unknown:
+        raise ApiError(400, "invalid_parameter", "invalid query parameters",
+                       {"names": {name: "unknown parameter" for name in unknown}})
     run = _load_run(run_id)
+    waited = None
+    if wait and run.status not in TERMINAL_STATUSES:
+        run_uuid = run.id
+        # The request waits holding no connection: the transaction ends here.
+        db.session.commit()
+        config = current_app.config
+        waited = waiter(db.engine, interval=config["POIMEN_WAIT_POLL_SECONDS"],
+                        max_waiters=config["POIMEN_WAIT_MAX"]).wait(run_uuid, wait)
+        db.session.expire_all()  # read it again, not the session's copy
+        run = _load_run(str(run_uuid))
     body = serialize_run(run, g.principal.tenant_name)
     body["steps"] = serialize_steps(run_service.run_steps(db.session, run.id))
-    return _json(body)
+    response = _json(body)
+    if waited is None and wait and run.status not in TERMINAL_STATUSES:
+        response.headers["Poimen-Wait"] = "full"  # this process's waiters are at their bound
+    return response
+
+
+def _wait_seconds(value: str | None) -> float:
+    if value is None:
+        return 0.0
+    limit = current_app.config["POIMEN_WAIT_MAX_SECONDS"]
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= limit:  # NaN fails both comparisons
+        raise ApiError(400, "invalid_parameter", "invalid query parameters", {"names": {
+            "wait": f"seconds to wait for the run to end, from 0 to {limit:g}"}})
+    return seconds
 
 
 def serialize_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:

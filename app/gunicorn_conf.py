@@ -44,6 +44,11 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 _logs.configure()
 
+# The app's config reads it (poimenconfig.py): a gunicorn worker's pool holds
+# WEB_DB_CONNECTIONS, however many threads it has (a thread waiting on a run, ?wait=,
+# holds none).
+os.environ["POIMEN_WEB_PROCESS"] = "1"
+
 
 def on_starting(server) -> None:
     # An operator-provided directory may hold a previous run's files, whose

@@ -269,11 +269,27 @@ def openapi_document() -> dict[str, Any]:
             "/v1/runs/{run_id}": {
                 "get": {
                     "operationId": "getRun",
-                    "parameters": [run_id, tenant_header],
+                    "parameters": [run_id, tenant_header, {
+                        "name": "wait", "in": "query", "required": False,
+                        "description": "Seconds to wait on the server for the run to end "
+                                       "(at most POIMEN_WAIT_MAX_SECONDS, 60): answered as "
+                                       "soon as it ends, else with the run as it is once "
+                                       "they pass. A waiting request holds no database "
+                                       "connection; beyond POIMEN_WAIT_MAX waiters per "
+                                       "gunicorn worker the answer comes at once, with "
+                                       "Poimen-Wait: full (poll then)",
+                        "schema": {"type": "number", "minimum": 0, "maximum": 60}}],
                     "responses": {"200": {"description": "The run, with its step entries",
+                                          "headers": {"Poimen-Wait": {
+                                              "description": "full: the wait was not "
+                                                             "served (too many waiting)",
+                                              "schema": {"type": "string",
+                                                         "enum": ["full"]}}},
                                           "content": {"application/json": {"schema": {
                                               "$ref": "#/components/schemas/RunWithSteps"}}}},
-                                  **_auth_errors(not_found="no such run for this tenant")},
+                                  **_auth_errors(not_found="no such run for this tenant",
+                                                 bad_request="an unknown query parameter, "
+                                                             "or wait out of range")},
                 }
             },
             "/v1/runs/{run_id}/cancel": {

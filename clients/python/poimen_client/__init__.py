@@ -15,6 +15,7 @@ from .client import (
     InvalidRequest,
     PoimenError,
     Run,
+    RunFailed,
     RunNotFound,
     Runs,
     Transport,
@@ -27,7 +28,7 @@ from .client import (
 
 __all__ = [
     "GENERATED_KEY_PREFIX", "RETRIED_STATUSES", "TERMINAL", "Answer", "ApiError", "AuthError",
-    "DispatchKeyConflict", "InvalidRequest", "PoimenError", "Run", "RunNotFound", "Runs",
+    "DispatchKeyConflict", "InvalidRequest", "PoimenError", "Run", "RunFailed", "RunNotFound", "Runs",
     "Transport", "TransportError", "TransportTimeout", "Unavailable", "WaitTimeout",
     "retry_after_seconds",
 ]

@@ -117,6 +117,18 @@ class WaitTimeout(PoimenError):
         self.run = run
 
 
+class RunFailed(PoimenError):
+    """``Runs.result``: the run ended but did not succeed (failed, cancelled, poisoned,
+    expired). ``run`` is the run; ``error`` its error document (None for a cancel)."""
+
+    def __init__(self, run: Run):
+        code = (run.error or {}).get("code") if isinstance(run.error, dict) else None
+        super().__init__(f"run {run.id} {run.status}" + (f": {code}" if code else ""))
+        self.run = run
+        self.status = run.status
+        self.error = run.error
+
+
 def _api_error(status: int, body: Any, retry_after: float | None) -> ApiError:
     if status in (400, 413, 415, 422):
         cls: type[ApiError] = InvalidRequest
@@ -183,7 +195,7 @@ class Transport:
 
     def send(self, method: str, path: str, body: bytes | None = None,
              headers: Mapping[str, str] | None = None,
-             timeout: float | None = None) -> Answer:
+             timeout: float | urllib3.Timeout | None = None) -> Answer:
         """Send one request; return the answer, or raise ``TransportError``/``TransportTimeout``."""
         extra = {"Content-Type": "application/json"} if body is not None else {}
         if headers:
@@ -311,6 +323,8 @@ class Runs:
                                    user_agent=user_agent or f"poimen-client/{_version()}",
                                    connect_timeout=connect_timeout, read_timeout=timeout,
                                    maxsize=maxsize)
+        self.transport_connect_timeout = connect_timeout
+        self.read_timeout = timeout
         self._tenant_headers = {"X-Poimen-Tenant": tenant} if tenant else {}
         self.retry_for = retry_for
         self.backoff_initial = backoff_initial
@@ -419,19 +433,42 @@ class Runs:
         return Run.from_json(self._call("POST", path, b"{}")[1])
 
     def wait(self, run_id: str, timeout: float, poll_interval: float = 0.2,
-             poll_max: float = 2.0) -> Run:
-        """Poll until the run is finished; return it, or raise ``WaitTimeout``."""
+             poll_max: float = 2.0, server_wait: float = 30.0) -> Run:
+        """Wait until the run is finished; return it, or raise ``WaitTimeout``.
+
+        Each request waits on the server (``GET /v1/runs/<id>?wait=``, at most
+        ``server_wait`` seconds), which answers as soon as the run ends. A server whose
+        waiters are all taken (``Poimen-Wait: full``) answers at once; then this polls,
+        every ``poll_interval`` seconds doubling up to ``poll_max``."""
         deadline = time.monotonic() + timeout
         interval = poll_interval
         while True:
-            run = self.get(run_id)
+            left = deadline - time.monotonic()
+            wait = max(0.0, min(server_wait, left))
+            query = f"?wait={wait:.3f}" if wait >= 0.001 else ""
+            answer, doc = self._call(
+                "GET", f"/v1/runs/{run_id}{query}",
+                timeout=urllib3.Timeout(connect=self.transport_connect_timeout,
+                                        read=wait + self.read_timeout) if query else None)
+            run = Run.from_json(doc)
             if run.finished:
                 return run
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeout(run, timeout)
+            if query and answer.header("Poimen-Wait") != "full":
+                continue  # the server waited its share: ask again at once
             time.sleep(min(interval, left))
             interval = min(interval * 2, poll_max)
+
+    def result(self, run_id: str, timeout: float) -> Any:
+        """The run's result once it succeeded, like Celery's ``AsyncResult.get()``: raise
+        ``RunFailed`` (the run's ``error`` and status) if it ended otherwise, and
+        ``WaitTimeout`` if it has not ended within ``timeout`` seconds."""
+        run = self.wait(run_id, timeout)
+        if run.status != "succeeded":
+            raise RunFailed(run)
+        return run.result
 
     # -- retries -------------------------------------------------------------------------------
 
@@ -441,14 +478,17 @@ class Runs:
             return self._random.uniform(0, cap)
 
     def _call(self, method: str, path: str, body: bytes | None = None,
-              expect_run: bool = True) -> tuple[Answer, Any]:
-        """Send until answered, retrying what is worth retrying within ``retry_for`` s."""
+              expect_run: bool = True,
+              timeout: float | urllib3.Timeout | None = None) -> tuple[Answer, Any]:
+        """Send until answered, retrying what is worth retrying within ``retry_for`` s;
+        ``timeout``: this call's read timeout (a wait on the server), else the client's."""
         give_up = time.monotonic() + self.retry_for
         attempt = 0
         while True:
             retry_after = None
             try:
-                answer = self.transport.send(method, path, body, self._tenant_headers)
+                answer = self.transport.send(method, path, body, self._tenant_headers,
+                                             timeout=timeout)
             except TransportError as err:
                 failure: PoimenError = err
             else:
