@@ -546,3 +546,33 @@ def test_new_tenant_topic_is_picked_up_without_restart(setup, pg, make_tenant):
 def test_procfile_runs_the_inbox():
     lines = (ROOT / "Procfile").read_text().splitlines()
     assert "inbox: python -m bridge.inbox" in lines
+
+
+def test_a_delayed_expiring_message_is_admitted_delayed_and_its_redelivery_replays(setup, pg):
+    """A dispatch message may carry delay_seconds and expires_in_seconds (the API's fields):
+    the run is admitted delayed, under the message's derived key when it has none, and
+    the message read again (the group reset, as a DLQ replay or a rebalance would) is
+    the same run: a relative time compares by presence, not by when it is read."""
+    setup.declare()
+    setup.publish(request(delay_seconds=600, expires_in_seconds=900))  # no key: derived
+    setup.publish(request(delay_seconds=600, dispatch_key="later-1"))
+    relay, url = setup.start_relay()
+    wait_until(lambda: metric(url, "poimen_inbox_admitted_total") == 2, timeout=30,
+               what="both messages admitted")
+    relay.stop()
+    rows = pg.execute(
+        "SELECT r.dispatch_key, r.admitted_not_before - r.created_at, "
+        "r.expires_at - r.created_at, r.status FROM runs r JOIN tenants t "
+        "ON t.id = r.tenant_id WHERE t.name = %s ORDER BY r.created_at",
+        (setup.tenant,)).fetchall()
+    assert [(str(delay), status) for _, delay, _, status in rows] == [
+        ("0:10:00", "queued"), ("0:10:00", "queued")]
+    assert rows[0][0].startswith("kafka:") and str(rows[0][2]) == "0:15:00"
+    reset = Consumer({"bootstrap.servers": setup.bootstrap, "group.id": setup.group,
+                      "session.timeout.ms": 6000})
+    reset.commit(offsets=[TopicPartition(setup.topic, 0, 0)], asynchronous=False)
+    reset.close()
+    _, url = setup.start_relay()
+    wait_until(lambda: metric(url, "poimen_inbox_replayed_total") == 2, timeout=30,
+               what="both messages replayed")
+    assert len(runs(pg, setup.tenant)) == 2
