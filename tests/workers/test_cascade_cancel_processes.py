@@ -42,7 +42,9 @@ def test_a_cancel_of_a_parent_with_20_children_in_every_state_lets_none_start_af
 
     answer = client.post(f"/v1/runs/{parent}/cancel", headers=tenant.headers)
     answered = pg.execute("SELECT clock_timestamp()").fetchone()[0]
-    assert answer.status_code == 202
+    # The parent checks for its cancel every 50 ms: by the answer, which follows the
+    # whole cascade, it may have stopped already.
+    assert (answer.status_code, answer.json["status"]) in ((202, "running"), (200, "cancelled"))
     states = dict(pg.execute(
         "SELECT status, count(*) FROM runs WHERE parent_run_id = %s GROUP BY status",
         [parent]).fetchall())
