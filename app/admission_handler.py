@@ -166,38 +166,40 @@ def _optional_string(body: dict, name: str, problems: dict) -> str | None:
     return value
 
 
-def _instant(body: dict, name: str, problems: dict) -> datetime | None:
-    """An RFC 3339 timestamp with its offset (``2026-12-05T18:00:00Z``), or None."""
+def _parsed(body: dict, name: str, problems: dict, parse: Callable[[Any], Any]) -> Any:
+    """``parse`` of the field ``name`` (None when absent); a ``ValueError`` it raises is the
+    field's problem."""
     value = body.get(name)
     if value is None:
         return None
-    problem = "must be an RFC 3339 timestamp with a UTC offset, e.g. 2026-12-05T18:00:00Z"
-    if not isinstance(value, str) or len(value) > 64:
-        problems[name] = problem
+    try:
+        return parse(value)
+    except ValueError as err:
+        problems[name] = str(err)
         return None
+
+
+def _instant(value: Any) -> datetime:
+    """An RFC 3339 timestamp with its offset (``2026-12-05T18:00:00Z``), within a year."""
+    problem = "must be an RFC 3339 timestamp with a UTC offset, e.g. 2026-12-05T18:00:00Z"
+    if not isinstance(value, str) or len(value) > 64 or "T" not in value.upper():
+        raise ValueError(problem)
     try:
         instant = datetime.fromisoformat(value)
     except ValueError:
-        problems[name] = problem
-        return None
-    if instant.tzinfo is None or "T" not in value.upper():
-        problems[name] = problem
-        return None
+        raise ValueError(problem) from None
+    if instant.tzinfo is None:
+        raise ValueError(problem)
     if abs((instant - datetime.now(UTC)).total_seconds()) > MAX_WAIT_SECONDS:
-        problems[name] = f"must be within {MAX_WAIT_SECONDS // 86400} days of now"
-        return None
+        raise ValueError(f"must be within {MAX_WAIT_SECONDS // 86400} days of now")
     return instant
 
 
-def _seconds(body: dict, name: str, problems: dict) -> float | None:
-    """A non-negative number of seconds up to ``MAX_WAIT_SECONDS``, or None."""
-    value = body.get(name)
-    if value is None:
-        return None
+def _seconds(value: Any) -> float:
+    """A non-negative number of seconds up to ``MAX_WAIT_SECONDS``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 <= value <= MAX_WAIT_SECONDS:
-        problems[name] = f"must be a number of seconds from 0 to {MAX_WAIT_SECONDS}"
-        return None
+        raise ValueError(f"must be a number of seconds from 0 to {MAX_WAIT_SECONDS}")
     return float(value)
 
 
@@ -226,10 +228,10 @@ def validate_run_request(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("workflow_ref", "input", "goal_id", "dispatch_key", "concurrency_key"):
         if name not in problems and (reason := unstorable_reason(body.get(name))):
             problems[name] = reason
-    timing = {"not_before": _instant(body, "not_before", problems),
-              "delay_seconds": _seconds(body, "delay_seconds", problems),
-              "expires_at": _instant(body, "expires_at", problems),
-              "expires_in_seconds": _seconds(body, "expires_in_seconds", problems)}
+    timing = {"not_before": _parsed(body, "not_before", problems, _instant),
+              "delay_seconds": _parsed(body, "delay_seconds", problems, _seconds),
+              "expires_at": _parsed(body, "expires_at", problems, _instant),
+              "expires_in_seconds": _parsed(body, "expires_in_seconds", problems, _seconds)}
     _one_of(body, "not_before", "delay_seconds", problems)
     _one_of(body, "expires_at", "expires_in_seconds", problems)
     if problems:

@@ -60,6 +60,14 @@ def bench_database(server_url: str, env: Mapping[str, str]) -> Iterator[str]:
         yield url
 
 
+def web_environment(env: Mapping[str, str], db_url: str, queue: str) -> dict[str, str]:
+    """``env`` for a benchmark's gunicorn: its database and Celery queue, and a metrics
+    directory of its own (gunicorn_conf makes one when none is set)."""
+    web_env = {**env, "DATABASE_URL": db_url, "POIMEN_QUEUE": queue}
+    web_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return web_env
+
+
 @contextlib.contextmanager
 def log_directory(prefix: str) -> Iterator[Path]:
     """A temporary directory for child logs; kept (and named) only if the run fails."""

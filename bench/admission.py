@@ -58,6 +58,7 @@ from bench._common import (  # noqa: E402
     require_wrk,
     run_wrk,
     stop_on_sigterm,
+    web_environment,
 )
 from tests.processes import BIN, Process, free_port, wait_until  # noqa: E402
 
@@ -365,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with bench_database(env["DATABASE_URL"], env) as db_url, \
                 log_directory("poimen-bench-admission-") as log_dir:
-            web_env = {**env, "DATABASE_URL": db_url, "POIMEN_QUEUE": queue}
-            web_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            web_env = web_environment(env, db_url, queue)
             machine = machine_summary(db_url)
             tenant_id, token = create_tenant_and_token(db_url, f"bench-{run_id}")
 

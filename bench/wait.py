@@ -49,6 +49,7 @@ from bench._common import (  # noqa: E402
     require_env,
     require_wrk,
     stop_on_sigterm,
+    web_environment,
 )
 from bench.admission import (  # noqa: E402
     CONNECTIONS,
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with bench_database(env["DATABASE_URL"], env) as db_url, \
                 log_directory("poimen-bench-wait-") as log_dir:
-            web_env = {**env, "DATABASE_URL": db_url, "POIMEN_QUEUE": queue}
-            web_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            web_env = web_environment(env, db_url, queue)
             machine = machine_summary(db_url)
             _, token = create_tenant_and_token(db_url, f"bench-{run_id}")
             web = start_gunicorn(web_env, log_dir, WORKERS, THREADS, access_log=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -84,3 +85,24 @@ def dead_boot(dsn):
         return boot_id
 
     return make
+
+
+@pytest.fixture
+def queue(app, redis_client, queue_name):
+    """The Celery queue of the test session, emptied; ``queue()`` lists the run ids waiting
+    in it, oldest first."""
+    from app.enqueue import sender
+
+    # What the fixtures before it committed is published by the sender thread: let it
+    # finish first, so none of it lands after the queue was emptied.
+    assert sender(app.extensions["celery"]).wait_idle(30)
+    redis_client.delete(queue_name)
+
+    def messages() -> list[str]:
+        # Committed runs are published by this process's sender thread: let it finish.
+        assert sender(app.extensions["celery"]).wait_idle(30)
+        return [json.loads(raw)["headers"]["id"]
+                for raw in redis_client.lrange(queue_name, 0, -1)][::-1]  # oldest first
+
+    yield messages
+    redis_client.delete(queue_name)

@@ -11,7 +11,6 @@ processes test (a worker, beat, a Redis FLUSHALL and a worker restart) is
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -29,23 +28,6 @@ def session(app):
     with app.app_context():
         yield db.session
         db.session.rollback()
-
-
-@pytest.fixture
-def queue(app, redis_client, queue_name):
-    """This module's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
-    from app.enqueue import sender
-
-    assert sender(app.extensions["celery"]).wait_idle(30)
-    redis_client.delete(queue_name)
-
-    def messages() -> list[str]:
-        assert sender(app.extensions["celery"]).wait_idle(30)
-        return [json.loads(raw)["headers"]["id"]
-                for raw in redis_client.lrange(queue_name, 0, -1)][::-1]
-
-    yield messages
-    redis_client.delete(queue_name)
 
 
 def tick(app) -> tuple[int, int]:

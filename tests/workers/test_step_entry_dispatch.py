@@ -8,7 +8,6 @@ counted. Where a worker must die, real ``celery worker`` processes run them.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections import Counter
 
@@ -71,26 +70,6 @@ def run_here(app, fresh_boot):
             return execute_run(str(run_id)).outcome.value
 
     return execute
-
-
-@pytest.fixture
-def queue(app, redis_client, queue_name):
-    """This module's Celery queue, emptied; ``queue()`` lists the run ids waiting in it."""
-    from app.enqueue import sender
-
-    # What the fixtures before it committed is published by the sender thread: let it
-    # finish first, so none of it lands after the queue was emptied.
-    assert sender(app.extensions["celery"]).wait_idle(30)
-    redis_client.delete(queue_name)
-
-    def messages() -> list[str]:
-        # Committed runs are published by this process's sender thread: let it finish.
-        assert sender(app.extensions["celery"]).wait_idle(30)
-        return [json.loads(raw)["headers"]["id"]
-                for raw in redis_client.lrange(queue_name, 0, -1)][::-1]  # oldest first
-
-    yield messages
-    redis_client.delete(queue_name)
 
 
 def run_row(pg, run_id):
