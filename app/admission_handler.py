@@ -180,8 +180,8 @@ def _parsed(body: dict, name: str, problems: dict, parse: Callable[[Any], Any]) 
 
 
 def _instant(value: Any) -> datetime:
-    """An RFC 3339 timestamp with its offset (``2026-12-05T18:00:00Z``), within a year."""
-    problem = "must be an RFC 3339 timestamp with a UTC offset, e.g. 2026-12-05T18:00:00Z"
+    """An RFC 3339 timestamp with its offset (``YYYY-MM-DDTHH:MM:SSZ``), within a year."""
+    problem = "must be an RFC 3339 timestamp with a UTC offset (YYYY-MM-DDTHH:MM:SSZ)"
     if not isinstance(value, str) or len(value) > 64 or "T" not in value.upper():
         raise ValueError(problem)
     try:

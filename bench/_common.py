@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -66,6 +67,16 @@ def web_environment(env: Mapping[str, str], db_url: str, queue: str) -> dict[str
     web_env = {**env, "DATABASE_URL": db_url, "POIMEN_QUEUE": queue}
     web_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return web_env
+
+
+def release(web: Any, redis_client: Any, queue: str) -> None:
+    """A benchmark's end, error or not: its gunicorn (``web``, None if stopped) stopped, its
+    Celery queue's Redis keys deleted."""
+    if web is not None:
+        web.process.stop()
+    for key in redis_client.scan_iter(match=f"*{queue}*"):
+        redis_client.delete(key)
+    redis_client.close()
 
 
 @contextlib.contextmanager

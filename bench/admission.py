@@ -54,6 +54,7 @@ from bench._common import (  # noqa: E402
     log_directory,
     machine_summary,
     quiet_database,
+    release,
     require_env,
     require_wrk,
     run_wrk,
@@ -445,11 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             web = None
             queued_messages = redis_client.llen(queue)
     finally:
-        if web is not None:
-            web.process.stop()
-        for key in redis_client.scan_iter(match=f"*{queue}*"):
-            redis_client.delete(key)
-        redis_client.close()
+        release(web, redis_client, queue)
 
     load_after = load_average()
     report = Report(

@@ -49,6 +49,7 @@ from bench._common import (  # noqa: E402
     log_directory,
     machine_summary,
     percentile,
+    release,
     require_env,
     require_wrk,
     stop_on_sigterm,
@@ -149,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             alones, waitings, lags = [], [], []
             for round_no in range(ROUNDS):
                 tag = f"{run_id}-{round_no}"
-                alone = measured_wrk(wrk, web, db_url, "/v1/runs",
-                                     admission_lua(token, f"alone-{tag}"),
-                                     duration=args.duration, wrk_threads=args.wrk_threads)
-                print(describe("alone", alone))
-                problems += check_unique_case(db_url, f"alone-{tag}", alone)
-                alones.append(alone.rate)
+                def admissions(case: str, tag: str = tag) -> float:
+                    result = measured_wrk(wrk, web, db_url, "/v1/runs",
+                                          admission_lua(token, f"{case}-{tag}"),
+                                          duration=args.duration, wrk_threads=args.wrk_threads)
+                    print(describe(case, result))
+                    problems.extend(check_unique_case(db_url, f"{case}-{tag}", result))
+                    return result.rate
+
+                alones.append(admissions("alone"))
 
                 waited = [requests.post(admit, json={"workflow_ref": "noop", "input": {}},
                                         headers=headers, timeout=10).json()["id"]
@@ -167,12 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 if early:
                     problems.append(f"{len(early)} waiters answered before their run ended "
                                     f"({sum(w.full for w in early)} marked full)")
-                waiting = measured_wrk(wrk, web, db_url, "/v1/runs",
-                                       admission_lua(token, f"waiting-{tag}"),
-                                       duration=args.duration, wrk_threads=args.wrk_threads)
-                print(describe("waiting", waiting))
-                problems += check_unique_case(db_url, f"waiting-{tag}", waiting)
-                waitings.append(waiting.rate)
+                waitings.append(admissions("waiting"))
                 if any(w.answered_at is not None for w in waiters):
                     problems.append("a waiter answered before its run ended (wrk case)")
                 lags += end_and_measure(db_url, waiters, problems)
@@ -189,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             web.process.stop()
             web = None
     finally:
-        if web is not None:
-            web.process.stop()
-        for key in redis_client.scan_iter(match=f"*{queue}*"):
-            redis_client.delete(key)
-        redis_client.close()
+        release(web, redis_client, queue)
     load_after = load_average()
     print(f"load average before {load_before}, after {load_after}"
           + ("" if quiet else " (NOT QUIET before: figures invalid)"))
