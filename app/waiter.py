@@ -30,17 +30,19 @@ from collections.abc import Callable
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from .models import TERMINAL_STATUSES
+
 log = logging.getLogger(__name__)
 
-# The statuses a run never leaves (app/models.TERMINAL_STATUSES), as the poll reads them.
+# The waited runs that have ended: in a status they never leave (TERMINAL_STATUSES).
 ENDED_AMONG = text(
-    "SELECT id FROM runs WHERE id = ANY(CAST(:ids AS uuid[])) "
-    "AND status IN ('succeeded', 'failed', 'cancelled', 'poisoned', 'expired')")
+    "SELECT id FROM runs WHERE id = ANY(CAST(:ids AS uuid[])) AND status IN ("
+    + ", ".join(f"'{status.value}'" for status in sorted(TERMINAL_STATUSES)) + ")")
 
 
 class RunWaiter:
     """This process's waiters: ``wait(run_id, seconds)`` blocks until the run ended (True)
-    or the time is up (False); False at once when ``max_waiters`` already wait."""
+    or the time is up (False); None at once when ``max_waiters`` already wait."""
 
     def __init__(self, engine: Callable[[], Engine], *, interval: float, max_waiters: int):
         self._engine = engine
