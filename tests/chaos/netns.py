@@ -43,7 +43,11 @@ def _run(*argv: str) -> None:
 
 class Partition:
     def __init__(self) -> None:
-        n = os.getpid() % 200 + 20
+        # The subnet's third octet: one range per xdist worker (two partition tests may
+        # run at once), the pid within it.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        n = 20 + (int(worker) % 4) * 50 + os.getpid() % 50 if worker.isdigit() \
+            else os.getpid() % 200 + 20
         self.name = f"poimen-p{os.getpid()}"
         self.host_if, self.guest_if = f"pv{os.getpid()}a", f"pv{os.getpid()}b"
         self.host_addr, self.guest_addr = f"10.213.{n}.1", f"10.213.{n}.2"

@@ -222,6 +222,22 @@ def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
     assert "SIGKILL" in processes[0].log() or "signal 9" in processes[0].log()
 
 
+def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, processes,
+                                                          tmp_path, net_tenant):
+    """Guard for the black-hole tests: a worker started on the guest reaches Postgres from
+    the guest's address (else the black hole would cut nothing). Second in the module: with
+    two xdist workers the first two tests go to one and the last two to the other (xdist's
+    first chunks), so the two longest run at once."""
+    processes.append(start_guest(net, "guest-check", worker_argv("guest"), net_env, tmp_path))
+
+    def guest_sessions() -> int:
+        with psycopg.connect(net_pg.admin_url, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE client_addr = %s",
+                                [net.guest_addr]).fetchone()[0]
+
+    wait_until(lambda: guest_sessions() > 0, timeout=60, what="a session from the guest")
+
+
 def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
     """The victim's path goes silent and its whole process group is SIGKILLed (a
@@ -321,17 +337,3 @@ def test_a_black_holed_active_outbox_relay_is_replaced_within_a_minute_losing_no
     consumer.close()
     assert set(ids) - seen == set(), "events lost"
     net.heal()
-
-
-def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, processes,
-                                                          tmp_path, net_tenant):
-    """Guard for the tests above: a worker started on the guest reaches Postgres from the
-    guest's address (else the black hole would cut nothing)."""
-    processes.append(start_guest(net, "guest-check", worker_argv("guest"), net_env, tmp_path))
-
-    def guest_sessions() -> int:
-        with psycopg.connect(net_pg.admin_url, autocommit=True) as conn:
-            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE client_addr = %s",
-                                [net.guest_addr]).fetchone()[0]
-
-    wait_until(lambda: guest_sessions() > 0, timeout=60, what="a session from the guest")
