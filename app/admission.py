@@ -15,6 +15,7 @@ and ``dumps`` writes those digits back, so what is stored is what was sent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import uuid
@@ -352,6 +353,10 @@ class RunRequest:
         return Timing(self.not_before, self.delay_seconds, self.expires_at,
                       self.expires_in_seconds)
 
+    def fields(self) -> dict[str, Any]:
+        """This request as ``admit_run``'s per-run arguments (its fields, by name)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
 
 # What admit_many answers per request: the admission, or what admit_run would have raised.
 Outcome = Admission | AdmissionConflict | registry.UnknownWorkflow | registry.InvalidConcurrencyKey
@@ -450,12 +455,7 @@ def admit_many(
 
 def _admit_alone(session: Executor, req: RunRequest, **common: Any) -> Outcome:
     try:
-        return admit_run(session, workflow_ref=req.workflow_ref, input=req.input,
-                         goal_id=req.goal_id, dispatch_key=req.dispatch_key,
-                         concurrency_key=req.concurrency_key, trace=req.trace,
-                         not_before=req.not_before, delay_seconds=req.delay_seconds,
-                         expires_at=req.expires_at,
-                         expires_in_seconds=req.expires_in_seconds, **common)
+        return admit_run(session, **req.fields(), **common)
     except (AdmissionConflict, registry.UnknownWorkflow, registry.InvalidConcurrencyKey) as err:
         return err
 

@@ -193,13 +193,7 @@ def _admit_in_savepoint(req: RunRequest, common: dict[str, Any]) -> Any:
     """One batch item admitted alone (``admit_run``), its refusal returned, not raised."""
     try:
         with db.session.begin_nested():
-            return admit_run(on_session(db.session), workflow_ref=req.workflow_ref,
-                             input=req.input, goal_id=req.goal_id,
-                             dispatch_key=req.dispatch_key,
-                             concurrency_key=req.concurrency_key, trace=req.trace,
-                             not_before=req.not_before, delay_seconds=req.delay_seconds,
-                             expires_at=req.expires_at,
-                             expires_in_seconds=req.expires_in_seconds, **common)
+            return admit_run(on_session(db.session), **req.fields(), **common)
     except REFUSALS as err:
         return err
 
@@ -214,10 +208,10 @@ def get_run(run_id: str):
     """The run; with ``?wait=N`` (seconds, up to ``POIMEN_WAIT_MAX_SECONDS``), once it
     has ended or after N seconds, whichever comes first (``app/waiter.py``)."""
     unknown = sorted(set(request.args) - {"wait"})
-    wait = _wait_seconds(request.args.get("wait"))
     if unknown:
         raise ApiError(400, "invalid_parameter", "invalid query parameters",
                        {"names": {name: "unknown parameter" for name in unknown}})
+    wait = _wait_seconds(request.args.get("wait"))
     run = _load_run(run_id)
     waited = None
     if wait and run.status not in TERMINAL_STATUSES:

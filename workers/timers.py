@@ -53,9 +53,9 @@ def tick(flask_app: Flask, *, page: int) -> tuple[int, int]:
                 ended = runs.expire_due_runs(store, limit=page)
                 # The commit hands a parent its join completed to the sender.
                 db.session.commit()
-                metrics.RUNS_EXPIRED.labels("beat").inc(len(ended))
-                expired += len(ended)
-                if len(ended) < page:
+                metrics.RUNS_EXPIRED.labels("beat").inc(ended)
+                expired += ended
+                if ended < page:
                     break
             for _ in range(_MAX_PAGES):
                 due = runs.release_due_runs(on_session(db.session), limit=page)

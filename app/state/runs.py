@@ -299,15 +299,6 @@ def expire_run(session: Executor, run_id: uuid.UUID) -> bool:
     return row is not None
 
 
-@dataclass(frozen=True)
-class ExpiredRun:
-    """A run ``expire_due_runs`` ended: its id, tenant and workflow (for the counter)."""
-
-    id: uuid.UUID
-    tenant_id: int
-    workflow_name: str
-
-
 # -- delayed runs and expiry (beat: ``workers/timers.py``) -------------------------------------
 
 RELEASE_DUE = statement("release_due")
@@ -321,14 +312,14 @@ def release_due_runs(session: Executor, *, limit: int) -> list[RunToSend]:
             for row in session.execute(RELEASE_DUE, {"limit": limit}).all()]
 
 
-def expire_due_runs(session: Executor, *, limit: int) -> list[ExpiredRun]:
+def expire_due_runs(session: Executor, *, limit: int) -> int:
     """End ``expired`` up to ``limit`` runs never started whose ``expires_at`` passed,
     earliest first (each counts for its parent's join; woken parents are sent after the
-    caller's commit). Return them."""
+    caller's commit). Return how many."""
     rows = session.execute(EXPIRE_DUE, {"limit": limit}).all()
     for row in rows:
         send_woken(session, row.woken)
-    return [build(ExpiredRun, row) for row in rows]
+    return len(rows)
 
 
 MARK_HOLDER_DEAD = statement("mark_holder_dead")

@@ -1,7 +1,8 @@
 """cascading cancel: runs.cancel_cascade (a run's cancel reaches its descendants: a child
 admitted under it afterwards is admitted with its cancellation requested); poimen_cancel
 takes p_cascade (default false, so a previous release's two-argument call still resolves
-to it, once the two-argument function is dropped); the store's functions again
+to it, once the two-argument function is dropped); poimen_expire returns the run and the
+parents it woke, no more; the store's functions again
 
 Revision ID: 0027
 Revises: 0026
@@ -24,6 +25,9 @@ def upgrade():
                "NOT NULL DEFAULT false")
     # Two functions named poimen_cancel would make a two-argument call ambiguous.
     op.execute("DROP FUNCTION IF EXISTS poimen_cancel(uuid, integer)")
+    # poimen_expire returns only what its callers read (the run, the parents it woke):
+    # a function's result type changes only by dropping it (nothing calls it in between).
+    op.execute("DROP FUNCTION IF EXISTS poimen_expire(uuid)")
     for function in FUNCTIONS:
         op.execute(function.create)
 

@@ -236,9 +236,7 @@ $body$;
 -- behind it, as after a cancel).
 CREATE OR REPLACE FUNCTION poimen_expire(
     p_run uuid
-) RETURNS TABLE (id runs.id%TYPE, tenant_id runs.tenant_id%TYPE,
-                 workflow_name runs.workflow_name%TYPE, woken jsonb)
-LANGUAGE plpgsql VOLATILE
+) RETURNS TABLE (id runs.id%TYPE, woken jsonb) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan AS $body$
 #variable_conflict use_column
 DECLARE
@@ -252,7 +250,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    RETURN QUERY SELECT v_run.id, v_run.tenant_id, v_run.workflow_name, poimen_event_ended(
+    RETURN QUERY SELECT v_run.id, poimen_event_ended(
         v_run, 'run.expired', jsonb_build_object('expires_at', v_run.expires_at),
         ARRAY[v_run.id], '{}');
 END
