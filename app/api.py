@@ -333,13 +333,15 @@ def cancel_run(run_id: str):
     run = _load_run(run_id)
     # A queued run is cancelled outright; a running one is flagged and its
     # workflow sees ctx.cancelled at its next checkpoint. A finished run is
-    # left as it is. With the cascade (the default), so are its descendants.
-    outcome = run_service.cancel_run(db.session, run.tenant_id, run.id,
-                                     cascade=cascade == "true")
+    # left as it is. With the cascade (the default), so are its descendants. The answer
+    # is the run as its own cancel left it.
+    run_service.cancel_run(db.session, run.tenant_id, run.id, cascade=cascade == "true")
     db.session.refresh(run)
     response = _json(serialize_run(run, g.principal.tenant_name),
                      202 if run.status == RunStatus.RUNNING else 200)
-    response.headers["Poimen-Cancelled-Descendants"] = str(outcome.descendants)
+    reached = (run_service.cancel_descendants(db.session, run.tenant_id, run.id)
+               if cascade == "true" else 0)
+    response.headers["Poimen-Cancelled-Descendants"] = str(reached)
     return response
 
 

@@ -31,33 +31,26 @@ log = logging.getLogger(__name__)
 CASCADE_PAGE = 100
 
 
-@dataclass(frozen=True)
-class CancelOutcome:
-    """What a cancel did: to the run (``run``: None when it had already finished) and, with
-    the cascade, how many of its descendants it cancelled or asked to stop."""
-
-    run: runs.Cancel | None
-    descendants: int = 0
-
-
 def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID, *,
-               cascade: bool = True) -> CancelOutcome:
-    """Cancel ``run_id`` and, with ``cascade`` (the default), every descendant not ended.
-
-    The run first, committed with its cascade recorded: from then on a child admitted
-    under it (a fan-out in flight) is admitted cancelled, and a fan-out that committed
-    before is seen by the walk that follows (the admission locks its parent's row, so the
-    two are ordered; ``sql/runs.sql``, ``admit``). Then the descendants a page at a time
-    (``runs.descendants``), each cancelled in its own transaction: queued, delayed and
-    waiting ones at once, running ones at their next checkpoint, each with its event. A
-    finished run's descendants are still walked (a tree can outlive its root's end).
-    Commits; the parents their ends complete are sent after each commit.
-    """
-    store = on_session(session)
-    changed = runs.cancel_run(store, tenant_id, run_id, cascade=cascade)
+               cascade: bool = True) -> runs.Cancel | None:
+    """Cancel ``run_id`` (queued, delayed or waiting: at once; running: at its next
+    checkpoint), committed; with ``cascade``, recorded so that a child admitted under it
+    from now on is admitted cancelled (a fan-out in flight: the admission locks its
+    parent's row, so the two are ordered; ``sql/runs.sql``, ``admit``). None when it had
+    already finished. Then ``cancel_descendants`` reaches the children there are."""
+    changed = runs.cancel_run(on_session(session), tenant_id, run_id, cascade=cascade)
     session.commit()
-    if not cascade:
-        return CancelOutcome(changed)
+    return changed
+
+
+def cancel_descendants(session: Session, tenant_id: int, run_id: uuid.UUID) -> int:
+    """After ``cancel_run(..., cascade=True)``: cancel every descendant of ``run_id`` not
+    ended, a page at a time (``runs.descendants``: the ones waiting first, the running ones
+    last, so no worker is freed while siblings wait to be cancelled), each in its own
+    transaction, with its event. A finished run's descendants are still walked (a tree can
+    outlive its root's end). Return how many it cancelled or asked to stop; the parents
+    their ends complete are sent after each commit."""
+    store = on_session(session)
     count = 0
     while ids := runs.descendants(store, run_id, limit=CASCADE_PAGE):
         session.commit()
@@ -67,7 +60,7 @@ def cancel_run(session: Session, tenant_id: int, run_id: uuid.UUID, *,
     session.commit()
     if count:
         log.info("cancel of run %s reached %d descendant(s)", run_id, count)
-    return CancelOutcome(changed, count)
+    return count
 
 
 def tenant_of(session: Session, run_id: uuid.UUID) -> int | None:

@@ -282,10 +282,9 @@ def cancel(run_id: str):
         raise ConsoleError(403, "forbidden", "this token may not cancel runs")
     run = _load_run(run_id)
     # The API's cancel, cascading: the run and its descendants, each with its event.
-    outcome = run_service.cancel_run(db.session, run.tenant_id, run.id)
-    changed = outcome.run
-    below = (f" {outcome.descendants} descendant run(s) cancelled or asked to stop."
-             if outcome.descendants else "")
+    changed = run_service.cancel_run(db.session, run.tenant_id, run.id)
+    reached = run_service.cancel_descendants(db.session, run.tenant_id, run.id)
+    below = f" {reached} descendant run(s) cancelled or asked to stop." if reached else ""
     if changed is None:
         flash("The run had already finished; nothing to cancel." + below, "info")
     elif changed.status == RunStatus.CANCELLED:

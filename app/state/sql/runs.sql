@@ -192,7 +192,8 @@ $body$;
 
 -- name: descendants
 -- A cascading cancel's next page: the runs below ``:run`` (its children, theirs, ...,
--- through ``ix_runs_parent``) not ended and not yet cancelled with the cascade. Each is
+-- through ``ix_runs_parent``) not ended and not yet cancelled with the cascade, the
+-- running ones last (a running one asked to stop frees its worker for a sibling). Each is
 -- cancelled by its own ``poimen_cancel`` call (one run's row lock at a time: a child's end
 -- locks the child, then its parent's entry and row, so holding several would deadlock).
 WITH RECURSIVE tree(id) AS (
@@ -202,6 +203,7 @@ WITH RECURSIVE tree(id) AS (
 SELECT r.id FROM tree JOIN runs r ON r.id = tree.id
  WHERE (r.status || '') IN ('queued', 'running', 'waiting')
    AND NOT (r.cancel_requested AND r.cancel_cascade)
+ ORDER BY (r.status || '') = 'running'
  LIMIT :limit;
 
 -- name: poimen_cancel_queued
