@@ -234,7 +234,8 @@ def admit_run(
     creates and later identical calls return the same run (re-sending it to
     the workers if it is still queued); a call that differs raises
     ``AdmissionConflict``. Raises ``registry.UnknownWorkflow`` for a bad ref,
-    ``registry.InvalidConcurrencyKey`` for a key that cannot be stored or derived.
+    ``registry.InvalidConcurrencyKey`` for a key that cannot be stored or derived (its
+    ``InvalidRateKey`` for a workflow's ``rate_key``).
     ``concurrency_key`` (else the workflow's ``concurrency_key(input)``) names the
     run's concurrency group; a replay keeps the stored run's.
     The run is sent to Celery only after the caller's commit succeeds.
@@ -260,6 +261,7 @@ def admit_run(
             raise
         return replay
     key, limit = registry.concurrency_of(workflow, input, concurrency_key)
+    rate_key, rate_interval = registry.rate_of(workflow, input)
     run_id = uuid.uuid4()
     origin_value = AdmissionOrigin(origin).value
     values = dict(
@@ -278,6 +280,8 @@ def admit_run(
         definition_hash=workflow.definition_hash,
         concurrency_key=key,
         concurrency_limit=limit,
+        rate_key=rate_key,
+        rate_interval=rate_interval,
         traceparent=trace.traceparent if trace is not None else None,
         tracestate=trace.tracestate if trace is not None else None,
         **timing.insert(),
@@ -397,7 +401,8 @@ def admit_many(
             continue
         try:
             key, limit = registry.concurrency_of(workflow, req.input, req.concurrency_key)
-        except registry.InvalidConcurrencyKey as err:
+            rate_key, rate_interval = registry.rate_of(workflow, req.input)
+        except registry.InvalidConcurrencyKey as err:  # or its InvalidRateKey
             outcomes[ordinal] = err
             continue
         workflows[ordinal] = workflow
@@ -406,7 +411,7 @@ def admit_many(
             workflow_name=workflow.name, workflow_version=workflow.version, input=req.input,
             goal_id=req.goal_id, dispatch_key=req.dispatch_key,
             definition_hash=workflow.definition_hash, concurrency_key=key,
-            concurrency_limit=limit,
+            concurrency_limit=limit, rate_key=rate_key, rate_interval=rate_interval,
             traceparent=req.trace.traceparent if req.trace is not None else None,
             tracestate=req.trace.tracestate if req.trace is not None else None,
             **req.timing.insert(),

@@ -326,7 +326,7 @@ def refusal(err: Exception, fields: dict[str, Any]) -> ApiError:
     if isinstance(err, registry.InvalidConcurrencyKey):
         # The message names the workflow and the exception type, never the input.
         return ApiError(422, "validation_failed", "the run request is invalid",
-                        {"fields": {"concurrency_key": str(err)}})
+                        {"fields": {err.field: str(err)}})
     if isinstance(err, sa_exc.DataError):
         # Every value in the statement came from the request, so Postgres refusing
         # one (a number beyond numeric's range, say) is the request's fault: a 422,

@@ -51,20 +51,36 @@ def register_cli(app: Flask) -> None:
         """List tenants."""
         for tenant in tenant_service.list_tenants():
             cap = "" if tenant.max_running is None else f"\tmax-running {tenant.max_running}"
-            click.echo(f"{tenant.id}\t{tenant.name}{cap}")
+            rate = "" if tenant.rate_limit is None else f"\trate-limit {tenant.rate_limit}"
+            click.echo(f"{tenant.id}\t{tenant.name}{cap}{rate}")
 
     @tenants.command("set")
     @click.argument("name")
     @click.option("--max-running", type=int, default=None,
                   help="At most this many of the tenant's runs run at once.")
     @click.option("--no-max-running", is_flag=True, help="Remove the tenant's cap.")
+    @click.option("--rate-limit", default=None, metavar="N/UNIT",
+                  help="At most N of the tenant's runs start per s, m or h (e.g. 50/s), "
+                       "across every worker.")
+    @click.option("--no-rate-limit", is_flag=True, help="Remove the tenant's rate limit.")
     @_domain_errors
-    def tenants_set(name: str, max_running: int | None, no_max_running: bool):
-        """Set tenant NAME's limits: --max-running N caps its running runs."""
-        if (max_running is None) == (not no_max_running):
-            raise click.UsageError("give one of --max-running N or --no-max-running")
+    def tenants_set(name: str, max_running: int | None, no_max_running: bool,
+                    rate_limit: str | None, no_rate_limit: bool):
+        """Set tenant NAME's limits: --max-running N caps its running runs, --rate-limit
+        N/UNIT its starts."""
+        cap_given = max_running is not None or no_max_running
+        rate_given = rate_limit is not None or no_rate_limit
+        if (max_running is not None and no_max_running) or (rate_limit and no_rate_limit) \
+                or not (cap_given or rate_given):
+            raise click.UsageError("give --max-running N or --no-max-running, and/or "
+                                   "--rate-limit N/UNIT or --no-rate-limit")
         from .enqueue import sender
 
+        if rate_given:
+            tenant = tenant_service.set_rate_limit(name, None if no_rate_limit else rate_limit)
+            click.echo(f"tenant {tenant.name}: rate limit {tenant.rate_limit or 'none'}")
+        if not cap_given:
+            return
         change = tenant_service.set_max_running(name, None if no_max_running else max_running)
         tenant = change.tenant
         cap = "none" if tenant.max_running is None else tenant.max_running

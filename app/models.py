@@ -46,6 +46,8 @@ class WaitReason(enum.StrEnum):
     JOIN = "join"  # its join step's children
     CONCURRENCY = "concurrency"  # a slot of its (tenant, workflow, concurrency_key)
     TENANT_CAP = "tenant_cap"  # a slot of its tenant (tenants.max_running)
+    # A ``queued`` run's reserved start under its rate limits, at ``not_before``.
+    RATE_LIMIT = "rate_limit"
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED,
@@ -59,6 +61,10 @@ class Tenant(db.Model):
     name: Mapped[str] = mapped_column(String(63), unique=True, nullable=False)
     # At most this many of the tenant's runs are running at once (None: no cap).
     max_running: Mapped[int | None] = mapped_column(Integer)
+    # At most this many of the tenant's runs start per period (migration 0028): the limit
+    # as set ("50/s") and the seconds between two starts it allows (None: no limit).
+    rate_limit: Mapped[str | None] = mapped_column(String(32))
+    rate_interval: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
@@ -137,6 +143,10 @@ class Run(db.Model):
     # at most concurrency_limit (pinned at admission; None: unlimited) run at once.
     concurrency_key: Mapped[str | None] = mapped_column(String(255))
     concurrency_limit: Mapped[int | None] = mapped_column(Integer)
+    # Rate limit (migration 0028): the seconds between two first starts of the runs of
+    # (tenant, workflow name, rate_key), pinned at admission (None: no limit).
+    rate_key: Mapped[str | None] = mapped_column(String(255))
+    rate_interval: Mapped[float | None] = mapped_column(Float)
     # What a 'waiting' run waits for (WaitReason); None otherwise.
     wait_reason: Mapped[str | None] = mapped_column(String(16))
     # Delayed runs and expiry (migration 0026): the not_before the run was admitted with

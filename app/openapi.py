@@ -387,7 +387,10 @@ def openapi_document() -> dict[str, Any]:
                                                   "expires_at"},
                         "wait_reason": {"type": "string", "nullable": True,
                                         "enum": [*(r.value for r in WaitReason), None],
-                                        "description": "What a waiting run waits for"},
+                                        "description": "What a waiting run waits for; "
+                                                       "rate_limit: a queued run's start, "
+                                                       "reserved by its rate limits for "
+                                                       "not_before"},
                         "concurrency_key": {"type": "string", "nullable": True},
                         "attempt": {"type": "integer"},
                         "cancel_requested": {"type": "boolean"},

@@ -80,6 +80,30 @@ def set_max_running(name: str, max_running: int | None) -> CapChange:
     return CapChange(tenant, [row.id for row in woken])
 
 
+class InvalidRateLimit(TenantError):
+    pass
+
+
+def set_rate_limit(name: str, rate_limit: str | None) -> Tenant:
+    """Limit tenant ``name``'s starts to ``rate_limit`` ("50/s"; None: no limit); commit.
+
+    Claims decide it (docs/internals/execution.md#rate-limits), across every worker. A
+    change applies to starts not reserved yet: a run whose start the old limit reserved
+    keeps that time.
+    """
+    from workers.registry import rate_interval
+
+    try:
+        interval = None if rate_limit is None else rate_interval(rate_limit)
+    except ValueError as err:
+        raise InvalidRateLimit(f"--rate-limit: {err}") from None
+    tenant = find_tenant(name)
+    tenant.rate_limit = None if rate_limit is None else rate_limit.replace(" ", "")
+    tenant.rate_interval = interval
+    db.session.commit()
+    return tenant
+
+
 def list_tenants() -> list[Tenant]:
     return list(db.session.scalars(select(Tenant).order_by(Tenant.name)))
 

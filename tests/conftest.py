@@ -27,7 +27,7 @@ from tests.processes import free_port, start_tansu_broker, start_web
 pytest_plugins = ("tests.process_guard", "tests.durations", "pytester")
 
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
-TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants")
+TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants", "rate_slots")
 
 
 @pytest.fixture(scope="session")

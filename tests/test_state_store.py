@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [p for top in ("app", "workers", "bridge") for p in (ROOT / top).rglob("*.py")] + [
     ROOT / name for name in ("celeryconfig.py", "lease.py", "logconfig.py",
                              "poimenconfig.py")]
-STATE_TABLES = ("runs", "step_entries", "step_markers", "step_children", "outbox", "worker_boots")
+STATE_TABLES = ("runs", "step_entries", "step_markers", "step_children", "outbox", "worker_boots",
+                "rate_slots")
 WRITE = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(" + "|".join(STATE_TABLES) + r")\b")
 ORM_WRITE = re.compile(r"\b(update|delete|insert)\((Run|StepEntry|StepMarker|StepChild|OutboxEvent|"
                        r"WorkerBoot)\b|session\.(add|delete|merge)\((Run|OutboxEvent)\b")

@@ -116,6 +116,11 @@ def _not_executed(task: Any, claim: Claim) -> str:
         # holding its slot re-queues it and sends it again.
         what = f"waiting for a slot ({claim.wait_reason})"
         raise Retry(f"run {claim.run_id} {what}", exc=RunRetrying(what))
+    if claim.outcome == ClaimOutcome.RATE_WAIT:
+        # Its start under its rate limits is reserved for later (execute_run sent it for
+        # then, or beat will): Flower shows it retrying at that time.
+        what = "waiting for its rate limit"
+        raise Retry(f"run {claim.run_id} {what}", exc=RunRetrying(what), when=claim.not_before)
     if claim.outcome == ClaimOutcome.EXPIRED:
         # Celery's own expiry announces a revoke with expired=True; so does this one.
         _announce_cancelled(task, expired=True)
@@ -344,7 +349,8 @@ class TaskBody:
 def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None,
                        max_takeovers: int | None = None, queue: str | None = None,
                        time_limit: float | None = None, soft_time_limit: float | None = None,
-                       priority: int | None = None) -> Workflow:
+                       priority: int | None = None, rate_limit: str | None = None,
+                       rate_key: Callable[[Any], Any] | None = None) -> Workflow:
     """Register the Celery task ``task`` (a task, or its name) as a one-step workflow.
 
     The workflow is named after the task (``name`` to choose another) and
@@ -352,8 +358,9 @@ def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None
     claim; the run's input is its keyword arguments. Retries are the task's:
     ``self.retry(countdown=..., max_retries=...)`` and ``autoretry_for`` retry
     the run (Celery's ``max_retries`` decides when to stop); any other
-    exception fails it. ``time_limit`` and ``soft_time_limit`` default to the
-    task's own. See docs/guide/celery.md for what does not carry over.
+    exception fails it. ``time_limit``, ``soft_time_limit`` and ``rate_limit`` default to
+    the task's own; the rate limit then holds across every worker (Celery's is per worker
+    process), per ``rate_key(input)``. See docs/guide/celery.md for what does not carry over.
     """
     celery_task = _resolve_task(task) if isinstance(task, str) else task
     task_name = celery_task.name
@@ -374,7 +381,16 @@ def workflow_from_task(task: Any, version: str = "1", *, name: str | None = None
         soft_time_limit=(soft_time_limit if soft_time_limit is not None
                          else getattr(celery_task, "soft_time_limit", None)),
         priority=priority,
+        rate_limit=rate_limit if rate_limit is not None else _task_rate_limit(celery_task),
+        rate_key=rate_key,
     ))
+
+
+def _task_rate_limit(celery_task: Any) -> str | None:
+    """A Celery task's own ``rate_limit`` in a workflow's spelling (Celery takes a number
+    too: so many a second)."""
+    limit = getattr(celery_task, "rate_limit", None)
+    return None if limit is None else str(limit)
 
 
 def task_workflow(version: str = "1", **options: Any) -> Callable[[Any], Any]:

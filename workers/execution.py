@@ -98,7 +98,8 @@ class Execution:
 
 def limited_workflow(shadow: str | None) -> bool:
     """Whether a message's ``shadow`` (``runs.execute[<ref>]``, what Flower shows) names a
-    workflow of this process that declares ``concurrency_limit``: its runs' claims then
+    workflow of this process that declares ``concurrency_limit`` or ``rate_limit``: its
+    runs' claims then
     start with the group's locks (``claim_slot``) instead of a claim bound to be refused.
 
     A hint only: it picks the first statement, the statements decide. A run admitted
@@ -109,7 +110,8 @@ def limited_workflow(shadow: str | None) -> bool:
     if ref is None:
         return False
     try:
-        return registry.resolve(ref).concurrency_limit is not None
+        workflow = registry.resolve(ref)
+        return workflow.concurrency_limit is not None or workflow.rate_limit is not None
     except registry.UnknownWorkflow:
         return False
 
@@ -149,6 +151,9 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
         if claim.outcome == ClaimOutcome.SLOT_WAIT:
             log.info("run %s: waiting for a slot (%s); no worker held", run_id,
                      claim.wait_reason)
+            return Execution(claim)
+        if claim.outcome == ClaimOutcome.RATE_WAIT:
+            send_for_start(claim)
             return Execution(claim)
         if claim.gone_in and claim.ref is not None:
             # Its holder lost its lock a moment ago and may still run the body (until
@@ -194,6 +199,21 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
                                 getattr(ended, "status", "unknown")).observe(
         time.monotonic() - started)
     return Execution(claim, ended)
+
+
+def send_for_start(claim: Claim) -> None:
+    """A run whose start its rate limits reserved for later: the claim counted a start less
+    than 2 s away as sent by this worker, which sends it for then (a later one is beat's
+    ``release_due``, by then). Nothing is held meanwhile: a lost send is repair's."""
+    assert claim.not_before is not None and claim.ref is not None  # a RATE_WAIT has both
+    wait = max(0.0, (claim.not_before - datetime.now(UTC)).total_seconds())
+    log.info("run %s: rate limited; its start is reserved in %.3fs, no worker held",
+             claim.run_id, wait)
+    if claim.send_for_start:
+        send_run(current_app.extensions["celery"], claim.run_id, claim.ref,
+                 countdown=wait or None,
+                 trace=None if claim.run is None else of_run(claim.run),
+                 tree=delivered_tree(claim.run_id))
 
 
 def observe_claim(claim: Claim) -> None:

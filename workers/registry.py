@@ -209,6 +209,13 @@ class Workflow:
     # not part of the definition's hash (it changes no run's meaning).
     concurrency_limit: int | None = None
     concurrency_key: Callable[[Any], Any] | None = field(default=None, compare=False)
+    # Rate limit (docs/guide/workflows.md#rate-limits): at most ``rate_limit`` ("100/m":
+    # a count per s, m or h; a bare count is per second, as Celery's) first starts of the
+    # runs of one (tenant, workflow, rate_key(input)), across every worker, decided in the
+    # claim; pinned on the run at admission as the seconds between two starts. Not part of
+    # the definition's hash (it changes no run's meaning).
+    rate_limit: str | None = None
+    rate_key: Callable[[Any], Any] | None = field(default=None, compare=False)
     # What a dispatch_key may do once its run ended (docs/guide/api.md, "Key reuse"):
     # "never" (the key names that run forever), "after_failure" (a failed or
     # cancelled run's key admits a new run), "after_end" (any ended run's); with
@@ -381,6 +388,15 @@ def _validate_routing(wf: Workflow) -> None:
         raise InvalidDefinition(f"{wf.ref}: concurrency_limit must be a positive integer")
     if wf.concurrency_key is not None and not callable(wf.concurrency_key):
         raise InvalidDefinition(f"{wf.ref}: concurrency_key must be a function of the input")
+    if wf.rate_limit is not None:
+        try:
+            rate_interval(wf.rate_limit)
+        except ValueError as err:
+            raise InvalidDefinition(f"{wf.ref}: {err}") from None
+    if wf.rate_key is not None and not callable(wf.rate_key):
+        raise InvalidDefinition(f"{wf.ref}: rate_key must be a function of the input")
+    if wf.rate_key is not None and wf.rate_limit is None:
+        raise InvalidDefinition(f"{wf.ref}: rate_key needs a rate_limit")
     if wf.priority is not None and (isinstance(wf.priority, bool)
                                     or not isinstance(wf.priority, int)
                                     or not 0 <= wf.priority <= 255):
@@ -416,6 +432,8 @@ def workflow(
     priority: int | None = None,
     concurrency_limit: int | None = None,
     concurrency_key: Callable[[Any], Any] | None = None,
+    rate_limit: str | None = None,
+    rate_key: Callable[[Any], Any] | None = None,
     key_reuse: str = "never",
     key_ttl: float | None = None,
     schedule: Any = None,
@@ -433,7 +451,9 @@ def workflow(
     (seconds, or a ``celery.schedules.crontab``) with ``schedule_tenant``,
     ``schedule_input`` and ``catch_up``: beat admits one run per tick
     (docs/guide/workflows.md). ``concurrency_limit`` and ``concurrency_key`` limit
-    how many of its runs run at once (docs/guide/workflows.md#concurrency).
+    how many of its runs run at once (docs/guide/workflows.md#concurrency);
+    ``rate_limit`` ("100/m") and ``rate_key`` how many start per period, across every
+    worker (docs/guide/workflows.md#rate-limits).
     """
     if not REF_PATTERN.match(f"{name}@{version}"):
         raise ValueError(f"invalid workflow name or version: {name!r}@{version!r}")
@@ -455,6 +475,8 @@ def workflow(
             priority=priority,
             concurrency_limit=concurrency_limit,
             concurrency_key=concurrency_key,
+            rate_limit=rate_limit,
+            rate_key=rate_key,
             key_reuse=key_reuse,
             key_ttl=key_ttl,
             schedule=schedule,
@@ -515,6 +537,53 @@ MAX_CONCURRENCY_KEY_LEN = 255
 
 class InvalidConcurrencyKey(ValueError):
     """A concurrency key (given, or derived from the input) that cannot be stored."""
+
+    field = "concurrency_key"  # the request field a refusal names
+
+
+class InvalidRateKey(InvalidConcurrencyKey):
+    """A rate key derived from the input that cannot be stored."""
+
+    field = "rate_key"
+
+
+# A rate limit's period, by its unit (Celery's spelling: "10/s", "100/m", "1000/h").
+_RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+_RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(?:/\s*([smh]))?\s*$")
+
+
+def rate_interval(limit: str) -> float:
+    """The seconds between two starts that ``limit`` allows ("100/m" -> 0.6; a bare count
+    is per second, as Celery's ``rate_limit``). Raises ``ValueError`` for anything else."""
+    match = _RATE.match(limit) if isinstance(limit, str) else None
+    count = float(match[1]) if match else 0.0
+    if not match or not 0 < count <= 1_000_000:
+        raise ValueError(f"rate_limit must be a count per s, m or h, like '100/m' "
+                         f"(got {limit!r})")
+    return _RATE_PERIODS[match[2] or "s"] / count
+
+
+def rate_of(wf: Workflow, input: Any) -> tuple[str | None, float | None]:
+    """The (rate_key, rate_interval) a run of ``wf`` with ``input`` is admitted with:
+    ``(None, None)`` for a workflow without a ``rate_limit``. Raises ``InvalidRateKey``."""
+    if wf.rate_limit is None:
+        return None, None
+    key: Any = None
+    if wf.rate_key is not None:
+        try:
+            key = wf.rate_key(input)
+        except Exception as err:  # noqa: BLE001 - the input lacks what the key needs
+            raise InvalidRateKey(f"{wf.ref}: rate_key could not be derived from the input "
+                                 f"({type(err).__name__})") from err
+        if key is not None and not isinstance(key, str):
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise InvalidRateKey(f"{wf.ref}: rate_key derived a {type(key).__name__}; "
+                                     "it must derive a string or an integer")
+            key = str(key)
+    if key is not None and (not 1 <= len(key) <= MAX_CONCURRENCY_KEY_LEN or "\x00" in key):
+        raise InvalidRateKey(f"{wf.ref}: rate_key must be 1 to {MAX_CONCURRENCY_KEY_LEN} "
+                             "characters, without U+0000")
+    return key, rate_interval(wf.rate_limit)
 
 
 def concurrency_of(wf: Workflow, input: Any, given: str | None = None

@@ -15,6 +15,13 @@ refuses an expired run too, so none runs late whichever comes first.
 Each statement takes a bounded page (``POIMEN_RELEASE_PAGE``); a page that comes back
 full is followed at once by the next, so a burst due together is not spread a page per
 second.
+
+Between two ticks the thread sleeps only until the earliest run still to send comes due
+(``next_due``), and then sends what is due: a start that a run's rate limits reserved
+(``poimen_rate_start``) goes out at its time, not up to a tick late, so starts keep the
+spacing the limit gave them. A reserved start less than 2 s away is sent by the worker
+that reserved it (``workers/execution.py``, ``send_for_start``), so a reservation made
+while this thread sleeps a whole interval is never one it wakes too late for.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ log = logging.getLogger(__name__)
 
 # Pages one tick may take of each kind before it yields to the next tick.
 _MAX_PAGES = 20
+# The pause before looking again at a run due that the last pass did not send.
+_BUSY_RETRY = 0.05
 
 
-def tick(flask_app: Flask, *, page: int) -> tuple[int, int]:
-    """Send the delayed runs now due and end the expired ones, a page at a time; return
-    ``(released, expired)``."""
+def tick(flask_app: Flask, *, page: int, expire: bool = True) -> tuple[int, int]:
+    """Send the delayed runs now due and end the expired ones (unless ``expire`` is False),
+    a page at a time; return ``(released, expired)``."""
     from app.enqueue import send_run, tree_of
     from app.extensions import db
     from app.state import runs
@@ -48,7 +57,7 @@ def tick(flask_app: Flask, *, page: int) -> tuple[int, int]:
     released = expired = 0
     with flask_app.app_context():
         try:
-            for _ in range(_MAX_PAGES):
+            for _ in range(_MAX_PAGES if expire else 0):
                 store = on_session(db.session)
                 ended = runs.expire_due_runs(store, limit=page)
                 # The commit hands a parent its join completed to the sender.
@@ -78,20 +87,45 @@ def tick(flask_app: Flask, *, page: int) -> tuple[int, int]:
     return released, expired
 
 
+def next_due(flask_app: Flask) -> float | None:
+    """The seconds until the earliest run still to send comes due (None: none is)."""
+    from app.extensions import db
+    from app.state import runs
+    from app.state.executor import on_session
+
+    with flask_app.app_context():
+        try:
+            return runs.next_due_in(on_session(db.session))
+        finally:
+            db.session.rollback()
+            db.session.remove()
+
+
 def start(flask_app: Flask) -> threading.Thread:
-    """Start the beat's timer thread: ``tick`` every ``POIMEN_RELEASE_INTERVAL`` seconds."""
+    """Start the beat's timer thread: ``tick`` every ``POIMEN_RELEASE_INTERVAL`` seconds, and
+    between ticks the sends of runs as they come due."""
     interval = flask_app.config["POIMEN_RELEASE_INTERVAL"]
     page = flask_app.config["POIMEN_RELEASE_PAGE"]
 
     def run() -> None:
         log.info("timers: delayed runs and expiry every %.1f s, pages of %d", interval, page)
+        next_tick = time.monotonic()
         while True:
-            started = time.monotonic()
+            due_in: float | None = None
             try:
-                tick(flask_app, page=page)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + interval
+                    tick(flask_app, page=page)
+                else:
+                    tick(flask_app, page=page, expire=False)
+                due_in = next_due(flask_app)
             except Exception:  # noqa: BLE001 - Postgres or Redis away: the next tick tries again
                 log.exception("timers: tick failed; trying again in %.1f s", interval)
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+            if due_in is not None and due_in <= 0:
+                # Due yet not sent by this pass (a page's row locked by a claim): soon again.
+                due_in = _BUSY_RETRY
+            until_tick = next_tick - time.monotonic()
+            time.sleep(max(0.0, until_tick if due_in is None else min(until_tick, due_in)))
 
     thread = threading.Thread(target=run, name="poimen-timers", daemon=True)
     thread.start()

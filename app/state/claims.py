@@ -20,8 +20,11 @@ A run of a workflow with a ``concurrency_limit`` (or of a tenant with a cap)
 is claimed in a transaction of two statements (``claim_slot``): the group's
 advisory locks, then one UPDATE that counts the group's slots held by live
 boots and either claims the run (CLAIMED) or parks it ``waiting`` with no
-worker (SLOT_WAIT). Every other run keeps the one-statement claim, which
-refuses limited runs (``SLOTS``: claim again with ``claim_slot``).
+worker (SLOT_WAIT). A run under a rate limit (its workflow's ``rate_limit``,
+its tenant's) is claimed there too: given a slot, it starts now (CLAIMED) or
+gets its start reserved, ``queued`` until then with no worker (RATE_WAIT).
+Every other run keeps the one-statement claim, which refuses those runs
+(``SLOTS``: claim again with ``claim_slot``).
 
 This module holds the fenced transitions, the ones a worker makes under its
 claim; unfenced ones (admission, cancel, repair) are in ``runs.py`` beside it.
@@ -68,6 +71,9 @@ class ClaimOutcome(enum.StrEnum):
     # No slot: the run went ``waiting`` (``Claim.wait_reason``), unclaimed; the end of
     # a slot's holder re-queues it (beat is the backstop).
     SLOT_WAIT = "slot_wait"
+    # Rate limits: the run's start is still to come; it stays ``queued`` with its reserved
+    # start (``Claim.not_before``), holding no worker (``poimen_rate_start``).
+    RATE_WAIT = "rate_wait"
 
     @property
     def execute(self) -> bool:
@@ -136,6 +142,10 @@ class Claim:
     # The run is in a limited group: every end of this hold takes the slot locks first.
     slots: bool = False
     wait_reason: str | None = None  # SLOT_WAIT: 'concurrency' or 'tenant_cap'
+    # RATE_WAIT: the start reserved for the run, and whether this delivery's worker sends
+    # it for then (a start less than 2 s away; beat's ``release_due`` sends a later one).
+    not_before: datetime | None = None
+    send_for_start: bool = False
     # A DUPLICATE whose holder lost its lock but is not gone yet: deliver the run (its
     # workflow ``ref``) again in ``gone_in`` seconds, when it may be taken over.
     gone_in: float | None = None
@@ -152,6 +162,8 @@ CLAIM_QUEUED = statement("claim_queued")
 # A limited run's claim after its group's locks, in one call: one round trip, in
 # autocommit, like every other claim (``sql/README.md``, "Store functions").
 CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
+# A first start under rate limits, under its scopes' row locks (``poimen_claim_slot`` calls it).
+RATE_START = function("poimen_rate_start")
 CLAIM_SLOT = CLAIM_SLOT_LOCKED.query
 # A takeover, in one call: the run's slot locks, and for a run of a limited group the
 # slot it may not keep (``SLOT_VERDICT``), then the compare-and-set and what an end sets off.
@@ -170,7 +182,8 @@ RETRY = function("poimen_retry")
 # In this order, a function before the ones that call it.
 FUNCTIONS: tuple[Function, ...] = (
     runs.LOCK_SLOTS, runs.ENDED, runs.EVENT_ENDED, runs.CANCEL, runs.CANCEL_QUEUED,
-    runs.END_ABANDONED, runs.TIME_LIMIT, runs.EXPIRE, ledger.WAIT, CLAIM_SLOT_LOCKED, SLOT_VERDICT,
+    runs.END_ABANDONED, runs.TIME_LIMIT, runs.EXPIRE, ledger.WAIT, RATE_START, CLAIM_SLOT_LOCKED,
+    SLOT_VERDICT,
     TAKE_OVER, FINISH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
@@ -220,6 +233,12 @@ def claim_slot(session: Executor, run_id: uuid.UUID, boot_id: uuid.UUID, *,
         if row.status == RunStatus.WAITING:
             return Claim(ClaimOutcome.SLOT_WAIT, run_id, boot_id, slots=True,
                          wait_reason=row.wait_reason)
+        if row.status == RunStatus.QUEUED:
+            return Claim(ClaimOutcome.RATE_WAIT, run_id, boot_id, slots=True,
+                         wait_reason=row.wait_reason, not_before=row.not_before,
+                         send_for_start=row.last_sent_at >= row.not_before,
+                         ref=f"{row.workflow_name}@{row.workflow_version}",
+                         run=build(ClaimedRun, row))
         return Claim(ClaimOutcome.CLAIMED, run_id, boot_id, row.attempt,
                      run=build(ClaimedRun, row), slots=True)
     if not transaction:

@@ -303,6 +303,7 @@ def expire_run(session: Executor, run_id: uuid.UUID) -> bool:
 
 RELEASE_DUE = statement("release_due")
 EXPIRE_DUE = statement("expire_due")
+NEXT_DUE = statement("next_due")
 
 
 def release_due_runs(session: Executor, *, limit: int) -> list[RunToSend]:
@@ -310,6 +311,13 @@ def release_due_runs(session: Executor, *, limit: int) -> list[RunToSend]:
     runs now due that were never sent since they were admitted, earliest due first."""
     return [build(RunToSend, row)
             for row in session.execute(RELEASE_DUE, {"limit": limit}).all()]
+
+
+def next_due_in(session: Executor) -> float | None:
+    """The seconds until the earliest run ``release_due_runs`` would send comes due (a
+    delayed admission, a reserved start; at most 0 when one is due now), None if none."""
+    value = session.execute(NEXT_DUE).scalar()
+    return None if value is None else float(value)
 
 
 def expire_due_runs(session: Executor, *, limit: int) -> int:

@@ -80,6 +80,7 @@ CLAIM_TESTS = "tests/workers/test_claims.py"
 POISON_TESTS = "tests/workers/test_poison.py"
 DELAYED_TESTS = "tests/workers/test_delayed_runs.py"
 CASCADE_TESTS = "tests/workers/test_cascade_cancel.py"
+RATE_TESTS = "tests/workers/test_rate_limits.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -1179,6 +1180,69 @@ MUTANTS: list[Mutant] = [
         "    SELECT c.id FROM runs c WHERE c.parent_run_id = :run)",
         (f"{CASCADE_TESTS}::test_a_cancel_reaches_every_descendant_not_ended",),
     ),
+    # -- rate limits --------------------------------------------------------------------------
+    Mutant(
+        "rate_check_then_claim",
+        "a start under a rate limit is read after its scopes' row locks: a claim that waited "
+        "for them starts one interval after the holder's, never beside it",
+        CLAIMS_SQL,
+        "    PERFORM 1 FROM rate_slots s WHERE s.scope = ANY(v_scopes) ORDER BY s.scope FOR UPDATE;\n"
+        "    v_clock := clock_timestamp();\n",
+        "    v_clock := clock_timestamp();\n",
+        (f"{RATE_TESTS}::test_a_claim_waiting_for_the_scope_lock_reads_the_start_the_holder_"
+         "committed",),
+        also=(Edit("                    ON u.scope = s.scope);\n",
+                   "                    ON u.scope = s.scope);\n"
+                   "    PERFORM 1 FROM rate_slots s WHERE s.scope = ANY(v_scopes) "
+                   "ORDER BY s.scope FOR UPDATE;\n"),),
+    ),
+    Mutant(
+        "rate_claim_queued_ignores_the_limit",
+        "a run under a rate limit is never taken by the one-statement claim, which counts no "
+        "start",
+        CLAIMS_SQL,
+        "   AND concurrency_limit IS NULL AND rate_interval IS NULL\n",
+        "   AND concurrency_limit IS NULL\n",
+        (f"{RATE_TESTS}::test_the_second_start_a_moment_later_is_reserved_one_interval_after_"
+         "the_first",),
+    ),
+    Mutant(
+        "rate_reservation_takes_another_start",
+        "a run's reserved start is its place in the line: its claim when due takes no other",
+        CLAIMS_SQL,
+        "CASE WHEN v_reserved THEN v_clock ELSE max(s.next_start) END)",
+        "max(s.next_start))",
+        (f"{RATE_TESTS}::test_a_reserved_run_claimed_early_is_not_due_and_when_due_keeps_its_"
+         "place",),
+    ),
+    Mutant(
+        "rate_reservation_ignores_the_last_start",
+        "no two starts of a scope are closer than its interval, however late a reserved run "
+        "comes (a late start puts off the next reserved one)",
+        CLAIMS_SQL,
+        "                                max(s.last_start + make_interval(secs => u.secs)),\n",
+        "                                CASE WHEN v_reserved THEN v_clock ELSE\n"
+        "                                max(s.last_start + make_interval(secs => u.secs)) END,\n",
+        (f"{RATE_TESTS}::test_a_reserved_run_after_a_late_start_waits_the_interval_and_keeps_"
+         "its_place",),
+    ),
+    Mutant(
+        "rate_limit_on_every_start",
+        "a rate limit counts first starts: a retry, a join's resumption take no start",
+        CLAIMS_SQL,
+        "WHERE r.id = p_run AND r.started_at IS NULL AND",
+        "WHERE r.id = p_run AND",
+        (f"{RATE_TESTS}::test_a_retry_takes_no_start",),
+    ),
+    Mutant(
+        "rate_start_while_waiting_for_a_slot",
+        "a run takes its start only once it has its slot: one waiting for a slot uses none",
+        CLAIMS_SQL,
+        "poimen_rate_start(CASE WHEN v.reason IS NULL THEN p_run END)",
+        "poimen_rate_start(p_run)",
+        (f"{RATE_TESTS}::test_a_run_without_a_slot_uses_no_start_and_takes_one_once_woken",
+         f"{RATE_TESTS}::test_a_tenant_cap_and_a_rate_limit_together"),
+    ),
     Mutant(
         "model_tick_from_the_beat_clock",
         "one run per schedule tick, however many beats (a moment apart) admit it (model rule "
@@ -1193,7 +1257,8 @@ MUTANTS: list[Mutant] = [
         "a claimed run is running under the boot that claimed it: never lost to every boot "
         "(model rule no_run_lost)",
         CLAIMS_SQL,
-        "claimed_by = CASE WHEN v.reason IS NULL THEN CAST(p_boot AS uuid) END,",
+        "claimed_by = CASE WHEN d.reason IS NULL AND d.reserved IS NULL\n"
+        "                             THEN CAST(p_boot AS uuid) END,",
         "claimed_by = NULL,",
         (MODEL_TEST,),
     ),

@@ -415,6 +415,7 @@ def test_the_console_shows_a_delay_an_expiry_and_the_expired_status(client, tena
 # -- plans: a tick reads only its own partial index, whatever the backlog ---------------------------
 
 @pytest.mark.parametrize("name, index", [("RELEASE_DUE", "ix_runs_delayed"),
+                                         ("NEXT_DUE", "ix_runs_delayed"),
                                          ("EXPIRE_DUE", "ix_runs_expiring")])
 def test_a_timer_tick_reads_runs_only_through_its_partial_index(pg, name, index):
     """Beat ticks once a second: under a backlog of queued and finished runs, neither

@@ -213,6 +213,27 @@ def keyed(ctx, input):
     return {"attempt": ctx.attempt}
 
 
+@workflow("rated", version="1", rate_limit="10/s", rate_key=lambda input: input.get("customer"))
+def rated(ctx, input):
+    """At most 10 first starts a second per customer, across every worker (``rate_key``
+    derived from the input). With ``path``: appends ``<unix time> <run id>`` when it starts,
+    the bodies' own record of their starts; sleeps ``seconds``."""
+    import time
+
+    if "path" in input:
+        with open(input["path"], "a") as out:
+            out.write(f"{time.time():.6f} {ctx.run_id}\n")
+    time.sleep(float(input.get("seconds", 0)))
+    return {"attempt": ctx.attempt}
+
+
+@workflow("rated-keyed", version="1", rate_limit="10/s", concurrency_limit=1)
+def rated_keyed(ctx, input):
+    """A rate limit and a concurrency limit of one together (each run first takes its slot,
+    then its start)."""
+    return {"attempt": ctx.attempt}
+
+
 @workflow("stamped", version="1", concurrency_limit=1,
           concurrency_key=lambda input: input.get("customer"))
 def stamped(ctx, input):

@@ -7,21 +7,22 @@
 -- started whose ``expires_at`` passed: ``poimen_expire`` ends it). Liveness is part of it: the
 -- claiming boot must hold its lock *in the same statement* (a process whose lock vanished
 -- may not know yet; Postgres does, and refuses). A run of a limited group (its workflow's
--- limit, its tenant's cap) is refused here and claimed with ``poimen_claim_slot``.
+-- limit, its tenant's cap) or under a rate limit (its workflow's, its tenant's) is refused
+-- here and claimed with ``poimen_claim_slot``.
 -- Returns everything the worker needs to run the workflow (the run's columns, its pinned
 -- definition hash, its latest step entry, created_at and started_at for the queue wait,
 -- its trace context), so executing a run costs no extra read.
 WITH  changed AS (
 UPDATE runs
-   SET status = 'running', claimed_by = :boot, attempt = attempt + 1,
+   SET status = 'running', claimed_by = :boot, attempt = attempt + 1, wait_reason = NULL,
        started_at = coalesce(started_at, now()), updated_at = now()
  WHERE id = :run AND (runs.status || '') = 'queued' AND NOT cancel_requested
    AND (not_before IS NULL OR not_before <= now())
    AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)
    AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
-   AND concurrency_limit IS NULL
-   AND NOT EXISTS (SELECT 1 FROM tenants t
-                    WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)
+   AND concurrency_limit IS NULL AND rate_interval IS NULL
+   AND NOT EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id
+                      AND (t.max_running IS NOT NULL OR t.rate_interval IS NOT NULL))
  RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
     event AS (
     INSERT INTO outbox (tenant_id, run_id, event_type, payload)
@@ -34,6 +35,69 @@ UPDATE runs
 
     SELECT * FROM changed;
 
+-- name: poimen_rate_start
+-- A run's start under its rate limits (README.md, "Rate limits"), or NULL when none applies:
+-- no limit names it, or this is no first start (a retry, a join's resumption: ``started_at``
+-- is set). Its scopes are its tenant's (``t:<tenant>``, ``tenants.rate_interval``) and its
+-- workflow's key's (``w:<tenant>|<workflow>|<rate_key>``, ``runs.rate_interval``, pinned at
+-- admission). Each scope keeps, in ``rate_slots``, ``last_start`` (the latest start taken)
+-- and ``next_start`` (the end of the line of starts reserved). Under the scopes' row locks
+-- (taken in scope order) the clock is read (``clock_timestamp()``: a claim that waited for
+-- the locks, or whose transaction began earlier, never starts at a time already past), and:
+-- * the start may be now only if it is at least each scope's interval after its
+--   ``last_start``: no two starts of a scope are closer than its interval, however many
+--   claim at once and however late a reserved run comes;
+-- * a run that holds no reservation joins the end of the line (``next_start``), which then
+--   moves one interval on: reserved in the order the claims take the locks (FIFO);
+-- * a run that holds one (``wait_reason = 'rate_limit'``, due) keeps its place: it starts now
+--   unless a late start came within the interval, and then its start moves to the earliest
+--   the spacing allows.
+-- A start now becomes ``last_start``. Returns the start and whether it is reserved (no row
+-- when no limit applies, or ``p_run`` is NULL: ``poimen_claim_slot`` passes NULL for a run
+-- that waits for a slot, which takes no start).
+CREATE OR REPLACE FUNCTION poimen_rate_start(
+    p_run uuid
+) RETURNS TABLE (start timestamptz, reserved boolean) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+DECLARE
+    v_scopes text[];
+    v_intervals float8[];
+    v_reserved boolean;
+    v_clock timestamptz;
+    v_start timestamptz;
+BEGIN
+    SELECT array_agg(s.scope ORDER BY s.scope), array_agg(s.secs ORDER BY s.scope),
+           bool_or(r.wait_reason IS NOT DISTINCT FROM 'rate_limit')
+      INTO v_scopes, v_intervals, v_reserved
+      FROM runs r JOIN tenants t ON t.id = r.tenant_id,
+           LATERAL (VALUES ('t:' || CAST(r.tenant_id AS text), t.rate_interval),
+                           ('w:' || CAST(r.tenant_id AS text) || '|' || r.workflow_name || '|'
+                                 || coalesce(r.rate_key, ''), r.rate_interval)) AS s(scope, secs)
+     WHERE r.id = p_run AND r.started_at IS NULL AND s.secs IS NOT NULL;
+    IF v_scopes IS NULL THEN
+        RETURN;
+    END IF;
+    INSERT INTO rate_slots (scope, next_start, last_start)
+    SELECT u.scope, '-infinity', '-infinity' FROM unnest(v_scopes) AS u(scope)
+    ON CONFLICT DO NOTHING;
+    PERFORM 1 FROM rate_slots s WHERE s.scope = ANY(v_scopes) ORDER BY s.scope FOR UPDATE;
+    v_clock := clock_timestamp();
+    v_start := (SELECT greatest(v_clock,
+                                max(s.last_start + make_interval(secs => u.secs)),
+                                CASE WHEN v_reserved THEN v_clock ELSE max(s.next_start) END)
+                  FROM rate_slots s JOIN unnest(v_scopes, v_intervals) AS u(scope, secs)
+                    ON u.scope = s.scope);
+    UPDATE rate_slots s
+       SET last_start = CASE WHEN v_start <= v_clock THEN v_start ELSE s.last_start END,
+           next_start = CASE WHEN v_reserved THEN s.next_start
+                             ELSE v_start + make_interval(secs => u.secs) END
+      FROM unnest(v_scopes, v_intervals) AS u(scope, secs)
+     WHERE s.scope = u.scope;
+    RETURN QUERY SELECT v_start, v_start > v_clock;
+END
+$body$;
+
 -- name: poimen_claim_slot
 -- CLAIM_SLOT, after the run's slot locks, as one call (README.md, "Store functions").
 -- The claim of a run of a limited group: its ``me`` part is the run (due, the claimer
@@ -45,6 +109,14 @@ UPDATE runs
 -- (README.md, "Status tests that choose the index"). The count and the claim are one
 -- statement on a snapshot taken after the locks. No slot: the run waits (``waiting``,
 -- ``wait_reason``), unclaimed, holding no worker.
+-- A run with a slot (or of no limited group) then takes its start under its rate limits
+-- (``decided``: ``poimen_rate_start``, only for a run the verdict lets start, so a run
+-- that waits for a slot uses no start). A start still to come is reserved for it: it stays
+-- ``queued`` with ``not_before`` at its start and ``wait_reason = 'rate_limit'``
+-- (``run.waiting``), holding no worker; its claim when due keeps its place in the line (and
+-- is put off again, with another ``run.waiting``, only if a late start came too close). A start
+-- less than 2 s away counts as sent (``last_sent_at = not_before``): the worker that got
+-- it sends the run for then; a later one is beat's (``release_due``, ``workers/timers.py``).
 CREATE OR REPLACE FUNCTION poimen_claim_slot(
     p_run uuid, p_boot uuid
 ) RETURNS TABLE (
@@ -57,7 +129,8 @@ CREATE OR REPLACE FUNCTION poimen_claim_slot(
     definition_hash runs.definition_hash%TYPE, created_at runs.created_at%TYPE,
     started_at runs.started_at%TYPE, traceparent runs.traceparent%TYPE,
     tracestate runs.tracestate%TYPE, last_entry jsonb, status runs.status%TYPE,
-    wait_reason runs.wait_reason%TYPE
+    wait_reason runs.wait_reason%TYPE, not_before runs.not_before%TYPE,
+    last_sent_at runs.last_sent_at%TYPE
 ) LANGUAGE plpgsql VOLATILE AS $body$
 #variable_conflict use_column
 BEGIN
@@ -83,22 +156,32 @@ BEGIN
                THEN 'concurrency'
                END AS reason
           FROM me
+    ), decided AS (
+        SELECT v.reason, s.start, CASE WHEN s.reserved THEN s.start END AS reserved
+          FROM verdict v
+               LEFT JOIN LATERAL poimen_rate_start(CASE WHEN v.reason IS NULL THEN p_run END)
+                    AS s ON true
     ), changed AS (
     UPDATE runs
-       SET status = CASE WHEN v.reason IS NULL THEN 'running' ELSE 'waiting' END,
-           wait_reason = v.reason,
-           claimed_by = CASE WHEN v.reason IS NULL THEN CAST(p_boot AS uuid) END,
-           attempt = attempt + CASE WHEN v.reason IS NULL THEN 1 ELSE 0 END,
-           started_at = CASE WHEN v.reason IS NULL THEN coalesce(started_at, now())
-                             ELSE started_at END,
+       SET status = CASE WHEN d.reason IS NOT NULL THEN 'waiting'
+                         WHEN d.reserved IS NOT NULL THEN 'queued' ELSE 'running' END,
+           wait_reason = CASE WHEN d.reserved IS NOT NULL THEN 'rate_limit' ELSE d.reason END,
+           not_before = coalesce(d.reserved, not_before),
+           last_sent_at = CASE WHEN d.reserved <= clock_timestamp() + interval '2 seconds'
+                               THEN d.reserved ELSE last_sent_at END,
+           claimed_by = CASE WHEN d.reason IS NULL AND d.reserved IS NULL
+                             THEN CAST(p_boot AS uuid) END,
+           attempt = attempt + CASE WHEN d.reason IS NULL AND d.reserved IS NULL THEN 1 ELSE 0 END,
+           started_at = CASE WHEN d.reason IS NULL AND d.reserved IS NULL
+                             THEN coalesce(started_at, d.start, now()) ELSE started_at END,
            updated_at = now()
-      FROM verdict v
+      FROM decided d
      WHERE runs.id = p_run AND (runs.status || '') = 'queued' AND NOT runs.cancel_requested
-     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason),
+     RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures, cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash, created_at, started_at, traceparent, tracestate, (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id ORDER BY e.entry_no DESC LIMIT 1) AS last_entry, status, wait_reason, not_before, last_sent_at),
         event AS (
         INSERT INTO outbox (tenant_id, run_id, event_type, payload)
         SELECT tenant_id, id, CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END,
-               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) ELSE '{}' END
+               jsonb_build_object('run_id', (id)::text, 'type', CASE status WHEN 'running' THEN 'run.started' ELSE 'run.waiting' END) || jsonb_build_object('attempt', attempt) || CASE WHEN status = 'waiting' THEN jsonb_build_object('reason', wait_reason) WHEN status = 'queued' THEN jsonb_build_object('reason', wait_reason, 'not_before', not_before) ELSE '{}' END
           FROM changed
          WHERE true
          
@@ -387,8 +470,9 @@ $body$;
 -- name: claim_state
 -- A claim that changed nothing reads why: the run's state and the claimer's liveness.
 -- ``expired``: never started, and its ``expires_at`` passed.
--- ``slots``: the run is in a limited group (its workflow's or its tenant's).
-SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (expires_at <= now() AND started_at IS NULL) IS TRUE AS expired, (concurrency_limit IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND t.max_running IS NOT NULL)) AS slots FROM runs WHERE id = :run;
+-- ``slots``: the run is in a limited group (its workflow's or its tenant's), or under a rate
+-- limit: ``poimen_claim_slot`` claims it.
+SELECT status, claimed_by, cancel_requested, workflow_name, workflow_version, EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key)) AS claimer_live, (not_before IS NULL OR not_before <= now()) AS due, (expires_at <= now() AND started_at IS NULL) IS TRUE AS expired, (concurrency_limit IS NOT NULL OR rate_interval IS NOT NULL OR EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id AND (t.max_running IS NOT NULL OR t.rate_interval IS NOT NULL))) AS slots FROM runs WHERE id = :run;
 
 -- name: holder
 -- Who holds a run (an adoption that changed nothing reads why).

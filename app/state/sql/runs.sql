@@ -15,7 +15,8 @@
 -- was admitted with in ``admitted_not_before`` (a retry moves ``not_before``, never that);
 -- ``due`` says whether it may be sent now (else beat's ``release_due`` sends it).
 -- ``expires_at`` (or ``:expires_in`` seconds from now): a run not started by then ends
--- ``expired`` (``poimen_expire``).
+-- ``expired`` (``poimen_expire``). ``rate_interval`` and ``rate_key``: its workflow's rate
+-- limit, pinned as the seconds between two starts of its key (``poimen_rate_start``).
 WITH  parent AS (
     SELECT coalesce(p.root_run_id, p.id) AS root_id, p.cancel_requested AND p.cancel_cascade AS cancelled
       FROM runs p WHERE p.id = CAST(:parent_run_id AS uuid) FOR SHARE),
@@ -23,13 +24,14 @@ WITH  parent AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
-                  traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
-                  admitted_not_before, expires_at, cancel_cascade)
+                  traceparent, tracestate, concurrency_key, concurrency_limit, rate_key,
+                  rate_interval, not_before, admitted_not_before, expires_at, cancel_cascade)
 VALUES (:id, :tenant_id, :workflow_ref, :workflow_name, :workflow_version,
         CAST(:input AS jsonb), :goal_id, :dispatch_key, 'queued', 0, 0,
         coalesce((SELECT cancelled FROM parent), false), :origin,
         :origin_detail, :parent_run_id, (SELECT root_id FROM parent), :definition_hash,
-        :traceparent, :tracestate, :concurrency_key, :concurrency_limit,
+        :traceparent, :tracestate, :concurrency_key, :concurrency_limit, :rate_key,
+        :rate_interval,
         coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
         coalesce(CAST(:not_before AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
         coalesce(CAST(:expires_at AS timestamptz), now() + make_interval(secs => CAST(:expires_in AS float8))),
@@ -85,13 +87,14 @@ WITH  parent AS (
 INSERT INTO runs (id, tenant_id, workflow_ref, workflow_name, workflow_version, input,
                   goal_id, dispatch_key, status, attempt, failures, cancel_requested,
                   origin, origin_detail, parent_run_id, root_run_id, definition_hash,
-                  traceparent, tracestate, concurrency_key, concurrency_limit, not_before,
-                  admitted_not_before, expires_at, cancel_cascade)
+                  traceparent, tracestate, concurrency_key, concurrency_limit, rate_key,
+                  rate_interval, not_before, admitted_not_before, expires_at, cancel_cascade)
 SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.input,
        r.goal_id, r.dispatch_key, 'queued', 0, 0,
        coalesce((SELECT cancelled FROM parent), false), :origin,
        :origin_detail, :parent_run_id, (SELECT root_id FROM parent), r.definition_hash,
-       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit,
+       r.traceparent, r.tracestate, r.concurrency_key, r.concurrency_limit, r.rate_key,
+       r.rate_interval,
        coalesce(r.not_before, now() + make_interval(secs => r.delay)),
        coalesce(r.not_before, now() + make_interval(secs => r.delay)),
        coalesce(r.expires_at, now() + make_interval(secs => r.expires_in)),
@@ -100,7 +103,7 @@ SELECT r.id, :tenant_id, r.workflow_ref, r.workflow_name, r.workflow_version, r.
        ord int, id uuid, workflow_ref text, workflow_name text, workflow_version text,
        input jsonb, goal_id text, dispatch_key text, definition_hash text,
        traceparent text, tracestate text, concurrency_key text, concurrency_limit int,
-       not_before timestamptz, delay float8, expires_at timestamptz, expires_in float8)
+       rate_key text, rate_interval float8, not_before timestamptz, delay float8, expires_at timestamptz, expires_in float8)
  ORDER BY r.dispatch_key, r.ord
 ON CONFLICT (tenant_id, dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
  RETURNING *),
@@ -522,6 +525,18 @@ UPDATE runs SET last_sent_at = now()
           FOR UPDATE OF r SKIP LOCKED)
 RETURNING id, workflow_name, workflow_version, traceparent, tracestate, attempt,
           parent_run_id, root_run_id;
+
+-- name: next_due
+-- The seconds until the earliest run ``release_due`` would send comes due (a delayed
+-- admission, a start its rate limits reserved), by Postgres's clock; NULL when there is
+-- none. Served by ``ix_runs_delayed`` (the first entry of its order), whose predicate this
+-- repeats: beat's timer sleeps until then, so a reserved start is sent on time, not at the
+-- next tick.
+SELECT CAST(extract(epoch FROM r.not_before - clock_timestamp()) AS float8)
+  FROM runs r
+ WHERE r.status = 'queued' AND r.last_sent_at < r.not_before
+ ORDER BY r.not_before
+ LIMIT 1;
 
 -- name: expire_due
 -- Runs never started whose ``expires_at`` passed, earliest first, a page at a time, each
