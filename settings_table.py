@@ -262,7 +262,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds later)."),
     _celery("POIMEN_RELEASE_INTERVAL", float, 1.0, BEAT,
             "Seconds between beat's timer ticks: delayed runs now due are sent, and runs "
-            "never started whose expires_at passed end expired."),
+            "never started whose expires_at passed end expired. Between ticks the timer "
+            "sleeps only until the next delayed run or reserved rate-limited start is due, "
+            "and sends it then."),
     _celery("POIMEN_RELEASE_PAGE", int, 1000, BEAT,
             "Runs one statement of a timer tick sends or expires at most (a full page is "
             "followed at once by the next, up to 20 per tick)."),

@@ -22,7 +22,7 @@ from app.state.executor import on_session
 from tests.conftest import wait_until_waiting_on_a_lock
 from workers.registry import max_takeovers_of
 
-from .test_claims import claim, events_of
+from .test_claims import claim, events_of, hold_as
 
 T = timedelta(seconds=0.1)  # "10/s": the spacing of two starts of one key
 
@@ -364,6 +364,35 @@ def test_a_retry_takes_no_start(session, admit, boot_factory, pg):
     come_due(pg, first)
     got = claim(session, first, boot.boot_id)
     assert got.outcome == ClaimOutcome.CLAIMED and got.attempt == 2  # not a first start
+
+
+def test_a_takeover_takes_no_start(session, admit, boot_factory, dead_boot, pg):
+    first = rated(admit)
+    boot = boot_factory()
+    claim(session, admit("rated", {"customer": "c1"}), boot.boot_id)  # the scope's row
+    pg.execute("UPDATE rate_slots SET next_start = now() + interval '1 hour', "
+               "last_start = now()")
+    hold_as(pg, first, dead_boot())  # started under a worker that died
+    got = claim(session, first, boot.boot_id)
+    assert got.outcome == ClaimOutcome.TAKEN_OVER and got.attempt == 2
+
+
+def test_a_scheduled_workflows_runs_are_limited_like_any(session, admit, boot_factory, pg, app):
+    """Beat admits a scheduled run as any admission does; its claim decides its start."""
+    from workers import registry
+    from workers.registry import Workflow, register
+
+    register(Workflow("rated-scheduled", "1", steps=steps(), rate_limit="1/m", schedule=3600,
+                      schedule_tenant="t"))
+    try:
+        first, second = admit("rated-scheduled", {}), admit("rated-scheduled", {})
+        boot = boot_factory()
+        assert claim(session, first, boot.boot_id).outcome == ClaimOutcome.CLAIMED
+        later = claim(session, second, boot.boot_id)
+        assert later.outcome == ClaimOutcome.RATE_WAIT and not later.send_for_start
+        assert later.not_before == row(pg, first)[6] + timedelta(minutes=1)
+    finally:
+        registry._registry.pop("rated-scheduled", None)
 
 
 def test_a_delayed_run_takes_its_start_when_it_comes_due(session, admit, boot_factory, pg, app):

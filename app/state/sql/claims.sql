@@ -67,6 +67,9 @@ DECLARE
     v_clock timestamptz;
     v_start timestamptz;
 BEGIN
+    IF p_run IS NULL THEN
+        RETURN;
+    END IF;
     SELECT array_agg(s.scope ORDER BY s.scope), array_agg(s.secs ORDER BY s.scope),
            bool_or(r.wait_reason IS NOT DISTINCT FROM 'rate_limit')
       INTO v_scopes, v_intervals, v_reserved
@@ -111,7 +114,7 @@ $body$;
 -- ``wait_reason``), unclaimed, holding no worker.
 -- A run with a slot (or of no limited group) then takes its start under its rate limits
 -- (``decided``: ``poimen_rate_start``, only for a run the verdict lets start, so a run
--- that waits for a slot uses no start). A start still to come is reserved for it: it stays
+-- that waits for a slot uses no start; not called for a run under no rate limit). A start still to come is reserved for it: it stays
 -- ``queued`` with ``not_before`` at its start and ``wait_reason = 'rate_limit'``
 -- (``run.waiting``), holding no worker; its claim when due keeps its place in the line (and
 -- is put off again, with another ``run.waiting``, only if a late start came too close). A start
@@ -138,7 +141,8 @@ BEGIN
     RETURN QUERY WITH 
     me AS (
         SELECT r.id, r.tenant_id, r.workflow_name, r.concurrency_key, r.concurrency_limit,
-               r.created_at, t.max_running
+               r.created_at, t.max_running,
+               r.rate_interval IS NOT NULL OR t.rate_interval IS NOT NULL AS rated
           FROM runs r JOIN tenants t ON t.id = r.tenant_id
          WHERE r.id = p_run AND (r.status || '') = 'queued' AND NOT r.cancel_requested AND (r.not_before IS NULL OR r.not_before <= now()) AND (r.expires_at IS NULL OR r.expires_at > now() OR r.started_at IS NOT NULL) AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = p_boot AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
     ),
@@ -158,9 +162,9 @@ BEGIN
           FROM me
     ), decided AS (
         SELECT v.reason, s.start, CASE WHEN s.reserved THEN s.start END AS reserved
-          FROM verdict v
-               LEFT JOIN LATERAL poimen_rate_start(CASE WHEN v.reason IS NULL THEN p_run END)
-                    AS s ON true
+          FROM me CROSS JOIN verdict v
+               LEFT JOIN LATERAL poimen_rate_start(
+                   CASE WHEN v.reason IS NULL AND me.rated THEN p_run END) AS s ON true
     ), changed AS (
     UPDATE runs
        SET status = CASE WHEN d.reason IS NOT NULL THEN 'waiting'
