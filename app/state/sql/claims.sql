@@ -81,8 +81,11 @@ BEGIN
     IF v_scopes IS NULL THEN
         RETURN;
     END IF;
+    -- A scope's first claim makes its row (a row that exists is not inserted again, so
+    -- nothing waits here on a claim that holds it: the row lock below is the one wait).
     INSERT INTO rate_slots (scope, next_start, last_start)
     SELECT u.scope, '-infinity', '-infinity' FROM unnest(v_scopes) AS u(scope)
+     WHERE NOT EXISTS (SELECT 1 FROM rate_slots s WHERE s.scope = u.scope)
     ON CONFLICT DO NOTHING;
     PERFORM 1 FROM rate_slots s WHERE s.scope = ANY(v_scopes) ORDER BY s.scope FOR UPDATE;
     v_clock := clock_timestamp();
