@@ -91,10 +91,10 @@ def set_rate_limit(name: str, rate_limit: str | None) -> Tenant:
     change applies to starts not reserved yet: a run whose start the old limit reserved
     keeps that time.
     """
-    from workers.registry import rate_interval
+    from workers import registry
 
     try:
-        interval = None if rate_limit is None else rate_interval(rate_limit)
+        interval = None if rate_limit is None else registry.rate_interval(rate_limit)
     except ValueError as err:
         raise InvalidRateLimit(f"--rate-limit: {err}") from None
     tenant = find_tenant(name)
