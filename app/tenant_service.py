@@ -87,7 +87,7 @@ class InvalidRateLimit(TenantError):
 def set_rate_limit(name: str, rate_limit: str | None) -> Tenant:
     """Limit tenant ``name``'s starts to ``rate_limit`` ("50/s"; None: no limit); commit.
 
-    Claims decide it (docs/internals/execution.md#rate-limits), across every worker. A
+    Claims decide it (docs/internals/rate-limits.md), across every worker. A
     change applies to starts not reserved yet: a run whose start the old limit reserved
     keeps that time.
     """

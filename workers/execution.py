@@ -99,8 +99,8 @@ class Execution:
 def limited_workflow(shadow: str | None) -> bool:
     """Whether a message's ``shadow`` (``runs.execute[<ref>]``, what Flower shows) names a
     workflow of this process that declares ``concurrency_limit`` or ``rate_limit``: its
-    runs' claims then
-    start with the group's locks (``claim_slot``) instead of a claim bound to be refused.
+    runs' claims then start with the group's locks (``claim_slot``) instead of a claim
+    bound to be refused.
 
     A hint only: it picks the first statement, the statements decide. A run admitted
     before its workflow declared a limit is claimed by ``claim_slot`` all the same; a

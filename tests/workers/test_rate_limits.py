@@ -118,6 +118,29 @@ def test_the_key_is_derived_from_the_input_and_the_interval_pinned(admit, pg):
     assert rows[plain] == (None, None)
 
 
+def test_a_batch_pins_each_runs_key_and_a_bad_one_is_its_items_422(client, tenant, pg):
+    from workers import registry
+    from workers.registry import Workflow, register
+
+    def strict(input):
+        return input["account"]
+
+    register(Workflow("rated-strict", "1", steps=steps(), rate_limit="2/s", rate_key=strict))
+    try:
+        answer = client.post("/v1/runs/batch", headers=tenant.headers, json={"runs": [
+            {"workflow_ref": "rated", "input": {"customer": "a"}},
+            {"workflow_ref": "rated-strict", "input": {"account": "b"}},
+            {"workflow_ref": "rated-strict", "input": {}}]})
+        assert answer.status_code == 200, answer.json
+        items = answer.json["results"]
+        assert [item["status"] for item in items] == [201, 201, 422]
+        assert "rate_key" in items[2]["error"]["details"]["fields"]
+        rows = pg.execute("SELECT rate_key, rate_interval FROM runs ORDER BY created_at").fetchall()
+        assert sorted(rows) == [("a", 0.1), ("b", 0.5)]
+    finally:
+        registry._registry.pop("rated-strict", None)
+
+
 def test_a_key_the_workflow_cannot_derive_is_a_422_naming_no_input(client, tenant):
     from workers import registry
     from workers.registry import Workflow, register
