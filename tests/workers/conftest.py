@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import psycopg
@@ -54,6 +55,16 @@ def long_gone(conn, *boot_ids) -> None:
                  "WHERE boot_id = ANY(%s)", [list(boot_ids)])
 
 
+def lock_free(conn, boot_id, timeout: float = 10.0) -> None:
+    """Return once ``boot_id``'s lock is free (its process was killed: its backend ends)."""
+    from app.liveness import LIVE_BOOTS_SQL
+
+    deadline = time.monotonic() + timeout
+    while conn.execute(f"SELECT %s IN ({LIVE_BOOTS_SQL})", [boot_id]).fetchone()[0]:
+        assert time.monotonic() < deadline, f"boot {boot_id}'s lock still held"
+        time.sleep(0.02)
+
+
 def dead_boots_long_gone(conn) -> None:
     """``long_gone`` for every boot whose lock is free now."""
     from app.liveness import LIVE_BOOTS_SQL
@@ -79,8 +90,11 @@ def dead_boot(dsn):
                               timeout=60)
         assert proc.returncode == -9, proc.stderr
         boot_id = uuid.UUID(proc.stdout.strip())
-        if gone:
-            with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # The process is gone; its backend lets the lock go once it sees the socket
+            # close, a moment later on a loaded machine: the boot is dead from then on.
+            lock_free(conn, boot_id)
+            if gone:
                 long_gone(conn, boot_id)
         return boot_id
 
