@@ -428,12 +428,29 @@ class CountPoll:
     def __init__(self, db_url: str, sql: str, params: Sequence[object] = ()):
         self._conn = psycopg.connect(db_url, autocommit=True)
         self._sql, self._params = sql, list(params)
+        self.calls = 0  # each one a transaction of its own (``committed`` counts them)
 
     def __call__(self) -> int:
+        self.calls += 1
         return self._conn.execute(self._sql, self._params, prepare=True).fetchone()[0]
 
     def close(self) -> None:
         self._conn.close()
+
+
+# A backend reports its transaction counts to the statistics when a transaction ends at
+# least a second after its last report, when it exits, or once it has been idle 10 s
+# (PostgreSQL 15 and later): waiting this long makes every count of a finished phase seen.
+STATS_FLUSH_S = 11.0
+
+
+def committed(db_url: str) -> int:
+    """Transactions committed in ``db_url``'s database so far, as its statistics say
+    (``pg_stat_database.xact_commit``; read-only transactions count too). The read is one
+    transaction itself."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        return conn.execute("SELECT xact_commit FROM pg_stat_database "
+                            "WHERE datname = current_database()").fetchone()[0]
 
 
 def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:

@@ -42,6 +42,11 @@ The benchmark owns everything it creates — a ``poimen_bench_<id>`` database
 them on the way out, error or not. Needs ``DATABASE_URL`` and ``REDIS_URL``
 (``make bench`` sets them).
 
+Commits per run: the transactions committed in the case's database during a Poimen case
+(``pg_stat_database.xact_commit``, read-only ones included), less this script's own polls,
+per run. Each end of the count waits ``STATS_FLUSH_S`` (11 s) first: a backend reports its
+counts within 10 s of going idle.
+
 The CPU columns are CPU-seconds per 1,000 runs, read from ``/proc`` before and
 after each case: the worker (main + pool processes), gunicorn, every
 ``postgres`` process on the machine (the server is shared with whatever else
@@ -73,9 +78,11 @@ import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
     CASE_TENANT,
+    STATS_FLUSH_S,
     CountPoll,
     append_result,
     bench_database,
+    committed,
     cpu_delta,
     cpu_snapshot,
     delete_redis_keys,
@@ -113,6 +120,7 @@ class CaseResult:
     cpu: dict[str, float] = field(default_factory=dict)
     load_before: str = ""
     load_after: str = ""
+    commits: int | None = None  # transactions committed in the case's database (Poimen)
 
     @property
     def rate(self) -> float:
@@ -120,6 +128,10 @@ class CaseResult:
 
     def cpu_per_1000(self, key: str) -> float:
         return self.cpu.get(key, 0.0) * 1000 / self.count
+
+    @property
+    def commits_per_run(self) -> str:
+        return "-" if self.commits is None else f"{self.commits / self.count:.2f}"
 
 
 # -- Poimen -------------------------------------------------------------------
@@ -214,6 +226,8 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
             time.sleep(10)
 
         settle()  # the previous case's load must not be charged to this one
+        time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
+        commits0, polls0 = committed(db_url), _succeeded_poll(db_url).calls
         load_before = load_average()
         pgroups = {"worker": worker.pid, "web": web_pgrp}
         cpu0 = cpu_snapshot(pgroups)
@@ -230,8 +244,13 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
             raise RuntimeError(f"{err}; runs by status: {runs_by_status(db_url)}") from None
         sender.join()
         cpu1 = cpu_snapshot(pgroups)
+        load_after = load_average()
+        time.sleep(STATS_FLUSH_S)  # every process's commits of the case reported
+        # Less this script's own: the polls, and the first read of the count.
+        commits = (committed(db_url) - commits0 - 1
+                   - (_succeeded_poll(db_url).calls - polls0))
         return CaseResult(name, prefetch, runs, done - start, sent[0] - start,
-                          cpu_delta(cpu0, cpu1), load_before, load_average())
+                          cpu_delta(cpu0, cpu1), load_before, load_after, commits)
     finally:
         worker.stop()
 
@@ -336,19 +355,22 @@ def create_tenant_and_token(db_url: str) -> str:
 
 def report(results: list[CaseResult]) -> str:
     lines = [
-        "| case | prefetch | count | seconds | /s | send phase s | worker | web | postgres "
-        "| redis | client | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | prefetch | count | seconds | /s | send phase s | commits per run | worker "
+        "| web | postgres | redis | client | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cpu = " | ".join(
             f"{r.cpu_per_1000(k):.2f}" if k in r.cpu else "-"
             for k in ("worker", "web", "postgres", "redis", "client", "machine"))
         lines.append(f"| {r.name} | {r.prefetch} | {r.count} | {r.seconds:.2f} | "
-                     f"{r.rate:.0f} | {r.send_seconds:.2f} | {cpu} |")
+                     f"{r.rate:.0f} | {r.send_seconds:.2f} | {r.commits_per_run} | {cpu} |")
     lines.append("")
-    lines.append("CPU columns: CPU-seconds per 1,000 runs/tasks. Load (1/5/15 min) before -> "
-                 "after each case:")
+    lines.append("Commits per run: transactions committed in the case's database "
+                 "(pg_stat_database.xact_commit, read-only ones included, this script's own "
+                 "left out) per run: admission, claim, finish, and the worker's own checks. "
+                 "CPU columns: CPU-seconds per 1,000 "
+                 "runs/tasks. Load (1/5/15 min) before -> after each case:")
     for r in results:
         lines.append(f"- {r.name} prefetch {r.prefetch}: {r.load_before} -> {r.load_after}")
     lines.append("")
