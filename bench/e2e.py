@@ -27,7 +27,9 @@ Three cases in one invocation, on the same services, each with a worker of
   execution. Clock from the first produce until the counter reaches the count.
 
 Printed: rates, Poimen's p50/p99 message-to-succeeded latency (burst and
-paced), ratios (targets: Poimen >= 0.5x plain Celery, >= 0.7x the naive bridge,
+paced), Poimen's commits per message in the burst (``pg_stat_database.xact_commit`` of its
+database, this script's polls left out; each end of the count waits ``STATS_FLUSH_S``, the
+time a backend may take to report), ratios (targets: Poimen >= 0.5x plain Celery, >= 0.7x the naive bridge,
 p99 <= 2 s at the paced load, zero duplicates), CPU per message by process for
 each of the three (Poimen's beside plain Celery's), and duplicates: for Poimen,
 runs beyond one per message plus executions beyond one per run (``run.started``
@@ -64,10 +66,12 @@ import psycopg  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
+    STATS_FLUSH_S,
     CountPoll,
     append_result,
     bench_database,
     child_pids,
+    committed,
     cpu_delta,
     cpu_seconds,
     cpu_snapshot,
@@ -97,6 +101,7 @@ class Case:
     latencies: list[float] | None = None
     cpu_ms: dict[str, float] | None = None  # CPU per message, by process
     shared_ms: dict[str, float] | None = None  # CPU per message: postgres, redis, machine
+    commits: int | None = None  # transactions committed in Poimen's database in the case
 
     @property
     def rate(self) -> float:
@@ -203,6 +208,8 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         wait_for(count_succeeded, warm, timeout, "poimen warm-up")
 
         settle()
+        time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
+        commits_before, polls_before = committed(db), count_succeeded.calls
         load_before = load_average()
         cpu_before, shared_before = process_cpu(procs), cpu_snapshot({})
         sent: list[float] = []
@@ -212,14 +219,19 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         producer.start()
         done = wait_for(lambda: count_succeeded() - warm, n, timeout, "poimen")
         producer.join()
-        succeeded, runs, starts = poimen_counts(db)
         cpu_after, shared_after = process_cpu(procs), cpu_snapshot({})
+        load_after = load_average()
+        time.sleep(STATS_FLUSH_S)  # every process's commits of the burst reported
+        # Less this script's own: the polls and the first read of the count.
+        commits = (committed(db) - commits_before - 1
+                   - (count_succeeded.calls - polls_before))
+        succeeded, runs, starts = poimen_counts(db)
         burst = Case("poimen", n, done - started,
                      duplicates=(runs - n - warm) + (starts - runs),
-                     load_before=load_before, load_after=load_average(),
+                     load_before=load_before, load_after=load_after,
                      latencies=latencies(db, "burst"),
                      cpu_ms=_cpu_ms(cpu_before, cpu_after, n),
-                     shared_ms=_shared_ms(shared_before, shared_after, n))
+                     shared_ms=_shared_ms(shared_before, shared_after, n), commits=commits)
 
         paced = None
         if paced_seconds > 0:
@@ -363,6 +375,12 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
         f"p99 {ms(burst.latencies, 99)}; load average before {burst.load_before}, "
         f"after {burst.load_after}",
     ]
+    if burst.commits is not None:
+        per_message = burst.commits / burst.count
+        lines.append(f"- Poimen commits per message in the burst: **{per_message:.2f}** "
+                     "(pg_stat_database.xact_commit of its database, read-only transactions "
+                     "included, this script's own left out: admissions, claims, finishes, "
+                     "the outbox relay's marks, the worker's own checks)")
     if burst.cpu_ms:
         parts = ", ".join(f"{name} {ms:.1f}" for name, ms in burst.cpu_ms.items())
         lines.append(f"- Poimen CPU per message in the burst, ms by process (with its "

@@ -3,7 +3,8 @@ limit, pinned at admission), tenants.rate_limit and tenants.rate_interval (a ten
 rate_slots (each scope's last start and the end of its line of reserved starts), the wait
 reason 'rate_limit' (a queued run's reserved start); poimen_rate_start, and
 poimen_claim_slot returning the reservation (a function's result type changes only by
-dropping it); the store's functions again
+dropping it); poimen_cancel and poimen_cancel_queued clear an ended run's wait reason; the
+store's functions again
 
 Revision ID: 0028
 Revises: 0027

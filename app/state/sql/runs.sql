@@ -176,7 +176,7 @@ BEGIN
                          THEN 'cancelled' ELSE status END,
            finished_at = CASE WHEN status IN ('queued', 'waiting')
                               THEN now() ELSE finished_at END,
-           wait_reason = CASE WHEN status = 'waiting' THEN NULL
+           wait_reason = CASE WHEN status IN ('queued', 'waiting') THEN NULL
                               ELSE wait_reason END,
            cancel_requested = true, cancel_cascade = cancel_cascade OR p_cascade,
            updated_at = now()
@@ -220,7 +220,8 @@ SET plan_cache_mode = force_generic_plan AS $body$
 DECLARE
     v_run runs%ROWTYPE;
 BEGIN
-    UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now()
+    UPDATE runs SET status = 'cancelled', finished_at = now(), updated_at = now(),
+           wait_reason = NULL
      WHERE id = p_run AND status = 'queued' AND cancel_requested
      RETURNING * INTO v_run;
     IF NOT FOUND THEN
