@@ -568,22 +568,7 @@ def rate_of(wf: Workflow, input: Any) -> tuple[str | None, float | None]:
     ``(None, None)`` for a workflow without a ``rate_limit``. Raises ``InvalidRateKey``."""
     if wf.rate_limit is None:
         return None, None
-    key: Any = None
-    if wf.rate_key is not None:
-        try:
-            key = wf.rate_key(input)
-        except Exception as err:  # noqa: BLE001 - the input lacks what the key needs
-            raise InvalidRateKey(f"{wf.ref}: rate_key could not be derived from the input "
-                                 f"({type(err).__name__})") from err
-        if key is not None and not isinstance(key, str):
-            if isinstance(key, bool) or not isinstance(key, int):
-                raise InvalidRateKey(f"{wf.ref}: rate_key derived a {type(key).__name__}; "
-                                     "it must derive a string or an integer")
-            key = str(key)
-    if key is not None and (not 1 <= len(key) <= MAX_CONCURRENCY_KEY_LEN or "\x00" in key):
-        raise InvalidRateKey(f"{wf.ref}: rate_key must be 1 to {MAX_CONCURRENCY_KEY_LEN} "
-                             "characters, without U+0000")
-    return key, rate_interval(wf.rate_limit)
+    return _key(wf, wf.rate_key, input, None, InvalidRateKey), rate_interval(wf.rate_limit)
 
 
 def concurrency_of(wf: Workflow, input: Any, given: str | None = None
@@ -594,26 +579,33 @@ def concurrency_of(wf: Workflow, input: Any, given: str | None = None
     ``concurrency_key(input)``; a key of a workflow without a limit is kept
     (it shows in the run) but limits nothing. Raises ``InvalidConcurrencyKey``.
     """
+    return (_key(wf, wf.concurrency_key, input, given, InvalidConcurrencyKey),
+            wf.concurrency_limit)
+
+
+def _key(wf: Workflow, derive: Callable[[Any], Any] | None, input: Any, given: str | None,
+         invalid: type[InvalidConcurrencyKey]) -> str | None:
+    """A run's key (``invalid.field``): ``given``, else ``derive(input)`` (a string, or an
+    integer made one), else none; 1 to ``MAX_CONCURRENCY_KEY_LEN`` characters, no U+0000.
+    Raises ``invalid``, naming the exception type a derivation raised, never the input."""
+    name = invalid.field
     key: Any = given
-    if key is None and wf.concurrency_key is not None:
+    if key is None and derive is not None:
         try:
-            key = wf.concurrency_key(input)
+            key = derive(input)
         except Exception as err:  # noqa: BLE001 - the input lacks what the key needs
-            raise InvalidConcurrencyKey(
-                f"{wf.ref}: concurrency_key could not be derived from the input "
-                f"({type(err).__name__})") from err
+            raise invalid(f"{wf.ref}: {name} could not be derived from the input "
+                          f"({type(err).__name__})") from err
         if key is not None and not isinstance(key, str):
             if isinstance(key, bool) or not isinstance(key, int):
-                raise InvalidConcurrencyKey(
-                    f"{wf.ref}: concurrency_key derived a {type(key).__name__}; "
-                    "it must derive a string or an integer")
+                raise invalid(f"{wf.ref}: {name} derived a {type(key).__name__}; "
+                              "it must derive a string or an integer")
             key = str(key)
     if key is not None and not 1 <= len(key) <= MAX_CONCURRENCY_KEY_LEN:
-        raise InvalidConcurrencyKey(
-            f"concurrency_key must be 1 to {MAX_CONCURRENCY_KEY_LEN} characters")
+        raise invalid(f"{name} must be 1 to {MAX_CONCURRENCY_KEY_LEN} characters")
     if key is not None and "\x00" in key:
-        raise InvalidConcurrencyKey("concurrency_key contains U+0000")
-    return key, wf.concurrency_limit
+        raise invalid(f"{name} contains U+0000")
+    return key
 
 
 def registered() -> list[Workflow]:

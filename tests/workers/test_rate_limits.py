@@ -24,7 +24,10 @@ from workers.registry import max_takeovers_of
 
 from .test_claims import claim, events_of, hold_as
 
-T = timedelta(seconds=0.1)  # "10/s": the spacing of two starts of one key
+# "40/m" ("rated-slow"): the spacing of two starts of one key, long enough that a test's
+# claims a moment apart are a moment apart on a loaded machine too, short enough that the
+# next start (under 2 s away) is the reserving worker's to send.
+T = timedelta(seconds=1.5)
 
 
 @pytest.fixture
@@ -37,7 +40,7 @@ def session(app):
 
 
 def rated(admit, customer="c1", **kwargs):
-    return admit("rated", {"customer": customer}, **kwargs)
+    return admit("rated-slow", {"customer": customer}, **kwargs)
 
 
 def row(pg, run_id):
@@ -111,7 +114,8 @@ def steps():
 
 
 def test_the_key_is_derived_from_the_input_and_the_interval_pinned(admit, pg):
-    keyed, bare, plain = rated(admit, "acme"), admit("rated", {}), admit("echo", {})
+    keyed = admit("rated", {"customer": "acme"})
+    bare, plain = admit("rated", {}), admit("echo", {})
     rows = {r[0]: r[1:] for r in pg.execute("SELECT id, rate_key, rate_interval FROM runs")}
     assert rows[keyed] == ("acme", 0.1)
     assert rows[bare] == (None, 0.1)  # no key: one scope for the tenant and workflow
@@ -196,7 +200,7 @@ def test_a_reserved_run_claimed_early_is_not_due_and_when_due_keeps_its_place(
     scope = key_scope(pg, first)
     assert claim(session, second, boot.boot_id).outcome == ClaimOutcome.NOT_DUE
     come_due(pg, second)
-    last_start_ago(pg, scope, 1)  # its time came; the third's is still to come
+    last_start_ago(pg, scope, 2 * T.total_seconds())  # its time came; not the third's yet
     line = next_start(pg, scope)
     got = claim(session, second, boot.boot_id)
     assert got.outcome == ClaimOutcome.CLAIMED and got.attempt == 1
@@ -344,13 +348,13 @@ def test_a_tenants_rate_limit_spaces_all_its_runs_and_lifting_it_frees_new_ones(
     from app import tenant_service
 
     with app.app_context():
-        assert tenant_service.set_rate_limit(tenant.name, "2/s").rate_interval == 0.5
+        assert tenant_service.set_rate_limit(tenant.name, "40/m").rate_interval == 1.5
     one, two = admit("echo", {}), admit("echo", {"n": 2})
     boot = boot_factory()
     assert claim(session, one, boot.boot_id).outcome == ClaimOutcome.CLAIMED
     reserved = claim(session, two, boot.boot_id)
     assert reserved.outcome == ClaimOutcome.RATE_WAIT
-    assert reserved.not_before == row(pg, one)[6] + timedelta(seconds=0.5)
+    assert reserved.not_before == row(pg, one)[6] + T
 
     with app.app_context():
         assert tenant_service.set_rate_limit(tenant.name, None).rate_limit is None
@@ -366,7 +370,7 @@ def test_a_tenant_cap_and_a_rate_limit_together(session, admit, boot_factory, pg
 
     pg.execute("UPDATE tenants SET max_running = 1 WHERE id = %s", [tenant.id])
     with app.app_context():
-        tenant_service.set_rate_limit(tenant.name, "10/s")
+        tenant_service.set_rate_limit(tenant.name, "40/m")
     one, two = admit("echo", {}), admit("echo", {"n": 2})
     boot = boot_factory()
     assert claim(session, one, boot.boot_id).outcome == ClaimOutcome.CLAIMED
@@ -392,7 +396,7 @@ def test_a_retry_takes_no_start(session, admit, boot_factory, pg):
 def test_a_takeover_takes_no_start(session, admit, boot_factory, dead_boot, pg):
     first = rated(admit)
     boot = boot_factory()
-    claim(session, admit("rated", {"customer": "c1"}), boot.boot_id)  # the scope's row
+    claim(session, rated(admit), boot.boot_id)  # the scope's row
     pg.execute("UPDATE rate_slots SET next_start = now() + interval '1 hour', "
                "last_start = now()")
     hold_as(pg, first, dead_boot())  # started under a worker that died
@@ -457,7 +461,7 @@ def test_a_replay_of_a_reserved_run_returns_it_and_sends_nothing(
         session, admit, boot_factory, pg, client, tenant, queue):
     boot = boot_factory()
     claim(session, rated(admit), boot.boot_id)
-    body = {"workflow_ref": "rated", "input": {"customer": "c1"}, "dispatch_key": "k1"}
+    body = {"workflow_ref": "rated-slow", "input": {"customer": "c1"}, "dispatch_key": "k1"}
     first = client.post("/v1/runs", json=body, headers=tenant.headers).json["id"]
     claim(session, first, boot.boot_id)
     sent = queue()

@@ -227,6 +227,14 @@ def rated(ctx, input):
     return {"attempt": ctx.attempt}
 
 
+@workflow("rated-slow", version="1", rate_limit="40/m",
+          rate_key=lambda input: input.get("customer"))
+def rated_slow(ctx, input):
+    """40 first starts a minute per customer: 1.5 s apart, so the rule tests' claims a moment
+    apart stay a moment apart on a loaded machine."""
+    return {"attempt": ctx.attempt}
+
+
 @workflow("rated-keyed", version="1", rate_limit="10/s", concurrency_limit=1)
 def rated_keyed(ctx, input):
     """A rate limit and a concurrency limit of one together (each run first takes its slot,
