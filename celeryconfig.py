@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from settings_table import get_float, get_int, get_str
+from settings_table import get_float, get_int, get_str, worker_mode
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
@@ -135,6 +135,9 @@ def _common_settings(broker_url: str, env: Mapping[str, str]) -> dict:
         # finish sooner; pool processes survive SIGTERM by workers/shutdown.py
         # instead (docs/internals/reliability.md, row 5; measured in bench/RESULTS.md).
         "worker_soft_shutdown_timeout": 0.0,
+        # POIMEN_WORKER_MODE=batch: Celery's threads pool, whose runs' claims and finishes
+        # the store batcher sends many at once (docs/internals/batching.md).
+        "worker_pool": "threads" if worker_mode(env) == "batch" else "prefork",
         "worker_hijack_root_logger": False,
         "timezone": "UTC",
         "enable_utc": True,

@@ -40,6 +40,7 @@ from settings_table import (
     get_int,
     get_str,
     raw,
+    worker_mode,
 )
 
 # -- the table's defaults that other modules name -----------------------------------------------
@@ -222,6 +223,9 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "POIMEN_ADMISSION_FAST_PATH": get_str(env, "POIMEN_ADMISSION_FAST_PATH") != "0",
         # The most runs one POST /v1/runs/batch may admit.
         "POIMEN_BATCH_MAX": get_int(env, "POIMEN_BATCH_MAX"),
+        "POIMEN_WORKER_MODE": worker_mode(env),
+        "POIMEN_WORKER_BATCH_WINDOW_MS": get_float(env, "POIMEN_WORKER_BATCH_WINDOW_MS"),
+        "POIMEN_WORKER_BATCH_MAX": get_int(env, "POIMEN_WORKER_BATCH_MAX"),
         # GET /v1/runs/<id>?wait= (app/waiter.py).
         "POIMEN_WAIT_MAX": get_int(env, "POIMEN_WAIT_MAX"),
         "POIMEN_WAIT_MAX_SECONDS": get_float(env, "POIMEN_WAIT_MAX_SECONDS"),

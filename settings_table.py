@@ -168,7 +168,19 @@ SETTINGS: tuple[Setting, ...] = (
           "(`GET /v1/runs/<id>?wait=`) takes one, and no database connection; "
           "`POIMEN_WAIT_MAX` of them at most, so the rest stay for admissions."),
     _proc("WORKER_CONCURRENCY", int, 2, WORKER,
-          "Celery pool processes (Procfile). Each holds one lock connection to Postgres."),
+          "Celery pool processes (Procfile). Each holds one lock connection to Postgres. "
+          "Under `POIMEN_WORKER_MODE=batch`: the process's threads, runs in flight at once "
+          "(16 is a good start for I/O-bound bodies)."),
+    _proc("POIMEN_WORKER_MODE", str, "prefork", WORKER,
+          "`prefork` (Celery's prefork pool: a process per run in flight) or `batch` "
+          "(Celery's threads pool, one process whose runs' claims and finishes are sent "
+          "many at once, one commit for each batch: docs/internals/batching.md). A batch "
+          "worker refuses to start while a workflow sets a hard time limit."),
+    _proc("POIMEN_WORKER_BATCH_WINDOW_MS", float, 2.0, WORKER,
+          "`batch` mode: how long the store batcher waits for more claims or finishes "
+          "after the first arrives, before it sends them."),
+    _proc("POIMEN_WORKER_BATCH_MAX", int, 64, WORKER,
+          "`batch` mode: the most claims (or finishes) one statement carries."),
     _proc("CELERY_BEAT_SCHEDULE", str, "/tmp/poimen-celerybeat-schedule", BEAT,
           "beat's schedule file (Procfile)."),
     _proc("POIMEN_SHUTDOWN_GRACE", float, 25.0, (WEB, WORKER, INBOX, OUTBOX),
@@ -492,3 +504,14 @@ def _of_kind(name: str, kind: Kind) -> Setting:
     if entry.kind is not kind:
         raise TypeError(f"{name} is a {entry.kind.__name__} setting, read as {kind.__name__}")
     return entry
+
+
+WORKER_MODES: Final = ("prefork", "batch")
+
+
+def worker_mode(env: Mapping[str, str]) -> str:
+    """``POIMEN_WORKER_MODE`` in ``env``: ``prefork`` or ``batch`` (anything else is refused)."""
+    mode = get_str(env, "POIMEN_WORKER_MODE").strip().lower()
+    if mode not in WORKER_MODES:
+        raise ValueError(f"POIMEN_WORKER_MODE={mode!r}: use prefork or batch")
+    return mode

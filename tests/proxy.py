@@ -62,6 +62,16 @@ class StallingProxy:
     def resume(self) -> None:
         self._flowing.set()
 
+    def cut(self) -> None:
+        """Break every connection made so far (a shutdown each way, then a close), and keep
+        accepting new ones: the path of a session breaks, the route stays."""
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def close(self) -> None:
         self._closed = True
         self._flowing.set()

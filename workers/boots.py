@@ -367,6 +367,34 @@ def runs_held_by(boot_id: uuid.UUID) -> list[uuid.UUID]:
         return [run for run, boots in _holding.items() if boot_id in boots]
 
 
+# The runs a thread of this process is handling (the batching worker: its claim, its
+# execution, its finish): a second delivery of one meanwhile is a duplicate, decided here.
+_claiming: set[uuid.UUID] = set()
+
+
+def begin_claim(run_id: uuid.UUID) -> bool:
+    """Start handling a delivery of ``run_id``; False if another thread of this process is
+    handling one (claiming, executing or finishing it). ``end_claim`` when done."""
+    with _holding_lock:
+        if run_id in _claiming or run_id in _holding:
+            return False
+        _claiming.add(run_id)
+        return True
+
+
+def end_claim(run_id: uuid.UUID) -> None:
+    with _holding_lock:
+        _claiming.discard(run_id)
+
+
+def boot_is_live(boot_id: uuid.UUID) -> bool:
+    """Whether ``boot_id`` is this process's boot, its lock held and confirmed in time."""
+    with _current_lock:
+        boot = _current
+    return boot is not None and boot.boot_id == boot_id and boot.pid == os.getpid() \
+        and boot.usable
+
+
 def let_go(run_ids: Iterable[uuid.UUID]) -> None:
     with _holding_lock:
         for run_id in run_ids:

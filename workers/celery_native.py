@@ -156,6 +156,14 @@ class RunRequest(Request):  # type: ignore[misc]  # celery: untyped
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         signum = platform_signals.signum(signal or "TERM")
+        if self.time_start and self.task.app.flask_app.config.get("POIMEN_WORKER_MODE") \
+                == "batch":
+            # Threads share the process: none can be killed alone. The run is cancelled;
+            # it stops at its next checkpoint (docs/internals/batching.md).
+            _cancel(self.task.app.flask_app, self.id, "terminated through Celery")
+            log.warning("run %s: terminate in a batch worker cancels the run; it stops at "
+                        "its next checkpoint (a thread cannot be killed alone)", self.id)
+            return None
         if self.time_start:
             # Cancel first: once the pool process is dead its boot is too, and a
             # takeover must find cancel_requested and end the run, not resume it.

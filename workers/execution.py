@@ -46,7 +46,7 @@ from app.telemetry import report_exception
 from app.tracecontext import of_run
 from logconfig import quiet_traceback
 
-from . import boots, ledger, registry
+from . import batching, boots, ledger, registry
 from .actions import bound_error, error_info
 from .boots import current_boot, end_current_boot
 from .context import RunContext
@@ -142,9 +142,31 @@ def execute_run(run_id: str, *, limited: bool = False) -> Execution:
     """Execute run ``run_id`` if this delivery wins its claim; say what it did.
 
     ``limited``: the run's workflow declares a concurrency limit (``limited_workflow``).
+    In batch mode (``workers/batching.py``) its claim and finish go in the store
+    batcher's batches, and no other thread of this process handles the run meanwhile.
     """
     run_uuid = uuid.UUID(run_id)
     _watch_boots()
+    if not batching.active():
+        return _execute(run_uuid, limited)
+    if not boots.begin_claim(run_uuid):
+        boot = current_boot(boot_dsn)
+        claim = Claim(ClaimOutcome.DUPLICATE, run_uuid, boot.boot_id, holder=boot.boot_id)
+        observe_claim(claim)
+        log.warning("run %s: a delivery while this process handles another; nothing to do",
+                    run_id)
+        return Execution(claim)
+    batcher = batching.batcher()
+    batcher.enter()
+    try:
+        return _execute(run_uuid, limited)
+    finally:
+        batcher.leave()
+        boots.end_claim(run_uuid)
+
+
+def _execute(run_uuid: uuid.UUID, limited: bool) -> Execution:
+    run_id = str(run_uuid)
     claim = _claim(run_uuid, limited)
     observe_claim(claim)
     if not claim.outcome.execute:
@@ -259,7 +281,13 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
             # On psycopg without the session's machinery (app/state/direct.py).
             store = single_statements(session, send_pending)
             in_transaction = not isinstance(store, SingleStatements)
-            if limited:
+            claimed = (batching.batcher().claim(run_id, boot.boot_id)
+                       if batching.active() and not limited else None)
+            if claimed is not None:
+                # Committed in the store batcher's batch (workers/batching.py).
+                claim = Claim(ClaimOutcome.CLAIMED, run_id, boot.boot_id, claimed.attempt,
+                              run=claimed)
+            elif limited:
                 claim = claim_slot(store, run_id, boot.boot_id,
                                    max_takeovers=registry.max_takeovers_of,
                                    transaction=in_transaction)

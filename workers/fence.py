@@ -31,8 +31,9 @@ from app.enqueue import send_pending
 from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger
-from app.state.claims import finish_run, release_claim, schedule_retry
-from app.state.direct import single_statements
+from app.state.claims import finish_params, finish_run, release_claim, schedule_retry
+from app.state.compose import send_woken
+from app.state.direct import OwnSends, single_statements
 from app.state.executor import Executor, on_session
 from app.state.ledger import Child, Entered, EntryClose, MarkerClaim, PastEntry
 from app.state.outbox import record_event
@@ -40,7 +41,7 @@ from app.state.runs import lock_slots
 from app.tracecontext import TraceContext
 from poimenconfig import libpq_url
 
-from . import boots
+from . import batching, boots
 from .actions import Effect, Emit, Output, bound_error
 from .boots import current_boot
 from .dberrors import retryable, rollback
@@ -98,7 +99,8 @@ class Fence:
 
     # -- the transaction -------------------------------------------------------------------
 
-    def _commit(self, write: Write[T], *, autocommit: bool = False) -> T:
+    def _commit(self, write: Write[T], *, autocommit: bool = False,
+                retrying: bool = False) -> T:
         """Run ``write`` in one transaction, committed or rolled back as it says; retried
         while the database is unreachable. Return its value.
 
@@ -106,7 +108,6 @@ class Fence:
         trip each, no BEGIN and COMMIT); what it "rolls back" is only reads.
         """
         deadline = record_deadline()
-        retrying = False
         delay = 0.2
         while True:
             try:
@@ -131,7 +132,8 @@ class Fence:
                 delay = min(2.0, delay * 2)
 
     def _end(self, write: Callable[[Executor, list[uuid.UUID]], bool],
-             already_done: Callable[[StoreRow], bool], *, single: bool = False) -> bool:
+             already_done: Callable[[StoreRow], bool], *, single: bool = False,
+             retrying: bool = False) -> bool:
         """One fenced write that ends the run's hold; False if the claim was lost.
 
         When an earlier try's commit may have applied with its reply lost,
@@ -154,7 +156,7 @@ class Fence:
                 return (True, True) if write(session, now_ours) else (False, False)
             return False, retrying and row is not None and already_done(row)
 
-        return self._commit(attempt, autocommit=single)
+        return self._commit(attempt, autocommit=single, retrying=retrying)
 
     def _finished_by_us(self, row: StoreRow) -> bool:
         return row.status in TERMINAL_STATUSES and row.claimed_by in boots.holders(self.run_id)
@@ -347,9 +349,30 @@ class Fence:
         # Every error text reaches the run and its event bounded (error_info bounds its
         # own; this also catches one built by hand).
         error = bound_error(error) if error is not None else None
+        uncertain = False
+        if not self.slots and batching.active():
+            # In the store batcher's next batch (workers/batching.py): reported only once
+            # that batch's statement returned, committed.
+            params = finish_params(self.run_id, status=status, result=result, error=error,
+                                   close=close)
+            try:
+                done = batching.batcher().finish(self.run_id, boots.holders(self.run_id),
+                                                 params)
+            except batching.BatchFailed:
+                # Sent alone now: only a bad value fails, and only its own run; an end the
+                # batch did apply is refused by the fence and recognised as ours.
+                uncertain = True
+            else:
+                if done is not None:
+                    sends = OwnSends()
+                    send_woken(sends, done.woken)
+                    if sends.pending:
+                        send_pending(sends.pending.take())
+                    return True
+                # Refused: decided alone (an adoption may have moved the claim meanwhile).
         return self._end(lambda session, ours: finish_run(
             session, self.run_id, ours, status=status, result=result, error=error, close=close),
-            self._finished_by_us, single=True)
+            self._finished_by_us, single=True, retrying=uncertain)
 
     def retry(self, close: EntryClose | None, *, delay: float, error: dict[str, Any]) -> bool:
         """Close the last entry and queue the run again after ``delay`` s; False if not ours."""

@@ -139,6 +139,15 @@ def _start_grace() -> None:
     timer.start()
 
 
+def abandon_after(grace: float) -> None:
+    """The batching worker's grace (one process, its runs in threads): Celery's warm
+    shutdown lets them finish; at the deadline the process exits and leaves what still
+    runs to repair, as a pool process does."""
+    global _grace
+    _grace = grace
+    _start_grace()
+
+
 def _die(signum: int) -> None:
     """End the process by ``signum`` itself, as the default action would."""
     signal.signal(signum, signal.SIG_DFL)

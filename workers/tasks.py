@@ -93,6 +93,28 @@ def _check_lock_database(sender: Any = None, **_: Any) -> None:
         prepare_if_direct(sender.app.flask_app, session_checked=True)
 
 
+@worker_init.connect
+def _check_batch_mode(sender: Any = None, **_: Any) -> None:
+    # POIMEN_WORKER_MODE=batch runs Celery's threads pool, which has no time limits: a
+    # workflow that sets one is refused here rather than silently not limited.
+    flask_app = sender.app.flask_app
+    if flask_app.config.get("POIMEN_WORKER_MODE") != "batch":
+        return
+    from .batching import refused_workflows
+
+    refused = refused_workflows()
+    if refused:
+        log.critical("poimen worker refuses to start: POIMEN_WORKER_MODE=batch runs Celery's "
+                     "threads pool, which cannot enforce time limits, and these workflows "
+                     "set one: %s (run them on a prefork worker: its own queue)",
+                     ", ".join(refused))
+        raise SystemExit(1)
+    log.info("poimen worker: batch mode (threads pool, %s threads; claims and finishes "
+             "batched within %gms, at most %d per statement)", sender.concurrency,
+             flask_app.config["POIMEN_WORKER_BATCH_WINDOW_MS"],
+             flask_app.config["POIMEN_WORKER_BATCH_MAX"])
+
+
 @beat_init.connect
 def _check_lease_at_beat(sender: Any = None, **_: Any) -> None:
     # Beat owns POIMEN_TAKEOVER_DELAY, one side of the ordering.
@@ -182,6 +204,10 @@ def _task_done(**_: Any) -> None:
 @worker_shutting_down.connect
 def _note_sigterm(sig: str | None = None, how: str | None = None, **_: Any) -> None:
     shutdown.mark_received()
+    if current_celery_app.flask_app.config.get("POIMEN_WORKER_MODE") == "batch":
+        # One process, its runs in threads: Celery's warm shutdown waits for them, and
+        # the grace bounds that wait (workers/shutdown.py).
+        shutdown.abandon_after(current_celery_app.flask_app.config["POIMEN_SHUTDOWN_GRACE"])
     # Pool processes lead groups of their own: a SIGTERM to the worker's group
     # reaches them only through the main process (workers/proctree.py).
     proctree.tell_pool(sig, how)

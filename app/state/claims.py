@@ -159,6 +159,8 @@ class Claim:
 # the worker needs to run the workflow (the run's columns, its pinned definition hash,
 # its latest step entry, its trace context), so executing a run costs no extra read.
 CLAIM_QUEUED = statement("claim_queued")
+# The batching worker's claim of many runs of one boot in one statement (the same rule).
+CLAIM_QUEUED_BATCH = statement("claim_queued_batch")
 # A limited run's claim after its group's locks, in one call: one round trip, in
 # autocommit, like every other claim (``sql/README.md``, "Store functions").
 CLAIM_SLOT_LOCKED = function("poimen_claim_slot")
@@ -174,6 +176,13 @@ ADOPT = statement("adopt")
 # entry (``entry_mode``: none, insert, close), their events, then what the end sets off.
 # One round trip, in autocommit, limited or not (``sql/README.md``, "Store functions").
 FINISH = function("poimen_finish")
+# The batching worker's end of many runs in one call: ``poimen_finish`` for each.
+FINISH_BATCH = function("poimen_finish_batch")
+# Its call, each array typed; after an unknown batch claim, the runs the batch claimed.
+FINISH_BATCH_CALL = statement("finish_batch")
+CLAIMED_IN_BATCH = statement("claimed_in_batch")
+END_BACKEND = statement("end_backend")
+BACKEND_GONE = statement("backend_gone")
 RELEASE = function("poimen_release")
 RETRY = function("poimen_retry")
 # Every function of the store, installed by migrations (``CREATE OR REPLACE``) from their
@@ -184,7 +193,7 @@ FUNCTIONS: tuple[Function, ...] = (
     runs.LOCK_SLOTS, runs.ENDED, runs.EVENT_ENDED, runs.CANCEL, runs.CANCEL_QUEUED,
     runs.END_ABANDONED, runs.TIME_LIMIT, runs.EXPIRE, ledger.WAIT, RATE_START, CLAIM_SLOT_LOCKED,
     SLOT_VERDICT,
-    TAKE_OVER, FINISH, RELEASE, RETRY)
+    TAKE_OVER, FINISH, FINISH_BATCH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
 GONE_IN = statement("gone_in")
@@ -374,6 +383,34 @@ def release_claim(session: Executor, run_id: uuid.UUID,
     return row is not None
 
 
+def finish_params(
+    run_id: uuid.UUID,
+    *,
+    status: str,
+    result: Any = None,
+    error: dict[str, Any] | None = None,
+    close: EntryClose | None = None,
+) -> dict[str, Any]:
+    """``poimen_finish``'s arguments for a run's end but its fence (``boots``)."""
+    assert status in TERMINAL_STATUSES
+    params: dict[str, Any] = {
+        "run": run_id, "status": status, "result": to_json(result),
+        "error": to_json(error), "failed": int(status == RunStatus.FAILED),
+        "event_type": f"run.{status}", "event_extra": to_json({"error": error} if error else None),
+        "entry_mode": "none", "entry": None, "entry_no": None, "step": None,
+        "entry_status": None, "actions": None, "outputs": None, "entry_error": None,
+        "next_step": None, "events": False, "entry_event": None,
+    }
+    if close is not None:
+        params.update(entry_mode="insert" if close.entry_id is None else "close",
+                      entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
+                      entry_status=close.status, actions=to_json(close.actions),
+                      outputs=to_json(close.outputs), entry_error=to_json(close.error),
+                      next_step=close.next_step, events=close.events,
+                      entry_event=f"step.{close.status}")
+    return params
+
+
 def finish_run(
     session: Executor,
     run_id: uuid.UUID,
@@ -390,25 +427,65 @@ def finish_run(
     ends only if that entry is still open). A run of a limited group hands its slot on
     under its slot locks, which the call takes itself.
     """
-    assert status in TERMINAL_STATUSES
-    params: dict[str, Any] = {
-        "run": run_id, "boots": _fence(boot_id), "status": status, "result": to_json(result),
-        "error": to_json(error), "failed": int(status == RunStatus.FAILED),
-        "event_type": f"run.{status}", "event_extra": to_json({"error": error} if error else None),
-        "entry_mode": "none", "entry": None, "entry_no": None, "step": None,
-        "entry_status": None, "actions": None, "outputs": None, "entry_error": None,
-        "next_step": None, "events": False, "entry_event": None,
-    }
-    if close is not None:
-        params.update(entry_mode="insert" if close.entry_id is None else "close",
-                      entry=close.entry_id, entry_no=close.entry_no, step=close.step_id,
-                      entry_status=close.status, actions=to_json(close.actions),
-                      outputs=to_json(close.outputs), entry_error=to_json(close.error),
-                      next_step=close.next_step, events=close.events,
-                      entry_event=f"step.{close.status}")
+    params = finish_params(run_id, status=status, result=result, error=error, close=close)
+    params["boots"] = _fence(boot_id)
     row = session.execute(FINISH.call, params).one_or_none()
     send_woken(session, woken_of(row))
     return row is not None
+
+
+def claim_batch(session: Executor, run_ids: Collection[uuid.UUID], boot_id: uuid.UUID
+                ) -> dict[uuid.UUID, ClaimedRun]:
+    """Claim each of ``run_ids`` for ``boot_id`` in one statement (``claim_queued_batch``):
+    the runs it claimed, by id. A run it did not claim is missing: its delivery asks why
+    with ``claim_run``. In autocommit, one commit for all."""
+    rows = session.execute(CLAIM_QUEUED_BATCH, {"runs": sorted(run_ids),
+                                                "boot": boot_id}).all()
+    return {row.id: build(ClaimedRun, row) for row in rows}
+
+
+def claimed_in_batch(session: Executor, run_ids: Collection[uuid.UUID], boot_id: uuid.UUID
+                     ) -> dict[uuid.UUID, ClaimedRun]:
+    """After a batch claim of unknown outcome whose backend is gone: the runs of
+    ``run_ids`` ``boot_id`` holds (the ones that batch claimed), by id."""
+    rows = session.execute(CLAIMED_IN_BATCH, {"runs": sorted(run_ids), "boot": boot_id}).all()
+    return {row.id: build(ClaimedRun, row) for row in rows}
+
+
+def end_backend(session: Executor, pid: int) -> None:
+    """End backend ``pid`` (a batch's whose outcome is unknown)."""
+    session.execute(END_BACKEND, {"pid": pid})
+
+
+def backend_gone(session: Executor, pid: int) -> bool:
+    """Whether backend ``pid`` has ended."""
+    return bool(session.execute(BACKEND_GONE, {"pid": pid}).scalar())
+
+
+@dataclass(frozen=True)
+class FinishedInBatch:
+    """A run ``finish_batch`` ended: its status and the runs its end re-queued."""
+
+    id: uuid.UUID
+    status: str
+    woken: Any
+
+
+def finish_batch(session: Executor, ends: list[dict[str, Any]],
+                 boots: Collection[uuid.UUID]) -> dict[uuid.UUID, FinishedInBatch]:
+    """End each run of ``ends`` (``finish_params``' values, each run once) in one call,
+    ``poimen_finish_batch``, fenced by ``boots`` (this process's boots holding any of
+    them): the runs it ended, by id. A run missing was refused (its claim was lost). The
+    runs are ended in id order. Their woken runs are the caller's to send."""
+    ends = sorted(ends, key=lambda end: end["run"])
+    columns: dict[str, list[Any]] = {name.removeprefix("p_"): []
+                                     for name in FINISH_BATCH.arguments}
+    del columns["boots"]
+    for end in ends:
+        for name, values in columns.items():
+            values.append(end[name])
+    rows = session.execute(FINISH_BATCH_CALL, {**columns, "boots": list(boots)}).all()
+    return {row.id: FinishedInBatch(row.id, row.status, row.woken) for row in rows}
 
 
 def schedule_retry(session: Executor, run_id: uuid.UUID,

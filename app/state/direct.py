@@ -29,6 +29,7 @@ from typing import Any, cast
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import exc
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.sql.elements import TextClause
@@ -152,6 +153,65 @@ class SingleStatements:
         """What ran was whole on its own; the runs it left to send are forgotten, as a
         session's ``after_rollback`` forgets them (beat re-sends queued runs)."""
         self.pending.clear()
+
+
+class OwnConnection:
+    """Each ``execute`` a transaction of its own on one psycopg connection in autocommit
+    (the batching worker's store batcher keeps one: ``workers/batching.py``). Errors are
+    SQLAlchemy's, as ``SingleStatements``'; the runs its statements leave to send are the
+    caller's (``pending``)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]):
+        conn.autocommit = True
+        self.conn = conn
+        self.pending = PendingSends()
+
+    def execute(self, statement: Executable,
+                params: Mapping[str, Any] | None = None) -> Result:
+        assert isinstance(statement, TextClause), "the store's statements are text"
+        sql = _compiled_psycopg(statement)
+        for observe in OBSERVERS:
+            observe(sql)
+        try:
+            with self.conn.cursor(row_factory=namedtuple_row) as cur:
+                cur.execute(sql, params or {})
+                result = cur.pgresult
+                rows = (cur.fetchall() if result is not None
+                        and result.status == _TUPLES_OK else [])
+                return Result(rows, cur.rowcount)
+        except psycopg.Error as err:
+            raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
+                                          connection_invalidated=self.conn.closed) from err
+
+    def commit(self) -> None:
+        """Every statement committed as it ran."""
+
+    def rollback(self) -> None:
+        self.pending.clear()
+
+
+class OwnSends(OwnConnection):
+    """Only the runs to send of a write made elsewhere (a batch's): it runs nothing."""
+
+    def __init__(self) -> None:
+        self.pending = PendingSends()
+
+    def execute(self, statement: Executable,
+                params: Mapping[str, Any] | None = None) -> Result:
+        raise AssertionError("OwnSends runs no statement")
+
+
+_PSYCOPG_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+
+
+def _compiled_psycopg(statement: TextClause) -> str:
+    """``statement`` in psycopg's parameter style, compiled once."""
+    key = (id(statement), id(_PSYCOPG_DIALECT))
+    hit = _COMPILED.get(key)
+    if hit is None or hit[0] is not statement:
+        hit = (statement, statement.compile(dialect=_PSYCOPG_DIALECT).string)
+        _COMPILED[key] = hit
+    return hit[1]
 
 
 _COMPILED: dict[tuple[int, int], tuple[TextClause, str]] = {}

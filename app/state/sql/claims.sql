@@ -35,6 +35,41 @@ UPDATE runs
 
     SELECT * FROM changed;
 
+-- name: claim_queued_batch
+-- The batching worker's claim (docs/internals/batching.md): ``claim_queued`` for many runs
+-- of one boot in one statement and one commit, each row decided alone by the same
+-- compare-and-set (``queued``, due, not cancelled, not expired, no limit) and the same
+-- liveness of the claiming boot, in this statement. Returns the rows it claimed, each
+-- with its ``run.started`` event; a run it did not return was not claimed (a duplicate,
+-- a run waiting, finished, not due, or under a limit), and its delivery asks why on the
+-- single-run path (``claim_run``). The runs are locked in the primary key's order (an
+-- index scan over the sorted array), so two batches never wait on each other in a circle.
+WITH changed AS (
+UPDATE runs
+   SET status = 'running', claimed_by = :boot, attempt = attempt + 1, wait_reason = NULL,
+       started_at = coalesce(started_at, now()), updated_at = now()
+ WHERE id = ANY(CAST(:runs AS uuid[])) AND (runs.status || '') = 'queued'
+   AND NOT cancel_requested
+   AND (not_before IS NULL OR not_before <= now())
+   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)
+   AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot
+                  AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))
+   AND concurrency_limit IS NULL AND rate_interval IS NULL
+   AND NOT EXISTS (SELECT 1 FROM tenants t WHERE t.id = runs.tenant_id
+                      AND (t.max_running IS NOT NULL OR t.rate_interval IS NOT NULL))
+ RETURNING id, tenant_id, attempt, workflow_name, workflow_version, input, failures,
+           cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash,
+           created_at, started_at, traceparent, tracestate,
+           (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id
+             ORDER BY e.entry_no DESC LIMIT 1) AS last_entry),
+     event AS (
+INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+SELECT tenant_id, id, 'run.started',
+       jsonb_build_object('run_id', (id)::text, 'type', 'run.started')
+       || jsonb_build_object('attempt', attempt)
+  FROM changed)
+SELECT * FROM changed;
+
 -- name: poimen_rate_start
 -- A run's start under its rate limits (README.md, "Rate limits"), or NULL when none applies:
 -- no limit names it, or this is no first start (a retry, a join's resumption: ``started_at``
@@ -418,6 +453,74 @@ BEGIN
                         v_run.status, v_woken;
 END
 $body$;
+
+-- name: poimen_finish_batch
+-- The batching worker's finish (docs/internals/batching.md): ``poimen_finish`` for each
+-- run of the batch, in the order given (the caller sorts by run id), in one call: one
+-- statement and one commit for all of them. Each run is ended by the same fenced function
+-- as on the single-run path, seeing the ends before it in the batch, so two children of
+-- one join that end in one batch count twice and wake their parent once. ``p_boots`` are
+-- this process's boots that hold any run of the batch (each a boot of this process: a run
+-- another process took over is refused as on its own). Each argument but ``p_boots`` is
+-- an array of the single function's, one element per run. Returns one row per run ended,
+-- with its position in the arrays (``n``, 1-based); a refused run has no row. One error
+-- (a value ``jsonb`` refuses) fails the whole statement: the worker then ends each run
+-- on the single-run path, so only the bad one fails.
+CREATE OR REPLACE FUNCTION poimen_finish_batch(
+    p_status text[], p_result text[], p_error text[], p_failed integer[], p_run uuid[],
+    p_boots uuid[], p_event_type text[], p_event_extra text[], p_entry_mode text[],
+    p_entry bigint[], p_entry_no integer[], p_step text[], p_entry_status text[],
+    p_actions text[], p_outputs text[], p_entry_error text[], p_next_step text[],
+    p_events boolean[], p_entry_event text[]
+) RETURNS TABLE (n integer, id runs.id%TYPE, status runs.status%TYPE, woken jsonb)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_run), 0) LOOP
+        RETURN QUERY SELECT i, f.id, f.status, f.woken
+          FROM poimen_finish(p_status[i], p_result[i], p_error[i], p_failed[i], p_run[i],
+                             p_boots, p_event_type[i], p_event_extra[i], p_entry_mode[i],
+                             p_entry[i], p_entry_no[i], p_step[i], p_entry_status[i],
+                             p_actions[i], p_outputs[i], p_entry_error[i], p_next_step[i],
+                             p_events[i], p_entry_event[i]) AS f;
+    END LOOP;
+END
+$body$;
+
+-- name: finish_batch
+-- The call of ``poimen_finish_batch`` with each array typed (an array of NULLs alone has
+-- no element type to resolve the function by).
+SELECT * FROM poimen_finish_batch(
+    CAST(:status AS text[]), CAST(:result AS text[]), CAST(:error AS text[]),
+    CAST(:failed AS integer[]), CAST(:run AS uuid[]), CAST(:boots AS uuid[]),
+    CAST(:event_type AS text[]), CAST(:event_extra AS text[]), CAST(:entry_mode AS text[]),
+    CAST(:entry AS bigint[]), CAST(:entry_no AS integer[]), CAST(:step AS text[]),
+    CAST(:entry_status AS text[]), CAST(:actions AS text[]), CAST(:outputs AS text[]),
+    CAST(:entry_error AS text[]), CAST(:next_step AS text[]), CAST(:events AS boolean[]),
+    CAST(:entry_event AS text[]));
+
+-- name: claimed_in_batch
+-- After a batch claim whose outcome was unknown, and once its backend is gone: the runs of
+-- ``:runs`` this boot holds, with the claim's columns. A run of the batch is held by its
+-- boot only if that batch claimed it (docs/internals/batching.md, "An unknown outcome").
+SELECT id, tenant_id, attempt, workflow_name, workflow_version, input, failures,
+       cancel_requested, concurrency_key, concurrency_limit, goal_id, definition_hash,
+       created_at, started_at, traceparent, tracestate,
+       (SELECT to_jsonb(e) FROM step_entries e WHERE e.run_id = runs.id
+         ORDER BY e.entry_no DESC LIMIT 1) AS last_entry
+  FROM runs
+ WHERE id = ANY(CAST(:runs AS uuid[])) AND (runs.status || '') = 'running'
+   AND claimed_by = :boot;
+
+-- name: end_backend
+-- Ends the backend that ran a batch whose outcome is unknown (our own role's), so that
+-- its transaction is over, committed or not, before the runs are read.
+SELECT pg_terminate_backend(CAST(:pid AS integer));
+
+-- name: backend_gone
+-- Whether that backend has ended: its transaction is decided.
+SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = CAST(:pid AS integer));
 
 -- name: poimen_release
 -- A run this boot claimed goes back to ``queued`` (a failure before user code started),

@@ -1,0 +1,455 @@
+"""The batching worker's store batcher: deterministic rule tests on real Postgres.
+
+Claims and finishes of many runs in one statement and one commit each
+(``claim_queued_batch``, ``poimen_finish_batch``; ``workers/batching.py``), every rule per
+run: the claimer's liveness in the claim's statement, the compare-and-set row by row, the
+fence of each end, a join counted once per child, and a batch claim whose outcome is
+unknown decided per run after its backend is ended. The processes tests (a batch worker
+under kill -9, a Postgres restart, the partition) are ``test_batching_processes.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from app.state.claims import claim_batch, claim_run, finish_batch, finish_params
+from app.state.direct import OwnConnection
+from app.state.executor import on_session
+from tests.processes import wait_until
+from tests.proxy import StallingProxy
+from workers.batching import BatchFailed, Batcher, ClaimUnknown
+from workers.registry import max_takeovers_of
+
+from .test_claims import events_of, hold_as, status_of
+from .test_step_entry_dispatch import join_world  # noqa: F401 - a fixture
+
+
+@pytest.fixture
+def own(dsn):
+    """A statement executor on a connection of its own, as the batcher's."""
+    conn = psycopg.connect(dsn, autocommit=True)
+    yield OwnConnection(conn)
+    conn.close()
+
+
+def ends(run_ids, status="succeeded"):
+    return [finish_params(run, status=status, result={"n": n}) for n, run in enumerate(run_ids)]
+
+
+def xact_commits(pg) -> int:
+    return pg.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = "
+                      "current_database()").fetchone()[0]
+
+
+# -- the claim of many runs --------------------------------------------------------------------
+
+def test_a_batch_claims_each_queued_run_once_in_one_statement(admit, boot_factory, own, pg):
+    runs, boot = [admit() for _ in range(5)], boot_factory()
+    claimed = claim_batch(own, runs, boot.boot_id)
+    assert set(claimed) == set(runs)
+    for run in runs:
+        assert status_of(pg, run) == ("running", boot.boot_id, 1)
+        assert events_of(pg, run) == ["run.admitted", "run.started"]
+        assert claimed[run].attempt == 1 and claimed[run].workflow_name == "echo"
+    # A second batch of the same runs (a redelivery) claims none of them.
+    assert claim_batch(own, runs, boot_factory().boot_id) == {}
+    assert {status_of(pg, run) for run in runs} == {("running", boot.boot_id, 1)}
+
+
+def test_a_batch_claims_only_the_runs_a_single_claim_would(admit, boot_factory, own, pg, app):
+    """Each row's compare-and-set alone: a run another live boot holds, a run not due, a
+    cancelled one and a run of a limited group are not claimed by the batch (a limited
+    one goes the single-run way, ``claim_slot``), and the queued one beside them is."""
+    other = boot_factory()
+    held, later, cancelled, limited, free = (admit() for _ in range(5))
+    hold_as(pg, held, other.boot_id)
+    pg.execute("UPDATE runs SET not_before = now() + interval '1 hour' WHERE id = %s", [later])
+    pg.execute("UPDATE runs SET cancel_requested = true WHERE id = %s", [cancelled])
+    pg.execute("UPDATE runs SET concurrency_limit = 2, concurrency_key = 'k' WHERE id = %s",
+               [limited])
+    boot = boot_factory()
+    claimed = claim_batch(own, [held, later, cancelled, limited, free], boot.boot_id)
+    assert set(claimed) == {free}
+    assert status_of(pg, held) == ("running", other.boot_id, 1)
+    for run in (later, cancelled, limited):
+        assert status_of(pg, run)[0] == "queued"
+
+
+def test_a_batch_of_a_boot_without_its_lock_claims_nothing(admit, boot_factory, own, pg):
+    """The claimer's liveness is part of the batch's statement: a boot whose lock is gone
+    (its process may not know yet) claims none of the runs."""
+    runs, boot = [admit() for _ in range(3)], boot_factory()
+    boot.close()  # its lock connection is gone
+    assert claim_batch(own, runs, boot.boot_id) == {}
+    assert {status_of(pg, run)[0] for run in runs} == {"queued"}
+
+
+def test_a_tenant_caps_runs_are_left_to_the_slot_claim(admit, boot_factory, own, pg):
+    runs, boot = [admit() for _ in range(2)], boot_factory()
+    pg.execute("UPDATE tenants SET max_running = 5")
+    assert claim_batch(own, runs, boot.boot_id) == {}
+
+
+# -- the finish of many runs -------------------------------------------------------------------
+
+def test_a_batch_ends_each_run_fenced_in_one_commit(admit, boot_factory, own, pg):
+    runs, boot, other = [admit() for _ in range(4)], boot_factory(), boot_factory()
+    claim_batch(own, runs[:3], boot.boot_id)
+    hold_as(pg, runs[3], other.boot_id)  # taken over by another process's boot
+    before = xact_commits(pg)
+    done = finish_batch(own, ends(runs), [boot.boot_id])
+    assert set(done) == set(runs[:3])  # the run another boot holds is refused
+    assert {done[run].status for run in runs[:3]} == {"succeeded"}
+    for run in runs[:3]:
+        assert status_of(pg, run)[0] == "succeeded"
+        assert events_of(pg, run) == ["run.admitted", "run.started", "run.succeeded"]
+    assert status_of(pg, runs[3]) == ("running", other.boot_id, 1)
+    assert events_of(pg, runs[3]) == ["run.admitted"]
+    # One commit for the four ends (this test's reads of the counter commit too, and the
+    # statistics may lag: at most the batch's one and the reads').
+    assert xact_commits(pg) - before <= 3
+    assert finish_batch(own, ends(runs[:3]), [boot.boot_id]) == {}  # ended: refused again
+
+
+def test_two_children_of_one_join_ending_in_one_batch_wake_their_parent_once(
+        app, join_world, own, pg):
+    """Each end counts for the join once, seeing the ends before it in the batch: the
+    parent, waiting for both, is re-queued once, with one ``run.joined``."""
+    from app.extensions import db
+    from app.state.ledger import WAIT
+
+    parent, parent_boot, entry, children, child_boot = join_world
+    with app.app_context():
+        row = db.session.execute(WAIT.call, {"run": parent, "boots": [parent_boot],
+                                              "entry": entry, "actions": "[]",
+                                              "outputs": "{}"}).one()
+        db.session.commit()
+    assert row.run_waits and pg.execute(
+        "SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] == "waiting"
+    done = finish_batch(own, ends(children), [child_boot])
+    assert set(done) == set(children)
+    woken = [w["id"] for run in children for w in (done[run].woken or [])]
+    assert woken == [str(parent)]
+    assert pg.execute("SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] \
+        == "queued"
+    assert events_of(pg, parent).count("run.joined") == 1
+
+
+def test_one_bad_value_fails_the_batch_statement_and_nothing_of_it_is_written(
+        admit, boot_factory, own, pg):
+    """A value ``jsonb`` refuses fails the whole statement (the worker then ends each run
+    alone, so only the bad one fails: ``test_batching_processes.py``)."""
+    from sqlalchemy.exc import DataError
+
+    runs, boot = [admit() for _ in range(3)], boot_factory()
+    claim_batch(own, runs, boot.boot_id)
+    bad = ends(runs)
+    bad[1]["result"] = '{"text": "nul \\u0000 here"}'
+    with pytest.raises(DataError):
+        finish_batch(own, bad, [boot.boot_id])
+    assert {status_of(pg, run)[0] for run in runs} == {"running"}
+
+
+# -- the batcher --------------------------------------------------------------------------------
+
+def batcher(dsn, live=lambda boot: True, **kwargs):
+    return Batcher(lambda: dsn, window=kwargs.pop("window", 0.05),
+                   max_size=kwargs.pop("max_size", 64), live=live, resolve_seconds=10,
+                   **kwargs)
+
+
+def in_threads(calls):
+    """Run each of ``calls`` in a thread of its own at once; their values or exceptions."""
+    out: list = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            out[i] = call()
+        except Exception as err:  # noqa: BLE001 - returned for the test to read
+            out[i] = err
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_the_batcher_merges_the_claims_of_many_threads_into_one_statement(
+        admit, boot_factory, dsn, pg):
+    runs, boot = [admit() for _ in range(8)], boot_factory()
+    b = batcher(dsn, window=0.5)
+    for _ in runs:
+        b.enter()
+    claimed = in_threads([lambda run=run: b.claim(run, boot.boot_id) for run in runs])
+    assert all(row is not None and row.id == run for row, run in zip(claimed, runs))
+    # Every thread waiting on it: sent at once, in one statement, not after the window.
+    assert b.sizes["claim"] == {8: 1}
+    done = in_threads([lambda run=run: b.finish(run, [boot.boot_id], ends([run])[0])
+                       for run in runs])
+    assert [d.id for d in done] == runs
+    assert b.sizes["finish"] == {8: 1}
+    assert {status_of(pg, run)[0] for run in runs} == {"succeeded"}
+
+
+def test_a_finish_batch_that_fails_fails_each_request_to_be_sent_alone(
+        admit, boot_factory, dsn, pg):
+    runs, boot = [admit() for _ in range(3)], boot_factory()
+    b = batcher(dsn, window=0.5)
+    for _ in runs:
+        b.enter()
+    in_threads([lambda run=run: b.claim(run, boot.boot_id) for run in runs])
+    params = ends(runs)
+    params[0]["result"] = '{"text": "nul \\u0000 here"}'
+    out = in_threads([lambda i=i: b.finish(runs[i], [boot.boot_id], params[i])
+                      for i in range(3)])
+    assert all(isinstance(o, BatchFailed) for o in out)
+    assert {status_of(pg, run)[0] for run in runs} == {"running"}
+
+
+def _block_on_row(dsn, run_id):
+    """A transaction holding ``run_id``'s row lock: a claim of it waits."""
+    conn = psycopg.connect(dsn)
+    conn.execute("SELECT 1 FROM runs WHERE id = %s FOR UPDATE", [run_id])
+    return conn
+
+
+def _waiting_on_a_lock(pg) -> bool:
+    return pg.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                      "AND datname = current_database()").fetchone()[0] >= 1
+
+
+def test_a_batch_claim_cut_before_it_applied_is_decided_not_claimed_and_never_applies_later(
+        admit, boot_factory, dsn, pg):
+    """The connection breaks while the claim waits on a row lock. Its backend would go on
+    and commit once the lock is free, with nobody to run the runs: the batcher ends that
+    backend and awaits it before it reads, so the runs stay queued and go the single-run
+    way (None), and the boot is not ended (no run is charged a takeover)."""
+    runs, boot = [admit() for _ in range(2)], boot_factory()
+    proxy = StallingProxy.to_postgres(dsn)
+    blocker = _block_on_row(dsn, runs[1])
+    try:
+        b = batcher(proxy.url(dsn))
+        b.enter()
+        b.enter()
+        result: list = []
+        waiter = threading.Thread(target=lambda: result.extend(in_threads(
+            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
+        waiter.start()
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
+        proxy.cut()  # decisions go on a new connection, through the same route
+        waiter.join(30)
+        assert result == [None, None]
+    finally:
+        blocker.rollback()
+        blocker.close()
+        proxy.close()
+    time.sleep(1.0)  # had the cut backend lived on, it would have committed by now
+    assert {status_of(pg, run)[0] for run in runs} == {"queued"}
+
+
+def test_a_batch_claim_that_applied_with_its_answer_lost_is_decided_claimed(
+        admit, boot_factory, dsn, pg):
+    """The claim commits but its answer never arrives (the path stalls, then breaks): the
+    runs this boot holds after the backend ended are the ones the batch claimed."""
+    runs, boot = [admit() for _ in range(2)], boot_factory()
+    proxy = StallingProxy.to_postgres(dsn)
+    blocker = _block_on_row(dsn, runs[1])
+    try:
+        b = batcher(proxy.url(dsn))
+        b.enter()
+        b.enter()
+        result: list = []
+        waiter = threading.Thread(target=lambda: result.extend(in_threads(
+            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
+        waiter.start()
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
+        proxy.stall()
+        blocker.rollback()  # the claim goes on, commits, and answers into the stalled path
+        wait_until(lambda: {status_of(pg, r)[0] for r in runs} == {"running"}, timeout=10,
+                   what="the claim to commit")
+        proxy.cut()
+        proxy.resume()
+        waiter.join(30)
+    finally:
+        blocker.close()
+        proxy.close()
+    assert [row.id if row is not None else row for row in result] == runs
+    assert {status_of(pg, run) for run in runs} == {("running", boot.boot_id, 1)}
+
+
+def test_a_batch_claim_of_unknown_outcome_whose_boot_died_is_left_to_the_takeover(
+        admit, boot_factory, dsn, pg):
+    runs, boot = [admit() for _ in range(2)], boot_factory()
+    proxy = StallingProxy.to_postgres(dsn)
+    blocker = _block_on_row(dsn, runs[1])
+    try:
+        b = batcher(proxy.url(dsn), live=lambda boot_id: False)
+        b.enter()
+        b.enter()
+        result: list = []
+        waiter = threading.Thread(target=lambda: result.extend(in_threads(
+            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
+        waiter.start()
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
+        proxy.cut()
+        waiter.join(30)
+    finally:
+        blocker.rollback()
+        blocker.close()
+        proxy.close()
+    assert all(isinstance(r, ClaimUnknown) for r in result)
+
+
+def test_a_second_delivery_in_this_process_is_a_duplicate_decided_here():
+    from workers import boots
+
+    run = uuid.uuid4()
+    assert boots.begin_claim(run)
+    assert not boots.begin_claim(run)
+    boots.end_claim(run)
+    assert boots.begin_claim(run)
+    boots.end_claim(run)
+
+
+def test_a_batch_worker_refuses_workflows_with_time_limits(app):
+    from workers.batching import refused_workflows
+    from workers.registry import load_modules
+
+    load_modules(["tests.workflows.celery_tasks"])
+    refused = refused_workflows()
+    assert "over-time@1" in refused and "soft-time@1" in refused
+    assert "echo@1" not in refused
+
+
+def test_the_single_claim_still_decides_what_a_batch_did_not_claim(
+        admit, boot_factory, own, pg, app):
+    """A run the batch did not claim goes the single-run way, which says why."""
+    from app.extensions import db
+    from app.state.claims import ClaimOutcome
+
+    run, holder, boot = admit(), boot_factory(), boot_factory()
+    hold_as(pg, run, holder.boot_id)
+    assert claim_batch(own, [run], boot.boot_id) == {}
+    with app.app_context():
+        claim = claim_run(on_session(db.session), run, boot.boot_id,
+                          max_takeovers=max_takeovers_of)
+        db.session.commit()
+    assert claim.outcome == ClaimOutcome.DUPLICATE and claim.holder == holder.boot_id
+
+
+def test_a_finish_returns_only_once_its_batch_committed(admit, boot_factory, dsn, pg):
+    """A run is reported (the thread's finish returns; its events exist) only once the
+    batch's statement returned, committed: while the statement waits on a lock, the
+    finish has not returned and the run is still running."""
+    run, boot = admit(), boot_factory()
+    b = batcher(dsn)
+    b.enter()
+    assert b.claim(run, boot.boot_id) is not None
+    blocker = _block_on_row(dsn, run)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        b.finish(run, [boot.boot_id], ends([run])[0])))
+    try:
+        thread.start()
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
+        time.sleep(0.3)
+        assert result == []
+        assert status_of(pg, run)[0] == "running"
+    finally:
+        blocker.rollback()
+        blocker.close()
+    thread.join(30)
+    assert [r.id for r in result] == [run]
+    assert status_of(pg, run)[0] == "succeeded"
+
+
+# -- a batch worker's executions, in this process ---------------------------------------------
+
+@pytest.fixture
+def batch_mode(app, fresh_boot):
+    """This process as a batch worker: executions claim and finish through a batcher of
+    their own (its sizes read by the test)."""
+    from workers import batching
+
+    app.config["POIMEN_WORKER_MODE"] = "batch"
+    batching._batcher = None
+    yield lambda: batching._batcher
+    app.config["POIMEN_WORKER_MODE"] = "prefork"
+    batching._batcher = None
+
+
+def execute_all(app, run_ids, limited=False):
+    from workers.execution import execute_run
+
+    def one(run_id):
+        with app.app_context():
+            return execute_run(str(run_id), limited=limited)
+
+    return in_threads([lambda run=run: one(run) for run in run_ids])
+
+
+def test_a_batch_workers_runs_each_run_once_with_claims_and_finishes_batched(
+        app, admit, batch_mode, pg):
+    runs = [admit("echo", {"n": n}) for n in range(12)]
+    out = execute_all(app, runs)
+    assert [o.outcome.value for o in out] == ["claimed"] * 12, out
+    assert [o.ended.status.value for o in out] == ["succeeded"] * 12
+    for run in runs:
+        assert events_of(pg, run) == ["run.admitted", "run.started", "run.succeeded"]
+    sizes = batch_mode().sizes
+    # Fewer statements than runs, each run in exactly one of them.
+    assert sum(n * k for n, k in sizes["claim"].items()) == 12
+    assert sum(n * k for n, k in sizes["finish"].items()) == 12
+    assert sum(sizes["claim"].values()) < 12 and sum(sizes["finish"].values()) < 12
+
+
+def test_one_bad_result_in_a_batch_fails_only_its_own_run(app, admit, batch_mode, pg):
+    good = [admit("echo", {"n": n}) for n in range(5)]
+    bad = admit("unstorable", {})
+    out = execute_all(app, [*good[:3], bad, *good[3:]])
+    ended = {o.run_id: o.ended.status.value for o in out}
+    assert ended[bad] == "failed"
+    assert {ended[run] for run in good} == {"succeeded"}
+    error = pg.execute("SELECT error FROM runs WHERE id = %s", [bad]).fetchone()[0]
+    assert error["type"] == "poimen.ResultNotStorable"
+
+
+def test_a_second_delivery_of_a_run_in_flight_here_does_nothing(app, admit, batch_mode, pg):
+    """Two deliveries of one run reach two threads of one batch worker: one executes it,
+    the other is a duplicate (decided in this process or by Postgres), never a second
+    execution."""
+    runs = [admit("sleep", {"seconds": 0.3}) for _ in range(3)]
+    out = execute_all(app, [*runs, *runs])
+    outcomes = sorted(o.outcome.value for o in out)
+    assert outcomes == ["claimed"] * 3 + ["duplicate"] * 3
+    for run in runs:
+        assert events_of(pg, run).count("run.started") == 1
+        assert status_of(pg, run)[0] == "succeeded"
+
+
+def test_a_limited_run_in_a_batch_worker_takes_the_slot_claim(app, admit, batch_mode, pg,
+                                                              side_effects):
+    """A run of a limited workflow never enters a batch (its message names a limited
+    workflow): its claim counts its group's slots, its end hands its slot on (the
+    single-run statements), and the run it wakes is sent."""
+    runs = [admit("keyed", {"customer": "c", "seconds": 0.5}) for _ in range(2)]
+    out = execute_all(app, runs, limited=True)
+    assert sorted(o.outcome.value for o in out) == ["claimed", "slot_wait"]
+    woken = next(o.run_id for o in out if o.outcome.value == "slot_wait")
+    assert status_of(pg, woken)[0] == "queued"  # the holder's end handed the slot on
+    assert sum(batch_mode().sizes["claim"].values()) == 0
+    assert sum(batch_mode().sizes["finish"].values()) == 0
+    # A capped tenant's run whose message names no limit: the batch does not claim it,
+    # the single-run claim takes it under its slot.
+    pg.execute("UPDATE tenants SET max_running = 5")
+    capped = admit("echo", {})
+    (one,) = execute_all(app, [capped])
+    assert one.outcome.value == "claimed" and one.ended.status.value == "succeeded"
+    assert sum(batch_mode().sizes["finish"].values()) == 0

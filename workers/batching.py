@@ -1,0 +1,360 @@
+"""The batching worker (``POIMEN_WORKER_MODE=batch``): one process running Celery's threads
+pool, whose runs' claims and finishes the store batcher sends many at once, one statement
+and one commit for each batch (docs/internals/batching.md).
+
+Every rule stays per run. A claim in a batch is ``claim_queued``'s compare-and-set and
+liveness check, row by row, in one statement (``claim_queued_batch``); a finish is
+``poimen_finish`` run by run, in one call (``poimen_finish_batch``). The order:
+
+1. A thread's claim is sent in the next batch; its body starts only once that statement
+   returned: the claim is committed.
+2. Its finish is sent in a later batch; the run is reported (its events, the task's
+   answer to Celery, the acknowledgement) only once that statement returned.
+3. What the batch statements refuse or cannot decide goes the single-run way: a run not
+   claimed asks why with ``claim_run``; a run of a limited group or a capped or
+   rate-limited tenant never enters a batch; a finish whose batch failed (one value
+   ``jsonb`` refuses fails the statement) is sent alone, so only the bad one fails.
+4. A batch claim whose outcome is unknown (the connection broke while it ran) is decided
+   per run, not by ending the boot: its backend is ended and awaited, then the runs this
+   boot holds are read. No other thread of this process claims a run while one handles
+   it (``boots.begin_claim``), so a run of the batch held by this boot is one the batch
+   claimed. A finish of unknown outcome is sent again alone: fenced, it is refused if the
+   first one applied, and recognised as ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from flask import current_app
+from sqlalchemy.exc import DBAPIError
+
+from app.state.claims import (
+    ClaimedRun,
+    FinishedInBatch,
+    backend_gone,
+    claim_batch,
+    claimed_in_batch,
+    end_backend,
+    finish_batch,
+)
+from app.state.direct import OwnConnection
+
+log = logging.getLogger(__name__)
+
+
+class BatchFailed(RuntimeError):
+    """The batch's statement failed: its request goes the single-run way."""
+
+
+class ClaimUnknown(RuntimeError):
+    """A batch claim's outcome could not be decided per run (the boot itself is gone, or
+    Postgres stayed away): the worker ends its boot, as after a single claim's."""
+
+
+@dataclass(eq=False)
+class _Request:
+    run_id: uuid.UUID
+    boot_id: uuid.UUID | None = None  # a claim's boot
+    boots: tuple[uuid.UUID, ...] = ()  # a finish's fence
+    params: Mapping[str, Any] | None = None  # a finish's ``finish_params``
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+        self.done.set()
+
+    def wait(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class Batcher:
+    """Sends the claims and finishes handed to it, many per statement.
+
+    ``dsn``: a direct connection to the runs' database (the lock database's: a batch's
+    backend must be a real one to end, never a pooler's). ``window``: seconds to wait for
+    more requests after the first, unless every thread executing a run is already waiting
+    on this batcher (``enter``/``leave`` count them). ``live(boot)``: whether ``boot``
+    is still this process's boot and holds its lock.
+    """
+
+    def __init__(self, dsn: Callable[[], str], *, window: float, max_size: int,
+                 live: Callable[[uuid.UUID], bool], resolve_seconds: float = 30.0,
+                 connect_kwargs: Mapping[str, Any] | None = None):
+        self._dsn = dsn
+        self._window = window
+        self._max = max(1, max_size)
+        self._live = live
+        self._resolve_seconds = resolve_seconds
+        self._connect_kwargs = dict(connect_kwargs or {})
+        self._cond = threading.Condition()
+        self._claims: list[_Request] = []
+        self._finishes: list[_Request] = []
+        self._active = 0
+        self._conn: OwnConnection | None = None
+        self._thread: threading.Thread | None = None
+        # How many runs each statement carried: {size: statements} per kind.
+        self.sizes: dict[str, Counter[int]] = {"claim": Counter(), "finish": Counter()}
+
+    # -- what a run's thread calls ----------------------------------------------------------
+
+    def enter(self) -> None:
+        """A thread starts handling a delivery."""
+        with self._cond:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify()
+
+    def claim(self, run_id: uuid.UUID, boot_id: uuid.UUID) -> ClaimedRun | None:
+        """Claim ``run_id`` for ``boot_id`` in the next batch: its row once committed, None
+        if the batch did not claim it (ask why on the single-run path). Raises
+        ``ClaimUnknown`` when its outcome could not be decided."""
+        value: ClaimedRun | None = self._submit(self._claims,
+                                                _Request(run_id, boot_id=boot_id))
+        return value
+
+    def finish(self, run_id: uuid.UUID, boots: Iterable[uuid.UUID],
+               params: Mapping[str, Any]) -> FinishedInBatch | None:
+        """End ``run_id`` (``finish_params``) in the next batch, fenced by ``boots``: the
+        run as ended, once committed; None if the fence refused it. Raises
+        ``BatchFailed`` when the batch's statement failed (send it alone)."""
+        value: FinishedInBatch | None = self._submit(
+            self._finishes, _Request(run_id, boots=tuple(boots), params=params))
+        return value
+
+    def _submit(self, queue: list[_Request], request: _Request) -> Any:
+        with self._cond:
+            self._start()
+            queue.append(request)
+            self._cond.notify()
+        return request.wait()
+
+    # -- the batcher's thread ---------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="poimen-batcher",
+                                            daemon=True)
+            self._thread.start()
+
+    def _full(self) -> bool:
+        waiting = len(self._claims) + len(self._finishes)
+        return (len(self._claims) >= self._max or len(self._finishes) >= self._max
+                or waiting >= self._active)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._claims or self._finishes):
+                    self._cond.wait()
+                deadline = time.monotonic() + self._window
+                while not self._full():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                claims, self._claims = self._claims[:self._max], self._claims[self._max:]
+                finishes = self._finishes[:self._max]
+                self._finishes = self._finishes[self._max:]
+            for send, batch in ((self._send_claims, claims), (self._send_finishes, finishes)):
+                if not batch:
+                    continue
+                try:
+                    send(batch)
+                except BaseException as err:  # noqa: BLE001 - no thread may wait forever
+                    log.exception("store batcher: %d request(s) failed", len(batch))
+                    for request in batch:
+                        if not request.done.is_set():
+                            request.resolve(error=BatchFailed(type(err).__name__))
+
+    def _connection(self) -> OwnConnection:
+        if self._conn is None or self._conn.conn.closed:
+            self._conn = OwnConnection(psycopg.connect(self._dsn(), autocommit=True,
+                                                       **self._connect_kwargs))
+        return self._conn
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.conn.close()
+            except Exception:  # noqa: BLE001 - it is being dropped
+                pass
+
+    def _send_claims(self, requests: list[_Request]) -> None:
+        by_boot: dict[uuid.UUID, list[_Request]] = {}
+        for request in requests:
+            assert request.boot_id is not None  # a claim names its boot
+            by_boot.setdefault(request.boot_id, []).append(request)
+        for boot_id, group in by_boot.items():
+            first: dict[uuid.UUID, _Request] = {}
+            for request in group:
+                if request.run_id in first:
+                    request.resolve(None)  # a second delivery in one batch: single path
+                else:
+                    first[request.run_id] = request
+            try:
+                conn = self._connection()
+            except Exception:  # noqa: BLE001 - nothing was sent: nothing claimed
+                log.warning("store batcher: could not connect; %d claim(s) go alone",
+                            len(first))
+                for request in first.values():
+                    request.resolve(None)
+                continue
+            pid = conn.conn.info.backend_pid
+            try:
+                claimed = claim_batch(conn, list(first), boot_id)
+            except DBAPIError as err:
+                if not conn.conn.closed and _answered(err):
+                    # Postgres answered with an error: the statement rolled back whole.
+                    log.warning("store batcher: a claim batch was refused (%s); its %d "
+                                "run(s) go alone", _code(err), len(first))
+                    claimed = {}
+                else:
+                    self._drop()
+                    log.warning("store batcher: a claim batch's outcome is unknown (%s); "
+                                "deciding its %d run(s) one by one", type(err).__name__,
+                                len(first))
+                    decided = self._decide_claims(list(first), boot_id, pid)
+                    for request in first.values():
+                        if decided is None:
+                            request.resolve(error=ClaimUnknown(
+                                f"batch claim of run {request.run_id}: outcome unknown"))
+                        else:
+                            request.resolve(decided.get(request.run_id))
+                    continue
+            self.sizes["claim"][len(first)] += 1
+            for run_id, request in first.items():
+                request.resolve(claimed.get(run_id))
+
+    def _decide_claims(self, run_ids: list[uuid.UUID], boot_id: uuid.UUID, pid: int
+                       ) -> dict[uuid.UUID, ClaimedRun] | None:
+        """The runs the batch of unknown outcome claimed, read once its backend ``pid`` has
+        ended (its transaction decided); None if that cannot be known in time, or if the
+        boot lost its lock meanwhile (its runs are then wreckage, taken over after the
+        bound, as any dead boot's)."""
+        deadline = time.monotonic() + self._resolve_seconds
+        while time.monotonic() < deadline:
+            try:
+                conn = self._connection()
+                end_backend(conn, pid)
+                while not backend_gone(conn, pid):
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(0.05)
+                if not self._live(boot_id):
+                    return None
+                return claimed_in_batch(conn, run_ids, boot_id)
+            except Exception as err:  # noqa: BLE001 - Postgres may be restarting
+                self._drop()
+                log.warning("store batcher: deciding a claim batch: %s; retrying",
+                            type(err).__name__)
+                time.sleep(0.2)
+        return None
+
+    def _send_finishes(self, requests: list[_Request]) -> None:
+        boots = sorted({boot for request in requests for boot in request.boots})
+        ends = [{**(request.params or {}), "run": request.run_id} for request in requests]
+        try:
+            conn = self._connection()
+            done = finish_batch(conn, ends, boots)
+        except DBAPIError as err:
+            if conn_closed(self._conn):
+                self._drop()
+            log.warning("store batcher: a finish batch failed (%s); its %d run(s) end alone",
+                        _code(err) or type(err).__name__, len(requests))
+            for request in requests:
+                request.resolve(error=BatchFailed(type(err).__name__))
+            return
+        except psycopg.Error as err:
+            self._drop()
+            for request in requests:
+                request.resolve(error=BatchFailed(type(err).__name__))
+            return
+        self.sizes["finish"][len(requests)] += 1
+        for request in requests:
+            request.resolve(done.get(request.run_id))
+
+
+def conn_closed(conn: OwnConnection | None) -> bool:
+    return conn is None or conn.conn.closed
+
+
+def _answered(err: DBAPIError) -> bool:
+    """Postgres answered the statement with an error (it rolled back), as opposed to a
+    connection that broke with no answer."""
+    return getattr(err.orig, "sqlstate", None) is not None \
+        and not str(getattr(err.orig, "sqlstate", "")).startswith("08")
+
+
+def _code(err: DBAPIError) -> str | None:
+    return getattr(err.orig, "sqlstate", None)
+
+
+# -- this process's batcher --------------------------------------------------------------------
+
+_batcher: Batcher | None = None
+_batcher_lock = threading.Lock()
+
+
+def active() -> bool:
+    """Whether this worker runs in batch mode (``POIMEN_WORKER_MODE=batch``)."""
+    return bool(current_app.config.get("POIMEN_WORKER_MODE") == "batch")
+
+
+def batcher() -> Batcher:
+    """This process's store batcher, made on first use (in an app context)."""
+    global _batcher
+    with _batcher_lock:
+        if _batcher is None:
+            from . import boots
+            from .fence import boot_dsn, record_deadline
+
+            config = current_app.config
+            dsn = boot_dsn()  # read here: the batcher's thread has no app context
+            _batcher = Batcher(
+                lambda: dsn, window=config["POIMEN_WORKER_BATCH_WINDOW_MS"] / 1000.0,
+                max_size=config["POIMEN_WORKER_BATCH_MAX"], live=boots.boot_is_live,
+                resolve_seconds=max(1.0, record_deadline() - time.monotonic()),
+                connect_kwargs=_connect_kwargs(config))
+        return _batcher
+
+
+def _connect_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The app's own connection arguments (timeouts, keepalives) for the batcher's."""
+    options = config.get("SQLALCHEMY_ENGINE_OPTIONS") or {}
+    args = dict(options.get("connect_args") or {})
+    args.pop("prepare_threshold", None)
+    return args
+
+
+def refused_workflows() -> list[str]:
+    """The registered workflows a batch worker cannot run as declared: those that set a
+    time limit (Celery's threads pool enforces none)."""
+    from . import registry
+
+    return sorted(wf.ref for wf in registry.registered()
+                  if wf.time_limit is not None or wf.soft_time_limit is not None)
+
+
+def batch_sizes() -> dict[str, dict[int, int]]:
+    """How many runs each batch statement of this process carried (the histogram)."""
+    if _batcher is None:
+        return {"claim": {}, "finish": {}}
+    return {kind: dict(sizes) for kind, sizes in _batcher.sizes.items()}
