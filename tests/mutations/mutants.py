@@ -81,6 +81,7 @@ POISON_TESTS = "tests/workers/test_poison.py"
 DELAYED_TESTS = "tests/workers/test_delayed_runs.py"
 CASCADE_TESTS = "tests/workers/test_cascade_cancel.py"
 RATE_TESTS = "tests/workers/test_rate_limits.py"
+BATCH_TESTS = "tests/workers/test_batching.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -442,7 +443,7 @@ MUTANTS: list[Mutant] = [
         "('' || runs.status)",
         ("tests/app/test_slot_plans.py::"
          "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
-        occurrences=7, nth=0,
+        occurrences=9, nth=0,
         # Every lookup of a run by id, in every file.
         also=(Edit("(r.status || '')", "('' || r.status)", 1),
               Edit("(runs.status || '')", "('' || runs.status)", 3, RUNS_SQL),
@@ -572,8 +573,8 @@ MUTANTS: list[Mutant] = [
         "finish_in_a_transaction",
         "a run outside every limited group ends in one statement in autocommit (issue 25)",
         "workers/fence.py",
-        "autocommit=single)",
-        "autocommit=False)",
+        "autocommit=single, retrying=retrying)",
+        "autocommit=False, retrying=retrying)",
         (f"{CLAIM_TESTS}::test_a_run_ends_in_one_statement_in_autocommit",),
     ),
     Mutant(
@@ -1086,7 +1087,9 @@ MUTANTS: list[Mutant] = [
         "   AND (expires_at IS NULL OR expires_at > now() OR started_at IS NOT NULL)\n",
         "",
         (f"{DELAYED_TESTS}::test_a_delivery_after_expiry_ends_the_run_expired_and_runs_nothing",
-         f"{DELAYED_TESTS}::test_a_limited_runs_delivery_after_expiry_ends_it_expired"),
+         f"{DELAYED_TESTS}::test_a_limited_runs_delivery_after_expiry_ends_it_expired",
+         f"{BATCH_TESTS}::test_a_batch_claims_only_the_runs_a_single_claim_would"),
+        occurrences=2, nth=0,  # the one-statement claim and the batch's
         also=(Edit(" AND (r.expires_at IS NULL OR r.expires_at > now() OR r.started_at IS NOT "
                    "NULL)", ""),),
     ),
@@ -1180,6 +1183,68 @@ MUTANTS: list[Mutant] = [
         "    SELECT c.id FROM runs c WHERE c.parent_run_id = :run)",
         (f"{CASCADE_TESTS}::test_a_cancel_reaches_every_descendant_not_ended",),
     ),
+    # -- the batching worker -------------------------------------------------------------------
+    Mutant(
+        "batch_claim_skips_liveness",
+        "a batch claim checks its boot's lock in its own statement: a boot whose lock is gone "
+        "claims none of the runs",
+        CLAIMS_SQL,
+        "   AND EXISTS (SELECT 1 FROM worker_boots b WHERE b.boot_id = :boot\n"
+        "                  AND NOT pg_try_advisory_xact_lock_shared(1347373389, b.lock_key))\n",
+        "",
+        (f"{BATCH_TESTS}::test_a_batch_of_a_boot_without_its_lock_claims_nothing",),
+    ),
+    Mutant(
+        "batch_claim_without_compare_and_set",
+        "each run of a batch claim is claimed only from queued: a redelivery claims none",
+        CLAIMS_SQL,
+        " WHERE id = ANY(CAST(:runs AS uuid[])) AND (runs.status || '') = 'queued'\n",
+        " WHERE id = ANY(CAST(:runs AS uuid[])) AND (runs.status || '') IN ('queued', 'running')\n",
+        (f"{BATCH_TESTS}::test_a_batch_claims_each_queued_run_once_in_one_statement",),
+    ),
+    Mutant(
+        "batch_finish_unfenced",
+        "each end of a batch is fenced by this process's boots: a run another process took "
+        "over is refused",
+        CLAIMS_SQL,
+        "                             p_boots, p_event_type[i],",
+        "                             ARRAY(SELECT r.claimed_by FROM runs r WHERE r.id = p_run[i]),"
+        " p_event_type[i],",
+        (f"{BATCH_TESTS}::test_a_batch_ends_each_run_fenced_in_one_commit",),
+    ),
+    Mutant(
+        "batch_finish_reports_before_commit",
+        "a run in a finish batch is reported only once the batch's statement returned, "
+        "committed",
+        "workers/batching.py",
+        "        try:\n            conn = self._connection()\n"
+        "            done = finish_batch(conn, ends, boots)\n",
+        "        for request in requests:\n"
+        "            request.resolve(FinishedInBatch(request.run_id, 'succeeded', None))\n"
+        "        try:\n            conn = self._connection()\n"
+        "            done = finish_batch(conn, ends, boots)\n",
+        (f"{BATCH_TESTS}::test_a_finish_returns_only_once_its_batch_committed",),
+    ),
+    Mutant(
+        "batch_claim_decided_before_its_backend_ended",
+        "a batch claim of unknown outcome is read only once its backend has ended: a backend "
+        "still waiting would commit the claim later, with nobody to run the runs",
+        "workers/batching.py",
+        "                end_backend(conn, pid)\n"
+        "                while not backend_gone(conn, pid):\n",
+        "                while False:\n",
+        (f"{BATCH_TESTS}::test_a_batch_claim_cut_before_it_applied_is_decided_not_claimed_and_"
+         "never_applies_later",),
+    ),
+    Mutant(
+        "batch_second_delivery_claims_again",
+        "while a thread of a batch worker handles a run, another delivery of it in the process "
+        "is a duplicate (so a run this boot holds after an unknown batch is the batch's)",
+        "workers/boots.py",
+        "        if run_id in _claiming or run_id in _holding:\n            return False\n",
+        "",
+        (f"{BATCH_TESTS}::test_a_second_delivery_in_this_process_is_a_duplicate_decided_here",),
+    ),
     # -- rate limits --------------------------------------------------------------------------
     Mutant(
         "rate_check_then_claim",
@@ -1204,7 +1269,8 @@ MUTANTS: list[Mutant] = [
         "   AND concurrency_limit IS NULL AND rate_interval IS NULL\n",
         "   AND concurrency_limit IS NULL\n",
         (f"{RATE_TESTS}::test_the_second_start_a_moment_later_is_reserved_one_interval_after_"
-         "the_first",),
+         "the_first", f"{BATCH_TESTS}::test_a_batch_claims_only_the_runs_a_single_claim_would"),
+        occurrences=2, nth=0,  # the one-statement claim and the batch's
     ),
     Mutant(
         "rate_reservation_takes_another_start",

@@ -63,20 +63,26 @@ def test_a_batch_claims_each_queued_run_once_in_one_statement(admit, boot_factor
 
 def test_a_batch_claims_only_the_runs_a_single_claim_would(admit, boot_factory, own, pg, app):
     """Each row's compare-and-set alone: a run another live boot holds, a run not due, a
-    cancelled one and a run of a limited group are not claimed by the batch (a limited
-    one goes the single-run way, ``claim_slot``), and the queued one beside them is."""
+    cancelled one, one never started by its expiry, a run of a limited group and one under
+    a rate limit are not claimed by the batch (they go the single-run way, which ends the
+    expired one and counts the others' slots and starts), and the queued one beside them
+    is."""
     other = boot_factory()
-    held, later, cancelled, limited, free = (admit() for _ in range(5))
+    held, later, cancelled, limited, free, expired = (admit() for _ in range(6))
+    rated = admit("rated-slow", {"customer": "c"})
+    pg.execute("UPDATE runs SET expires_at = now() - interval '1 second' WHERE id = %s",
+               [expired])
     hold_as(pg, held, other.boot_id)
     pg.execute("UPDATE runs SET not_before = now() + interval '1 hour' WHERE id = %s", [later])
     pg.execute("UPDATE runs SET cancel_requested = true WHERE id = %s", [cancelled])
     pg.execute("UPDATE runs SET concurrency_limit = 2, concurrency_key = 'k' WHERE id = %s",
                [limited])
     boot = boot_factory()
-    claimed = claim_batch(own, [held, later, cancelled, limited, free], boot.boot_id)
+    claimed = claim_batch(own, [held, later, cancelled, limited, free, expired, rated],
+                          boot.boot_id)
     assert set(claimed) == {free}
     assert status_of(pg, held) == ("running", other.boot_id, 1)
-    for run in (later, cancelled, limited):
+    for run in (later, cancelled, limited, expired, rated):
         assert status_of(pg, run)[0] == "queued"
 
 
