@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from settings_table import get_float, get_int, get_str, worker_mode
+from poimenconfig import worker_mode
+from settings_table import get_float, get_int, get_str
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket"})
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})

@@ -40,7 +40,6 @@ from settings_table import (
     get_int,
     get_str,
     raw,
-    worker_mode,
 )
 
 # -- the table's defaults that other modules name -----------------------------------------------
@@ -145,6 +144,18 @@ def prepare_auto(env: Mapping[str, str]) -> bool:
     statements halve Postgres' CPU per run there (docs/scaling.md).
     """
     return get_str(env, "POIMEN_DB_PREPARE_THRESHOLD").strip().lower() in ("", "auto")
+
+
+WORKER_MODES: Final = ("prefork", "batch")
+
+
+def worker_mode(env: Mapping[str, str] | None = None) -> str:
+    """``POIMEN_WORKER_MODE``: ``prefork`` or ``batch`` (anything else is refused)."""
+    env = _environ(env)
+    mode = get_str(env, "POIMEN_WORKER_MODE").strip().lower()
+    if mode not in WORKER_MODES:
+        raise ValueError(f"POIMEN_WORKER_MODE={mode!r}: use prefork or batch")
+    return mode
 
 
 def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -504,14 +504,3 @@ def _of_kind(name: str, kind: Kind) -> Setting:
     if entry.kind is not kind:
         raise TypeError(f"{name} is a {entry.kind.__name__} setting, read as {kind.__name__}")
     return entry
-
-
-WORKER_MODES: Final = ("prefork", "batch")
-
-
-def worker_mode(env: Mapping[str, str]) -> str:
-    """``POIMEN_WORKER_MODE`` in ``env``: ``prefork`` or ``batch`` (anything else is refused)."""
-    mode = get_str(env, "POIMEN_WORKER_MODE").strip().lower()
-    if mode not in WORKER_MODES:
-        raise ValueError(f"POIMEN_WORKER_MODE={mode!r}: use prefork or batch")
-    return mode

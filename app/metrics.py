@@ -87,6 +87,12 @@ RUN_DURATION_SECONDS = Histogram(
     "and how it ended (succeeded, failed, cancelled, retrying, waiting, released, lost).",
     ["workflow", "outcome"], buckets=RUN_BUCKETS,
 )
+WORKER_BATCH_SIZE = Histogram(
+    "poimen_worker_batch_size",
+    "Runs per statement of a batch worker's store batcher (POIMEN_WORKER_MODE=batch), by "
+    "kind (claim, finish): one commit each.",
+    ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
 CLAIMS = Counter(
     "poimen_claims_total",
     "Deliveries of runs to workers by claim outcome (claimed, taken_over, duplicate, "

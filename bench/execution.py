@@ -99,7 +99,14 @@ from bench._common import (  # noqa: E402
     wait_for_count,
     wait_ready,
 )
-from tests.processes import BIN, Process, start_web, start_worker  # noqa: E402
+from tests.processes import (  # noqa: E402
+    BIN,
+    Process,
+    free_port,
+    metrics,
+    start_web,
+    start_worker,
+)
 
 TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate
 TARGET_LATENCY_P50_MS = 20.0  # admit -> running at low load
@@ -121,6 +128,8 @@ class CaseResult:
     load_before: str = ""
     load_after: str = ""
     commits: int | None = None  # transactions committed in the case's database (Poimen)
+    # A batch worker's runs per store-batcher statement, by kind (mean), from its metrics.
+    batch_sizes: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -210,10 +219,13 @@ def case_tenant_id(db_url: str) -> int:
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
                 token: str, runs: int, warmup: int, prefetch: int, clients: int,
-                timeout: float, hold_for_profile: bool, keyed: bool = False) -> CaseResult:
+                timeout: float, hold_for_profile: bool, keyed: bool = False,
+                concurrency: int = 2) -> CaseResult:
     name = "poimen-keyed" if keyed else "poimen"
-    worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch)}
-    worker = start_worker(worker_env, log_dir, f"{name}-p{prefetch}", concurrency=2)
+    metrics_port = free_port()
+    worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch),
+                  "METRICS_PORT": str(metrics_port)}
+    worker = start_worker(worker_env, log_dir, f"{name}-p{prefetch}", concurrency=concurrency)
     try:
         wait_ready(worker)
         if warmup:
@@ -250,13 +262,31 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
         commits = (committed(db_url) - commits0 - 1
                    - (_succeeded_poll(db_url).calls - polls0))
         return CaseResult(name, prefetch, runs, done - start, sent[0] - start,
-                          cpu_delta(cpu0, cpu1), load_before, load_after, commits)
+                          cpu_delta(cpu0, cpu1), load_before, load_after, commits,
+                          batch_sizes(f"http://127.0.0.1:{metrics_port}/metrics"))
     finally:
         worker.stop()
 
 
+def batch_sizes(url: str) -> dict[str, float]:
+    """The mean runs per store-batcher statement, by kind, from a batch worker's metrics
+    (warm-up included); empty for a prefork worker."""
+    try:
+        scraped = metrics(url)
+    except Exception:  # noqa: BLE001 - a figure to report, not a result
+        return {}
+    out = {}
+    for kind in ("claim", "finish"):
+        count = scraped.get(("poimen_worker_batch_size_count", (("kind", kind),)), 0.0)
+        total = scraped.get(("poimen_worker_batch_size_sum", (("kind", kind),)), 0.0)
+        if count:
+            out[kind] = total / count
+    return out
+
+
 def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, token: str,
-                 rate: float, runs: int, timeout: float) -> dict[str, float]:
+                 rate: float, runs: int, timeout: float, concurrency: int = 2
+                 ) -> dict[str, float]:
     """Admit ``runs`` runs at ``rate`` per second, one at a time, with a prefetch-1 worker
     running; return admit -> running percentiles in ms.
 
@@ -265,7 +295,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
     web process's sender, the broker, the worker's prefetch and the claim.
     """
     worker = start_worker({**env, "CELERY_PREFETCH_MULTIPLIER": "1"}, log_dir, "latency",
-                          concurrency=2)
+                          concurrency=concurrency)
     try:
         wait_ready(worker)
         admit_concurrently(web_url, token, 20, 1)
@@ -292,7 +322,8 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
 # -- plain Celery -------------------------------------------------------------
 
 def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, counter_key: str,
-               tasks: int, warmup: int, prefetch: int, timeout: float) -> CaseResult:
+               tasks: int, warmup: int, prefetch: int, timeout: float,
+               pool: str = "prefork", concurrency: int = 2) -> CaseResult:
     from bench import plain_celery_app
 
     worker_env = {**env, "CELERY_PREFETCH_MULTIPLIER": str(prefetch)}
@@ -301,7 +332,8 @@ def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, count
     worker = Process(
         f"plain-p{prefetch}",
         [str(BIN / "celery"), "-A", "bench.plain_celery_app", "worker", "--loglevel", "INFO",
-         "--concurrency", "2", "--hostname", f"plain-p{prefetch}-{uuid.uuid4().hex[:6]}@%h",
+         "--pool", pool, "--concurrency", str(concurrency),
+         "--hostname", f"plain-p{prefetch}-{uuid.uuid4().hex[:6]}@%h",
          "--without-mingle", "--without-gossip"],
         worker_env, log_dir,
     ).start()
@@ -355,16 +387,19 @@ def create_tenant_and_token(db_url: str) -> str:
 
 def report(results: list[CaseResult]) -> str:
     lines = [
-        "| case | prefetch | count | seconds | /s | send phase s | commits per run | worker "
-        "| web | postgres | redis | client | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | prefetch | count | seconds | /s | send phase s | commits per run | runs per "
+        "claim / finish statement | worker | web | postgres | redis | client | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cpu = " | ".join(
             f"{r.cpu_per_1000(k):.2f}" if k in r.cpu else "-"
             for k in ("worker", "web", "postgres", "redis", "client", "machine"))
+        sizes = (f"{r.batch_sizes.get('claim', 0):.1f} / {r.batch_sizes.get('finish', 0):.1f}"
+                 if r.batch_sizes else "-")
         lines.append(f"| {r.name} | {r.prefetch} | {r.count} | {r.seconds:.2f} | "
-                     f"{r.rate:.0f} | {r.send_seconds:.2f} | {r.commits_per_run} | {cpu} |")
+                     f"{r.rate:.0f} | {r.send_seconds:.2f} | {r.commits_per_run} | {sizes} | "
+                     f"{cpu} |")
     lines.append("")
     lines.append("Commits per run: transactions committed in the case's database "
                  "(pg_stat_database.xact_commit, read-only ones included, this script's own "
@@ -423,8 +458,15 @@ def main() -> int:
     parser.add_argument("--latency-rate", type=float, default=10.0,
                         help="runs/s of the low-load latency case (0 skips it)")
     parser.add_argument("--latency-runs", type=int, default=300)
+    parser.add_argument("--mode", choices=("prefork", "batch"), default="prefork",
+                        help="the worker's POIMEN_WORKER_MODE; plain Celery runs the same pool "
+                             "(prefork, or threads for batch)")
+    parser.add_argument("--threads", type=int, default=16,
+                        help="batch mode: the worker's threads (and plain Celery's)")
     parser.add_argument("--record", type=Path, help="append the report to this markdown file")
     args = parser.parse_args()
+    concurrency = args.threads if args.mode == "batch" else 2
+    pool = "threads" if args.mode == "batch" else "prefork"
     plain_tasks = args.plain_tasks or 3 * args.runs
 
     stop_on_sigterm()
@@ -439,6 +481,7 @@ def main() -> int:
         "BENCH_COUNTER_KEY": counter_key,
         # beat is not running; keep repair out of the picture all the same.
         "POIMEN_REPAIR_MIN_AGE": "3600",
+        "POIMEN_WORKER_MODE": args.mode,
         # noop-keyed, the key-limit case's workflow (web and worker load it).
         "POIMEN_WORKFLOW_MODULES": ",".join(
             filter(None, [env.get("POIMEN_WORKFLOW_MODULES"), "bench.workflows"])),
@@ -448,8 +491,9 @@ def main() -> int:
     latency: dict[str, float] | None = None
     machine = machine_summary(env["DATABASE_URL"])
     print(f"machine: {machine}", flush=True)
-    print(f"runs {args.runs}, plain tasks {plain_tasks}, prefetch {args.prefetch}, "
-          f"clients {args.clients}, queue {queue}", flush=True)
+    print(f"mode {args.mode} ({pool} pool, {concurrency}), runs {args.runs}, plain tasks "
+          f"{plain_tasks}, prefetch {args.prefetch}, clients {args.clients}, queue {queue}",
+          flush=True)
 
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: print(f"deleted {delete_redis_keys(redis, bench_id)} redis keys",
@@ -471,20 +515,22 @@ def main() -> int:
                 for keyed in keyed_cases[::-1] if round_ % 2 else keyed_cases:
                     r = poimen_case(env, log_dir, db_url, web_url, web.pid, token, args.runs,
                                     args.warmup, prefetch, args.clients, args.timeout,
-                                    args.hold_for_profile, keyed=keyed)
+                                    args.hold_for_profile, keyed=keyed,
+                                    concurrency=concurrency)
                     results.append(r)
                     print(f"{r.name} prefetch {prefetch}: {r.count} runs in {r.seconds:.2f}s = "
                           f"{r.rate:.0f} runs/s (admission took {r.send_seconds:.2f}s)",
                           flush=True)
             if args.only != "poimen":
                 r = plain_case(env, log_dir, redis, counter_key, plain_tasks, args.warmup,
-                               prefetch, args.timeout)
+                               prefetch, args.timeout, pool, concurrency)
                 results.append(r)
                 print(f"plain prefetch {prefetch}: {r.count} tasks in {r.seconds:.2f}s = "
                       f"{r.rate:.0f} tasks/s (sending took {r.send_seconds:.2f}s)", flush=True)
         if args.latency_rate > 0 and args.only != "plain":
             latency = latency_case(env, log_dir, db_url, web_url, token,
-                                   args.latency_rate, args.latency_runs, args.timeout)
+                                   args.latency_rate, args.latency_runs, args.timeout,
+                                   concurrency)
             print(f"admit -> running at {latency['rate']:g}/s: p50 {latency['p50']:.1f} ms, "
                   f"p99 {latency['p99']:.1f} ms", flush=True)
     text = report(results)
@@ -501,8 +547,9 @@ def main() -> int:
         append_result(args.record, "## Execution (bench/execution.py)", [
             f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
             "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
-            f"- `python bench/execution.py --runs {args.runs}` (plain tasks {plain_tasks}), "
-            f"clients {args.clients}", "", text])
+            f"- `python bench/execution.py --runs {args.runs} --mode {args.mode}` (plain tasks "
+            f"{plain_tasks}; {pool} pool, concurrency {concurrency} for both), clients "
+            f"{args.clients}", "", text])
         print(f"appended to {args.record}")
     return 0
 

@@ -37,6 +37,7 @@ import psycopg
 from flask import current_app
 from sqlalchemy.exc import DBAPIError
 
+from app.metrics import WORKER_BATCH_SIZE
 from app.state.claims import (
     ClaimedRun,
     FinishedInBatch,
@@ -47,6 +48,8 @@ from app.state.claims import (
     finish_batch,
 )
 from app.state.direct import OwnConnection
+
+from . import boots, registry
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +243,7 @@ class Batcher:
                             request.resolve(decided.get(request.run_id))
                     continue
             self.sizes["claim"][len(first)] += 1
+            WORKER_BATCH_SIZE.labels("claim").observe(len(first))
             for run_id, request in first.items():
                 request.resolve(claimed.get(run_id))
 
@@ -288,6 +292,7 @@ class Batcher:
                 request.resolve(error=BatchFailed(type(err).__name__))
             return
         self.sizes["finish"][len(requests)] += 1
+        WORKER_BATCH_SIZE.labels("finish").observe(len(requests))
         for request in requests:
             request.resolve(done.get(request.run_id))
 
@@ -323,15 +328,12 @@ def batcher() -> Batcher:
     global _batcher
     with _batcher_lock:
         if _batcher is None:
-            from . import boots
-            from .fence import boot_dsn, record_deadline
-
             config = current_app.config
-            dsn = boot_dsn()  # read here: the batcher's thread has no app context
+            dsn = boots.boot_dsn()  # read here: the batcher's thread has no app context
             _batcher = Batcher(
                 lambda: dsn, window=config["POIMEN_WORKER_BATCH_WINDOW_MS"] / 1000.0,
                 max_size=config["POIMEN_WORKER_BATCH_MAX"], live=boots.boot_is_live,
-                resolve_seconds=max(1.0, record_deadline() - time.monotonic()),
+                resolve_seconds=config["POIMEN_RECORD_RETRY_SECONDS"],
                 connect_kwargs=_connect_kwargs(config))
         return _batcher
 
@@ -347,7 +349,6 @@ def _connect_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
 def refused_workflows() -> list[str]:
     """The registered workflows a batch worker cannot run as declared: those that set a
     time limit (Celery's threads pool enforces none)."""
-    from . import registry
 
     return sorted(wf.ref for wf in registry.registered()
                   if wf.time_limit is not None or wf.soft_time_limit is not None)

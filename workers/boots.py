@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, LiteralString
 
 import psycopg
+from flask import current_app
 from psycopg.abc import Params
 
 from app.liveness import LOCK_NAMESPACE
@@ -56,7 +57,7 @@ from lease import (
     lock_connect_kwargs,
     probe_lock,
 )
-from poimenconfig import LeaseSettings
+from poimenconfig import LeaseSettings, libpq_url
 from poimenconfig import lease_settings as read_lease_settings
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,16 @@ _fence: KillFence | None = None
 
 # Called from the watchdog thread with a boot that lost its lock.
 on_lost: Callable[[Boot], None] | None = None
+
+
+def boot_dsn() -> str:
+    """The database a boot's lock connection uses, in libpq form.
+
+    ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
+    goes through a pooler), else the app's database.
+    """
+    return libpq_url(current_app.config.get("POIMEN_LOCK_DATABASE_URL")
+                     or current_app.config["SQLALCHEMY_DATABASE_URI"])
 
 
 def current_boot(dsn: Callable[[], str]) -> Boot:

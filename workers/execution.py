@@ -48,10 +48,10 @@ from logconfig import quiet_traceback
 
 from . import batching, boots, ledger, registry
 from .actions import bound_error, error_info
-from .boots import current_boot, end_current_boot
+from .boots import boot_dsn, current_boot, end_current_boot
 from .context import RunContext
 from .dberrors import db_session, rollback
-from .fence import Fence, boot_dsn, record_deadline
+from .fence import Fence, record_deadline
 
 log = logging.getLogger(__name__)
 

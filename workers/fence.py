@@ -39,11 +39,10 @@ from app.state.ledger import Child, Entered, EntryClose, MarkerClaim, PastEntry
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
 from app.tracecontext import TraceContext
-from poimenconfig import libpq_url
 
 from . import batching, boots
 from .actions import Effect, Emit, Output, bound_error
-from .boots import current_boot
+from .boots import boot_dsn, current_boot
 from .dberrors import retryable, rollback
 from .registry import Step
 
@@ -61,16 +60,6 @@ StoreRow = Row[Any]
 
 class ClaimLost(RuntimeError):
     """A fenced ledger write was refused: another worker holds the run now."""
-
-
-def boot_dsn() -> str:
-    """The database a boot's lock connection uses, in libpq form.
-
-    ``POIMEN_LOCK_DATABASE_URL`` when set (a direct URL when ``DATABASE_URL``
-    goes through a pooler), else the app's database.
-    """
-    return libpq_url(current_app.config.get("POIMEN_LOCK_DATABASE_URL")
-                     or current_app.config["SQLALCHEMY_DATABASE_URI"])
 
 
 def record_deadline() -> float:

@@ -48,7 +48,7 @@ class DatabaseGate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery: un
         self._timer: Any = None  # kombu's timer entry
 
     def start(self, c: Any) -> None:
-        from .fence import boot_dsn
+        from .boots import boot_dsn
 
         with c.app.flask_app.app_context():
             dsn = boot_dsn()

@@ -30,6 +30,7 @@ from . import celery_native, proctree, shutdown
 from .boots import (
     LockKeyTaken,
     PooledLockConnection,
+    boot_dsn,
     check_lease_settings,
     check_lock_database,
     current_boot,
@@ -37,7 +38,6 @@ from .boots import (
 )
 from .dberrors import db_session
 from .execution import ClaimReleased, execute_run, limited_workflow
-from .fence import boot_dsn
 
 log = logging.getLogger(__name__)
 

@@ -179,7 +179,7 @@ FINISH = function("poimen_finish")
 # The batching worker's end of many runs in one call: ``poimen_finish`` for each.
 FINISH_BATCH = function("poimen_finish_batch")
 # Its call, each array typed; after an unknown batch claim, the runs the batch claimed.
-FINISH_BATCH_CALL = statement("finish_batch")
+FINISH_BATCH_CALL = statement("finish_batch_call")
 CLAIMED_IN_BATCH = statement("claimed_in_batch")
 END_BACKEND = statement("end_backend")
 BACKEND_GONE = statement("backend_gone")

@@ -170,11 +170,13 @@ def run_state(net_pg, run_id) -> tuple[str, list[str]]:
 
 
 def cut_off_victim_mid_run(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path,
-                           seconds: float = RUN_SECONDS):
-    """Start the run on the guest's worker, start a rescuer and beat here, black-hole the
-    guest's Postgres flows; return (run id, tick file, victim pid, wall time of the cut)."""
+                           seconds: float = RUN_SECONDS, mode: str = "prefork"):
+    """Start the run on the guest's worker (``mode``: ``POIMEN_WORKER_MODE``), start a
+    rescuer and beat here, black-hole the guest's Postgres flows; return (run id, tick
+    file, victim pid, wall time of the cut)."""
     path = tmp_path / "ticks"
-    processes.append(start_guest(net, "victim", worker_argv("victim"), net_env, tmp_path))
+    processes.append(start_guest(net, "victim", worker_argv("victim"),
+                                 {**net_env, "POIMEN_WORKER_MODE": mode}, tmp_path))
     run_id = admit_tick(net_app, net_tenant, path, seconds)
     wait_until(lambda: len(ticks(path)) >= 8, timeout=60, what="the victim to run the body")
     victim_pid = ticks(path)[0][1]
@@ -201,11 +203,13 @@ def wait_for_rescue(path: Path, victim_pid: int, cut: float) -> tuple[float, flo
     return last_victim, first_rescuer
 
 
+@pytest.mark.parametrize("mode", ["prefork", "batch"])
 def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
-        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
-    """No overlap; started elsewhere within 60 s; after the heal, one success."""
+        mode, net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
+    """No overlap; started elsewhere within 60 s; after the heal, one success. In both
+    worker modes: a batch worker's fence ends the whole process, its threads' runs with it."""
     run_id, path, victim_pid, cut = cut_off_victim_mid_run(
-        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, LONG_RUN_SECONDS)
+        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, LONG_RUN_SECONDS, mode)
     last_victim, first_rescuer = wait_for_rescue(path, victim_pid, cut)
     print(f"\nblack hole: victim's last tick {last_victim - cut:+.1f}s after the cut, "
           f"rescuer's first {first_rescuer - cut:+.1f}s; gap {first_rescuer - last_victim:.1f}s")
@@ -219,7 +223,10 @@ def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
     assert events.count("run.succeeded") == 1 and events[-1] == "run.succeeded", events
     rows = ticks(path)
     assert max(t for t, pid in rows if pid == victim_pid) == last_victim  # it never came back
-    assert "SIGKILL" in processes[0].log() or "signal 9" in processes[0].log()
+    if mode == "prefork":  # the fence killed the pool process: its parent says so
+        assert "SIGKILL" in processes[0].log() or "signal 9" in processes[0].log()
+    else:  # the fence killed the batch worker itself: its threads' runs with it
+        assert processes[0].proc.poll() == -9
 
 
 def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, processes,

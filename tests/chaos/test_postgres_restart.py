@@ -1,6 +1,6 @@
 """Restart Postgres under a steady stream of runs.
 
-Two worker processes execute 3-second runs admitted one every second; Postgres
+A worker (two prefork pool processes, or a batch worker's four threads) executes 3-second runs admitted one every second; Postgres
 (a private server: ``tests/chaos/conftest.py``) is restarted in the middle.
 Every run must succeed, none twice: each run records 'start' and 'finish' in a
 side-effect table, so two executions of one run would show.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from app.state.executor import on_session
 from tests.processes import start_beat, start_worker, wait_until
 
@@ -17,7 +19,7 @@ RUNS = 16
 RUN_SECONDS = 3
 
 
-def _admit(chaos_app, tenant_id: int, n: int):
+def _admit(chaos_app, tenant_id: int, n: int, mode: str):
     """Admit one run, waiting out the restart (a caller retrying with its dispatch key)."""
     from app.admission import admit_run
     from app.extensions import db
@@ -28,7 +30,8 @@ def _admit(chaos_app, tenant_id: int, n: int):
             with chaos_app.app_context():
                 admission = admit_run(on_session(db.session), tenant_id=tenant_id,
                                       workflow_ref="blind",
-                                      input={"seconds": RUN_SECONDS}, dispatch_key=f"stream-{n}")
+                                      input={"seconds": RUN_SECONDS},
+                                      dispatch_key=f"stream-{n}-{mode}")
                 db.session.commit()
                 return admission.run.id
         except Exception:  # noqa: BLE001 - the database is restarting
@@ -37,22 +40,28 @@ def _admit(chaos_app, tenant_id: int, n: int):
             time.sleep(0.2)
 
 
+@pytest.mark.parametrize("mode", ["prefork", "batch"])
 def test_postgres_restart_under_a_stream_of_runs_loses_and_repeats_nothing(
-        private_postgres, chaos_env, chaos_app, chaos_tenant, chaos_redis, processes, tmp_path):
+        mode, private_postgres, chaos_env, chaos_app, chaos_tenant, chaos_redis, processes,
+        tmp_path):
     with private_postgres.connect() as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS side_effects (id bigserial PRIMARY KEY, "
                      "run_id uuid NOT NULL, kind text NOT NULL, pid int NOT NULL, "
                      "at timestamptz NOT NULL DEFAULT now())")
         conn.execute("TRUNCATE side_effects")
+        # Each mode's stream on its own: the runs of the one before are gone.
+        conn.execute("TRUNCATE runs, outbox CASCADE")
     env = {**chaos_env, "POIMEN_BOOT_PROBE_INTERVAL": "0.5", "POIMEN_REPAIR_INTERVAL": "5",
-           "POIMEN_REPAIR_MIN_AGE": "10"}
-    processes.append(start_worker(env, tmp_path, "worker", concurrency=2))
+           "POIMEN_REPAIR_MIN_AGE": "10", "POIMEN_WORKER_MODE": mode}
+    # A batch worker's threads share its claim and finish batches, which the restart cuts.
+    processes.append(start_worker(env, tmp_path, "worker", concurrency=2 if mode == "prefork"
+                                  else 4))
     processes.append(start_beat(env, tmp_path))
 
     run_ids = []
     restarted_at = None
     for n in range(RUNS):
-        run_ids.append(_admit(chaos_app, chaos_tenant.id, n))
+        run_ids.append(_admit(chaos_app, chaos_tenant.id, n, mode))
         if n == RUNS // 3:
             # Mid-stream, with runs executing: every connection and every lock goes.
             private_postgres.restart(down_for=2)

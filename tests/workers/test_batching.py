@@ -22,7 +22,7 @@ from app.state.direct import OwnConnection
 from app.state.executor import on_session
 from tests.processes import wait_until
 from tests.proxy import StallingProxy
-from workers.batching import BatchFailed, Batcher, ClaimUnknown
+from workers.batching import Batcher, BatchFailed, ClaimUnknown
 from workers.registry import max_takeovers_of
 
 from .test_claims import events_of, hold_as, status_of
@@ -123,7 +123,7 @@ def test_a_batch_ends_each_run_fenced_in_one_commit(admit, boot_factory, own, pg
 
 
 def test_two_children_of_one_join_ending_in_one_batch_wake_their_parent_once(
-        app, join_world, own, pg):
+        app, join_world, own, pg):  # noqa: F811 - the imported fixture
     """Each end counts for the join once, seeing the ends before it in the batch: the
     parent, waiting for both, is re-queued once, with one ``run.joined``."""
     from app.extensions import db
@@ -194,7 +194,7 @@ def test_the_batcher_merges_the_claims_of_many_threads_into_one_statement(
     for _ in runs:
         b.enter()
     claimed = in_threads([lambda run=run: b.claim(run, boot.boot_id) for run in runs])
-    assert all(row is not None and row.id == run for row, run in zip(claimed, runs))
+    assert all(row is not None and row.id == run for row, run in zip(claimed, runs, strict=True))
     # Every thread waiting on it: sent at once, in one statement, not after the window.
     assert b.sizes["claim"] == {8: 1}
     done = in_threads([lambda run=run: b.finish(run, [boot.boot_id], ends([run])[0])

@@ -276,9 +276,8 @@ def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app
                                                                              fresh_boot):
     """The worker cannot load the run's workflow (a rolling deploy): back to queued, the
     attempt given back, the boot kept."""
-    from workers.boots import current_boot
+    from workers.boots import boot_dsn, current_boot
     from workers.execution import execute_run
-    from workers.fence import boot_dsn
 
     run_id = admit("echo")
     pg.execute("UPDATE runs SET workflow_version = '999' WHERE id = %s", [run_id])

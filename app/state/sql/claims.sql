@@ -488,7 +488,7 @@ BEGIN
 END
 $body$;
 
--- name: finish_batch
+-- name: finish_batch_call
 -- The call of ``poimen_finish_batch`` with each array typed (an array of NULLs alone has
 -- no element type to resolve the function by).
 SELECT * FROM poimen_finish_batch(

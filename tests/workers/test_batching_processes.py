@@ -1,0 +1,90 @@
+"""The batching worker (``POIMEN_WORKER_MODE=batch``) as real processes under faults.
+
+Two batch workers (Celery's threads pool, eight threads each) and beat execute a stream of
+runs while one worker is SIGKILLed three times mid-batch and started again: every run
+ends once, none is lost, and no run is executed by two bodies at once. A batch worker
+refuses to start while a workflow sets a time limit. The Postgres restart under a batch
+worker is ``tests/chaos/test_postgres_restart.py`` (both modes); the rules themselves,
+deterministically, are ``test_batching.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.processes import start_beat, start_worker, wait_until
+
+pytestmark = pytest.mark.processes
+
+RUNS = 150
+KILLS = 3
+
+
+@pytest.fixture
+def log_dir(tmp_path):
+    path = tmp_path / "logs"
+    path.mkdir()
+    return path
+
+
+def batch_env(fast_env, **more):
+    return {**fast_env, "POIMEN_WORKER_MODE": "batch", **more}
+
+
+def test_kill_9_of_a_batch_worker_mid_batch_loses_and_repeats_no_run(
+        admit, side_effects, fast_env, pg, log_dir, processes):
+    env = batch_env(fast_env)
+    victim = start_worker(env, log_dir, "victim", concurrency=8)
+    other = start_worker(env, log_dir, "other", concurrency=8)
+    processes.extend([victim, other, start_beat(env, log_dir)])
+    run_ids = [admit("blind", {"seconds": 0.3}) for _ in range(RUNS)]
+    killed_pids: set[int] = set()
+    for kill in range(KILLS):
+        # Mid-batch: bodies of the victim's runs are executing (started, not finished).
+        pid = victim.pid
+        wait_until(lambda pid=pid: pg.execute(
+            "SELECT count(*) FROM side_effects s WHERE s.kind = 'start' AND s.pid = %s "
+            "AND NOT EXISTS (SELECT 1 FROM side_effects f WHERE f.run_id = s.run_id "
+            "AND f.kind = 'finish')", [pid]).fetchone()[0] >= 2,
+            timeout=60, interval=0.02, what="the victim to execute runs")
+        killed_pids.add(victim.pid)
+        victim.kill()
+        victim = start_worker(env, log_dir, f"victim{kill + 1}", concurrency=8)
+        processes.append(victim)
+        time.sleep(0.5)
+
+    def settled() -> bool:
+        return pg.execute("SELECT count(*) FROM runs WHERE status <> 'succeeded'"
+                          ).fetchone()[0] == 0
+
+    wait_until(settled, timeout=180, interval=0.5, what="every run to succeed")
+    ended = dict(pg.execute("SELECT run_id, count(*) FROM outbox WHERE event_type = "
+                            "'run.succeeded' GROUP BY run_id").fetchall())
+    assert sorted(ended) == sorted(run_ids) and set(ended.values()) == {1}
+    # No two executions of one run at once: every body that started and did not run last
+    # belongs to a worker that was killed; each run finished once past its takeovers.
+    resumed = 0
+    for run_id in run_ids:
+        starts = [r[0] for r in pg.execute(
+            "SELECT pid FROM side_effects WHERE run_id = %s AND kind = 'start' ORDER BY id",
+            [run_id])]
+        assert starts, run_id
+        assert set(starts[:-1]) <= killed_pids, (run_id, starts)
+        resumed += len(starts) > 1
+    assert resumed >= 1, "no run was executing when its worker was killed: proved nothing"
+    logs = victim.log() + other.log()
+    assert "batch mode" in logs
+    # The batches merged claims: the stream did not go one run per statement.
+    assert "claim outcome unknown" not in other.log()
+
+
+def test_a_batch_worker_refuses_a_workflow_with_a_time_limit(fast_env, log_dir, processes):
+    env = batch_env(fast_env,
+                    POIMEN_WORKFLOW_MODULES="tests.workflows,tests.workflows.celery_tasks")
+    worker = start_worker(env, log_dir, "refused", concurrency=2)
+    processes.append(worker)
+    wait_until(lambda: not worker.alive(), timeout=60, what="the worker to refuse to start")
+    log = worker.log()
+    assert "refuses to start" in log and "over-time@1" in log and "POIMEN_WORKER_MODE" in log
