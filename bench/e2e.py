@@ -88,6 +88,7 @@ RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## End to end: Kafka message to succeeded (bench/e2e.py)"
 POLL_S = 0.05
 CONCURRENCY = 2
+POOL = "prefork"  # every worker's Celery pool: threads under --mode batch
 
 
 @dataclass
@@ -343,7 +344,8 @@ def _plain_worker(env, logs, name, bin_dir, process_cls):
     return process_cls(
         name,
         [str(bin_dir / "celery"), "-A", "bench.plain_celery_app", "worker", "--loglevel", "INFO",
-         "--concurrency", str(CONCURRENCY), "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h",
+         "--pool", POOL, "--concurrency", str(CONCURRENCY),
+         "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h",
          "--without-mingle", "--without-gossip"],
         env, logs,
     ).start()
@@ -417,7 +419,7 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
 
 
 def main() -> int:
-    global CONCURRENCY
+    global CONCURRENCY, POOL
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--partitions", type=int, default=4)
@@ -437,8 +439,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
                         help="pool processes of every worker in the run (Poimen's, plain "
                              "Celery's, the naive bridge's); the Procfile's default is 2")
+    parser.add_argument("--mode", choices=("prefork", "batch"), default="prefork",
+                        help="Poimen's POIMEN_WORKER_MODE; plain Celery and the naive bridge "
+                             "run the same pool (threads for batch, then --concurrency "
+                             "threads: 16 unless given)")
     args = parser.parse_args()
-    CONCURRENCY = args.concurrency
+    POOL = "threads" if args.mode == "batch" else "prefork"
+    CONCURRENCY = (16 if args.mode == "batch" and args.concurrency == CONCURRENCY
+                   else args.concurrency)
     if args.naive_bridge:
         return naive_bridge()
 
@@ -459,6 +467,7 @@ def main() -> int:
         "POIMEN_INBOX_GROUP": f"bench-e2e-{tag}",
         "POIMEN_REPAIR_MIN_AGE": "3600",  # beat is not running; repair stays out of it
         "WORKER_CONCURRENCY": str(CONCURRENCY),
+        "POIMEN_WORKER_MODE": args.mode,
     })
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     redis = redis_lib.Redis.from_url(env["REDIS_URL"])
@@ -498,7 +507,8 @@ def main() -> int:
             f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
             f"Python {platform.python_version()}; embedded Postgres/Redis; Kafka broker {broker}; "
             f"`python bench/e2e.py --messages {n} --partitions {args.partitions} "
-            f"--broker {args.broker}`",
+            f"--broker {args.broker} --mode {args.mode}` ({POOL} pool x{CONCURRENCY} for "
+            f"every worker)",
             *lines,
         ])
     else:
