@@ -231,6 +231,33 @@ def _waiting_on_a_lock(pg) -> bool:
                       "AND datname = current_database()").fetchone()[0] >= 1
 
 
+class ClaimBehindALock:
+    """Two runs claimed in one batch through a proxy, the claim waiting on the second run's
+    row lock (held by ``blocker``): the test then breaks the path (``proxy.cut()``), lets
+    the lock go (``blocker.rollback()``), and reads each claim's answer (``answers()``)."""
+
+    def __init__(self, runs, boot, dsn, pg, live=lambda boot_id: True):
+        self.proxy = StallingProxy.to_postgres(dsn)
+        self.blocker = _block_on_row(dsn, runs[1])
+        b = batcher(self.proxy.url(dsn), live=live)
+        b.enter()
+        b.enter()
+        self.result: list = []
+        self.waiter = threading.Thread(target=lambda: self.result.extend(in_threads(
+            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
+        self.waiter.start()
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
+
+    def answers(self) -> list:
+        self.waiter.join(30)
+        return self.result
+
+    def close(self) -> None:
+        self.blocker.rollback()
+        self.blocker.close()
+        self.proxy.close()
+
+
 def test_a_batch_claim_cut_before_it_applied_is_decided_not_claimed_and_never_applies_later(
         admit, boot_factory, dsn, pg):
     """The connection breaks while the claim waits on a row lock. Its backend would go on
@@ -238,24 +265,12 @@ def test_a_batch_claim_cut_before_it_applied_is_decided_not_claimed_and_never_ap
     backend and awaits it before it reads, so the runs stay queued and go the single-run
     way (None), and the boot is not ended (no run is charged a takeover)."""
     runs, boot = [admit() for _ in range(2)], boot_factory()
-    proxy = StallingProxy.to_postgres(dsn)
-    blocker = _block_on_row(dsn, runs[1])
+    claim = ClaimBehindALock(runs, boot, dsn, pg)
     try:
-        b = batcher(proxy.url(dsn))
-        b.enter()
-        b.enter()
-        result: list = []
-        waiter = threading.Thread(target=lambda: result.extend(in_threads(
-            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
-        waiter.start()
-        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
-        proxy.cut()  # decisions go on a new connection, through the same route
-        waiter.join(30)
-        assert result == [None, None]
+        claim.proxy.cut()  # decisions go on a new connection, through the same route
+        assert claim.answers() == [None, None]
     finally:
-        blocker.rollback()
-        blocker.close()
-        proxy.close()
+        claim.close()
     time.sleep(1.0)  # had the cut backend lived on, it would have committed by now
     assert {status_of(pg, run)[0] for run in runs} == {"queued"}
 
@@ -265,52 +280,31 @@ def test_a_batch_claim_that_applied_with_its_answer_lost_is_decided_claimed(
     """The claim commits but its answer never arrives (the path stalls, then breaks): the
     runs this boot holds after the backend ended are the ones the batch claimed."""
     runs, boot = [admit() for _ in range(2)], boot_factory()
-    proxy = StallingProxy.to_postgres(dsn)
-    blocker = _block_on_row(dsn, runs[1])
+    claim = ClaimBehindALock(runs, boot, dsn, pg)
     try:
-        b = batcher(proxy.url(dsn))
-        b.enter()
-        b.enter()
-        result: list = []
-        waiter = threading.Thread(target=lambda: result.extend(in_threads(
-            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
-        waiter.start()
-        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
-        proxy.stall()
-        blocker.rollback()  # the claim goes on, commits, and answers into the stalled path
+        claim.proxy.stall()
+        claim.blocker.rollback()  # the claim goes on, commits, answers into the stalled path
         wait_until(lambda: {status_of(pg, r)[0] for r in runs} == {"running"}, timeout=10,
                    what="the claim to commit")
-        proxy.cut()
-        proxy.resume()
-        waiter.join(30)
+        claim.proxy.cut()
+        claim.proxy.resume()
+        answers = claim.answers()
     finally:
-        blocker.close()
-        proxy.close()
-    assert [row.id if row is not None else row for row in result] == runs
+        claim.close()
+    assert [row.id if row is not None else row for row in answers] == runs
     assert {status_of(pg, run) for run in runs} == {("running", boot.boot_id, 1)}
 
 
 def test_a_batch_claim_of_unknown_outcome_whose_boot_died_is_left_to_the_takeover(
         admit, boot_factory, dsn, pg):
     runs, boot = [admit() for _ in range(2)], boot_factory()
-    proxy = StallingProxy.to_postgres(dsn)
-    blocker = _block_on_row(dsn, runs[1])
+    claim = ClaimBehindALock(runs, boot, dsn, pg, live=lambda boot_id: False)
     try:
-        b = batcher(proxy.url(dsn), live=lambda boot_id: False)
-        b.enter()
-        b.enter()
-        result: list = []
-        waiter = threading.Thread(target=lambda: result.extend(in_threads(
-            [lambda run=run: b.claim(run, boot.boot_id) for run in runs])))
-        waiter.start()
-        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the claim to wait")
-        proxy.cut()
-        waiter.join(30)
+        claim.proxy.cut()
+        answers = claim.answers()
     finally:
-        blocker.rollback()
-        blocker.close()
-        proxy.close()
-    assert all(isinstance(r, ClaimUnknown) for r in result)
+        claim.close()
+    assert all(isinstance(answer, ClaimUnknown) for answer in answers)
 
 
 def test_a_second_delivery_in_this_process_is_a_duplicate_decided_here():
