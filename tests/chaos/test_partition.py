@@ -203,11 +203,14 @@ def wait_for_rescue(path: Path, victim_pid: int, cut: float) -> tuple[float, flo
     return last_victim, first_rescuer
 
 
-@pytest.mark.parametrize("mode", ["prefork", "batch"])
 def test_a_black_holed_worker_stops_its_body_before_another_starts_it(
-        mode, net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
-    """No overlap; started elsewhere within 60 s; after the heal, one success. In both
-    worker modes: a batch worker's fence ends the whole process, its threads' runs with it."""
+        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
+    """No overlap; started elsewhere within 60 s; after the heal, one success."""
+    black_holed_worker(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path,
+                       "prefork")
+
+
+def black_holed_worker(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, mode):
     run_id, path, victim_pid, cut = cut_off_victim_mid_run(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, LONG_RUN_SECONDS, mode)
     last_victim, first_rescuer = wait_for_rescue(path, victim_pid, cut)
@@ -233,8 +236,8 @@ def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, 
                                                           tmp_path, net_tenant):
     """Guard for the black-hole tests: a worker started on the guest reaches Postgres from
     the guest's address (else the black hole would cut nothing). Second in the module: with
-    two xdist workers the first two tests go to one and the last two to the other (xdist's
-    first chunks), so the two longest run at once."""
+    two xdist workers the first three tests go to one and the last two to the other (xdist's
+    first chunks), so the two longest (the prefork and the batch worker's) run at once."""
     processes.append(start_guest(net, "guest-check", worker_argv("guest"), net_env, tmp_path))
 
     def guest_sessions() -> int:
@@ -263,6 +266,15 @@ def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
 
 
 # -- the outbox relay -----------------------------------------------------------------------------
+
+# After the host test, not beside the prefork one: xdist's first chunks then put the two
+# 78 s tests on different workers.
+def test_a_black_holed_batch_worker_stops_its_bodies_before_another_starts_them(
+        net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
+    """The same in batch mode (``POIMEN_WORKER_MODE=batch``): the fence ends the whole
+    process, its threads' runs with it."""
+    black_holed_worker(net, net_pg, net_env, net_app, net_tenant, processes, tmp_path, "batch")
+
 
 def test_a_black_holed_active_outbox_relay_is_replaced_within_a_minute_losing_nothing(
         net, net_pg, net_env, net_tenant, processes, tmp_path):
