@@ -232,22 +232,6 @@ def black_holed_worker(net, net_pg, net_env, net_app, net_tenant, processes, tmp
         assert processes[0].proc.poll() == -9
 
 
-def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, processes,
-                                                          tmp_path, net_tenant):
-    """Guard for the black-hole tests: a worker started on the guest reaches Postgres from
-    the guest's address (else the black hole would cut nothing). Second in the module: with
-    two xdist workers the first three tests go to one and the last two to the other (xdist's
-    first chunks), so the two longest (the prefork and the batch worker's) run at once."""
-    processes.append(start_guest(net, "guest-check", worker_argv("guest"), net_env, tmp_path))
-
-    def guest_sessions() -> int:
-        with psycopg.connect(net_pg.admin_url, autocommit=True) as conn:
-            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE client_addr = %s",
-                                [net.guest_addr]).fetchone()[0]
-
-    wait_until(lambda: guest_sessions() > 0, timeout=60, what="a session from the guest")
-
-
 def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
     """The victim's path goes silent and its whole process group is SIGKILLed (a
@@ -267,8 +251,25 @@ def test_a_black_holed_host_that_died_is_taken_over_within_a_minute(
 
 # -- the outbox relay -----------------------------------------------------------------------------
 
-# After the host test, not beside the prefork one: xdist's first chunks then put the two
-# 78 s tests on different workers.
+def test_the_victims_lock_session_really_crossed_the_veth(net, net_pg, net_env, processes,
+                                                          tmp_path, net_tenant):
+    """Guard for the black-hole tests: a worker started on the guest reaches Postgres from
+    the guest's address (else the black hole would cut nothing). Third in the module: xdist's
+    worksteal gives the first two tests to one worker and the last three to the other, and
+    steals none from a queue of two, so the prefork worker's and the host's (83 and 52 s)
+    run beside this one, the batch worker's and the relay's (78 and 24 s)."""
+    processes.append(start_guest(net, "guest-check", worker_argv("guest"), net_env, tmp_path))
+
+    def guest_sessions() -> int:
+        with psycopg.connect(net_pg.admin_url, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE client_addr = %s",
+                                [net.guest_addr]).fetchone()[0]
+
+    wait_until(lambda: guest_sessions() > 0, timeout=60, what="a session from the guest")
+
+
+# Fourth: with the veth check and the relay's on the second xdist worker (see the veth
+# check), apart from the prefork worker's.
 def test_a_black_holed_batch_worker_stops_its_bodies_before_another_starts_them(
         net, net_pg, net_env, net_app, net_tenant, processes, tmp_path):
     """The same in batch mode (``POIMEN_WORKER_MODE=batch``): the fence ends the whole
