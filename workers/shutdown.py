@@ -62,6 +62,7 @@ _grace = DEFAULT_SHUTDOWN_GRACE
 _in_pool_process = False
 _executing = False
 _lock = threading.Lock()
+_abandon_timer: threading.Timer | None = None  # the batching worker's (abandon_after)
 
 
 def shutting_down() -> bool:
@@ -142,10 +143,18 @@ def _start_grace() -> None:
 def abandon_after(grace: float) -> None:
     """The batching worker's grace (one process, its runs in threads): Celery's warm
     shutdown lets them finish; at the deadline the process exits and leaves what still
-    runs to repair, as a pool process does."""
-    global _grace
-    _grace = grace
-    _start_grace()
+    runs to repair, as a pool process does. Called after ``mark_received`` (which starts
+    no timer: a prefork main process has none to give up)."""
+    global _grace, _abandon_timer
+    with _lock:
+        if _abandon_timer is not None:
+            return  # a second SIGTERM: Celery's own cold shutdown follows
+        _grace = grace
+        log.warning("SIGTERM: finishing the runs in flight; giving them up in %.0fs", grace)
+        _abandon_timer = threading.Timer(
+            grace, _abandon, args=(f"the {grace:.0f}s shutdown grace",))
+        _abandon_timer.daemon = True
+        _abandon_timer.start()
 
 
 def _die(signum: int) -> None:

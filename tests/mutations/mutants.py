@@ -1245,6 +1245,16 @@ MUTANTS: list[Mutant] = [
         "",
         (f"{BATCH_TESTS}::test_a_second_delivery_in_this_process_is_a_duplicate_decided_here",),
     ),
+    Mutant(
+        "batch_sigterm_grace_ignored",
+        "a batch worker's SIGTERM bounds Celery's wait for its threads by the grace: at the "
+        "deadline the process exits and leaves its runs to repair",
+        "workers/shutdown.py",
+        "        _abandon_timer.start()\n",
+        "",
+        (f"tests/workers/test_batching_processes.py::test_sigterm_to_a_batch_worker_lets_"
+         "short_runs_finish_and_leaves_the_rest_after_the_grace",),
+    ),
     # -- rate limits --------------------------------------------------------------------------
     Mutant(
         "rate_check_then_claim",
