@@ -189,15 +189,16 @@ def waiting_for_the_cap(pg, run_ids) -> int:
 @pytest.mark.processes
 def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant, side_effects,
                                                               fast_env, pg, log_dir, processes):
-    """Cap 1, three runs: one runs (8 s), two wait for the cap. The operator lifts the
-    cap with the CLI: both start beside the first at once. No beat: the wake-up is the
+    """Cap 1, three runs: one runs (25 s), two wait for the cap. The operator lifts the
+    cap with the CLI: both start beside the first at once (25 s: the CLI's start-up under
+    a loaded suite took long enough that an 8 s first run had ended before the lift). No beat: the wake-up is the
     cap change's own (in its transaction), not a repair tick's (10 s by default); without
     it the two would wait for good, since an end wakes nothing under no cap."""
     from app.tenant_service import set_max_running
 
     with app.app_context():
         set_max_running(tenant.name, 1)
-    first = admit("blind", {"seconds": 8})
+    first = admit("blind", {"seconds": 25})
     waiters = [admit("blind", {"seconds": 0.5}) for _ in range(2)]
     processes.append(start_worker(fast_env, log_dir, "w1", concurrency=3))
     wait_until(lambda: side_effects(first, "start") == 1, timeout=60, what="the first to start")
@@ -209,12 +210,12 @@ def test_lifting_a_tenant_cap_starts_its_waiting_runs_at_once(app, admit, tenant
     assert "max running none" in out
     for run_id in waiters:
         wait_status(pg, run_id, {"succeeded"}, timeout=20)
-    wait_status(pg, first, {"succeeded"}, timeout=30)
+    wait_status(pg, first, {"succeeded"}, timeout=60)
 
     spans = intervals(pg, [first, *waiters])
     started = max(spans[r][0] for r in waiters)
     # At once: both woken by the cap change's own transaction and started while the first
-    # run (8 s) still ran, with no beat and no end to wake them. Measured against the
+    # run (25 s) still ran, with no beat and no end to wake them. Measured against the
     # first run rather than in seconds, so a loaded machine cannot fail it.
     woken = woken_at(pg, waiters)
     assert woken is not None and woken >= lifted_at, "the cap change woke none"
