@@ -279,23 +279,19 @@ def _claim(run_id: uuid.UUID, limited: bool = False) -> Claim:
             # then the claim, in one call), without the refused claim and the state read.
             # Its commit is still inside this try.
             # On psycopg without the session's machinery (app/state/direct.py).
-            store = single_statements(session, send_pending)
-            in_transaction = not isinstance(store, SingleStatements)
             claimed = (batching.batcher().claim(run_id, boot.boot_id)
                        if batching.active() and not limited else None)
             if claimed is not None:
                 # Committed in the store batcher's batch (workers/batching.py).
                 claim = Claim(ClaimOutcome.CLAIMED, run_id, boot.boot_id, claimed.attempt,
                               run=claimed)
-            elif limited:
-                claim = claim_slot(store, run_id, boot.boot_id,
-                                   max_takeovers=registry.max_takeovers_of,
-                                   transaction=in_transaction)
             else:
-                claim = claim_run(store, run_id, boot.boot_id,
-                                  max_takeovers=registry.max_takeovers_of,
-                                  transaction=in_transaction)
-            store.commit()
+                store = single_statements(session, send_pending)
+                in_transaction = not isinstance(store, SingleStatements)
+                claim = (claim_slot if limited else claim_run)(
+                    store, run_id, boot.boot_id, max_takeovers=registry.max_takeovers_of,
+                    transaction=in_transaction)
+                store.commit()
             if claim.outcome == ClaimOutcome.SLOTS:
                 # A limited run the claim did not take (a dead holder's, a duplicate):
                 # decided under its group's locks, which last until this commit.

@@ -32,9 +32,9 @@ from app.extensions import db
 from app.models import TERMINAL_STATUSES, AdmissionOrigin, RunStatus
 from app.state import ledger
 from app.state.claims import finish_params, finish_run, release_claim, schedule_retry
-from app.state.compose import send_woken
-from app.state.direct import OwnSends, single_statements
-from app.state.executor import Executor, on_session
+from app.state.compose import add_woken
+from app.state.direct import single_statements
+from app.state.executor import Executor, PendingSends, on_session
 from app.state.ledger import Child, Entered, EntryClose, MarkerClaim, PastEntry
 from app.state.outbox import record_event
 from app.state.runs import lock_slots
@@ -353,10 +353,10 @@ class Fence:
                 uncertain = True
             else:
                 if done is not None:
-                    sends = OwnSends()
-                    send_woken(sends, done.woken)
-                    if sends.pending:
-                        send_pending(sends.pending.take())
+                    woken = PendingSends()
+                    add_woken(woken, done.woken)
+                    if woken:
+                        send_pending(woken.take())
                     return True
                 # Refused: decided alone (an adoption may have moved the claim meanwhile).
         return self._end(lambda session, ours: finish_run(

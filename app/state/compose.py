@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .executor import Executor, Send
+from .executor import Executor, PendingSends, Send
 
 # json.dumps(value, default=str) made once: json.dumps with an argument makes an encoder
 # per call, more than half of a small value's CPU.
@@ -78,11 +78,16 @@ def send_row_after_commit(executor: Executor, row: Any) -> None:
 def send_woken(executor: Executor, woken: Woken | None) -> None:
     """Send the parents a run's end re-queued (a statement's ``woken`` column) once
     ``executor``'s work commits."""
+    add_woken(executor.pending, woken)
+
+
+def add_woken(pending: PendingSends, woken: Woken | None) -> None:
+    """Add the runs of a statement's ``woken`` column to ``pending``."""
     for parent in woken or ():
-        send_after_commit(executor, uuid.UUID(parent["id"]), parent["ref"],
-                          parent.get("traceparent"), parent.get("tracestate"),
-                          parent.get("attempt") or 0, parent.get("parent_run_id"),
-                          parent.get("root_run_id") or parent.get("parent_run_id"))
+        pending.add(uuid.UUID(parent["id"]), Send(
+            parent["ref"], parent.get("traceparent"), parent.get("tracestate"),
+            parent.get("attempt") or 0, parent.get("parent_run_id"),
+            parent.get("root_run_id") or parent.get("parent_run_id")))
 
 
 def woken_of(row: Any) -> Woken | None:

@@ -30,7 +30,7 @@ import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import exc
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Dialect, Engine
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.expression import Executable
@@ -106,7 +106,7 @@ class SingleStatements:
     def execute(self, statement: Executable,
                 params: Mapping[str, Any] | None = None) -> Result:
         assert isinstance(statement, TextClause), "the store's statements are text"
-        sql = _compiled(statement, self.engine)
+        sql = _compiled(statement, self.engine.dialect)
         for observe in OBSERVERS:
             observe(sql)
         try:
@@ -120,14 +120,7 @@ class SingleStatements:
         try:
             conn.autocommit = True
             try:
-                with conn.cursor(row_factory=namedtuple_row) as cur:
-                    cur.execute(sql, params or {})
-                    # Not ``cur.description``: it builds a Column object for every column
-                    # of every statement (a tenth of an admission's CPU for a run's 32).
-                    result = cur.pgresult
-                    rows = (cur.fetchall() if result is not None
-                            and result.status == _TUPLES_OK else [])
-                    rowcount = cur.rowcount
+                result = _run(conn, sql, params)
             finally:
                 if not conn.closed:
                     conn.autocommit = False  # as the pool hands it to a session
@@ -140,7 +133,7 @@ class SingleStatements:
                                           connection_invalidated=lost) from err
         finally:
             fairy.close()
-        return Result(rows, rowcount)
+        return result
 
     def commit(self) -> None:
         """Every statement committed as it ran: send the runs they left to send, as a
@@ -169,16 +162,11 @@ class OwnConnection:
     def execute(self, statement: Executable,
                 params: Mapping[str, Any] | None = None) -> Result:
         assert isinstance(statement, TextClause), "the store's statements are text"
-        sql = _compiled_psycopg(statement)
+        sql = _compiled(statement, _PSYCOPG_DIALECT)
         for observe in OBSERVERS:
             observe(sql)
         try:
-            with self.conn.cursor(row_factory=namedtuple_row) as cur:
-                cur.execute(sql, params or {})
-                result = cur.pgresult
-                rows = (cur.fetchall() if result is not None
-                        and result.status == _TUPLES_OK else [])
-                return Result(rows, cur.rowcount)
+            return _run(self.conn, sql, params)
         except psycopg.Error as err:
             raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
                                           connection_invalidated=self.conn.closed) from err
@@ -190,38 +178,29 @@ class OwnConnection:
         self.pending.clear()
 
 
-class OwnSends(OwnConnection):
-    """Only the runs to send of a write made elsewhere (a batch's): it runs nothing."""
-
-    def __init__(self) -> None:
-        self.pending = PendingSends()
-
-    def execute(self, statement: Executable,
-                params: Mapping[str, Any] | None = None) -> Result:
-        raise AssertionError("OwnSends runs no statement")
-
-
 _PSYCOPG_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
 
 
-def _compiled_psycopg(statement: TextClause) -> str:
-    """``statement`` in psycopg's parameter style, compiled once."""
-    key = (id(statement), id(_PSYCOPG_DIALECT))
-    hit = _COMPILED.get(key)
-    if hit is None or hit[0] is not statement:
-        hit = (statement, statement.compile(dialect=_PSYCOPG_DIALECT).string)
-        _COMPILED[key] = hit
-    return hit[1]
+def _run(conn: psycopg.Connection[Any], sql: str, params: Mapping[str, Any] | None
+         ) -> Result:
+    """``sql`` on ``conn`` (in autocommit): its rows and rowcount."""
+    with conn.cursor(row_factory=namedtuple_row) as cur:
+        cur.execute(sql, params or {})
+        # Not ``cur.description``: it builds a Column object for every column of every
+        # statement (a tenth of an admission's CPU for a run's 32).
+        result = cur.pgresult
+        rows = cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
+        return Result(rows, cur.rowcount)
 
 
 _COMPILED: dict[tuple[int, int], tuple[TextClause, str]] = {}
 
 
-def _compiled(statement: TextClause, engine: Engine) -> str:
+def _compiled(statement: TextClause, dialect: Dialect) -> str:
     """``statement`` in the driver's parameter style (``%(name)s``), compiled once."""
-    key = (id(statement), id(engine.dialect))
+    key = (id(statement), id(dialect))
     hit = _COMPILED.get(key)
     if hit is None or hit[0] is not statement:
-        hit = (statement, statement.compile(dialect=engine.dialect).string)
+        hit = (statement, statement.compile(dialect=dialect).string)
         _COMPILED[key] = hit
     return hit[1]

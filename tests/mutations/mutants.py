@@ -1252,7 +1252,7 @@ MUTANTS: list[Mutant] = [
         "workers/shutdown.py",
         "        _abandon_timer.start()\n",
         "",
-        (f"tests/workers/test_batching_processes.py::test_sigterm_to_a_batch_worker_lets_"
+        ("tests/workers/test_batching_processes.py::test_sigterm_to_a_batch_worker_lets_"
          "short_runs_finish_and_leaves_the_rest_after_the_grace",),
     ),
     # -- rate limits --------------------------------------------------------------------------
