@@ -19,6 +19,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bridge.topics import declare_topics
+from tests import kafka_topics
 from tests.processes import (
     ROOT,
     Process,
@@ -136,6 +137,7 @@ def setup(test_env, make_tenant, web, tmp_path):
         relay.stop()
         # Shown by pytest when the test failed.
         print(f"--- {relay.name} ---\n{relay.log()[-6000:]}")
+    kafka_topics.delete_under(s.bootstrap, s.prefix)
 
 
 def metric_sum(url: str, name: str) -> float:

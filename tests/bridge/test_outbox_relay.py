@@ -33,6 +33,7 @@ from bridge.topics import declare_topics
 from poimen_dev import _noida_binary
 from poimen_dev.platform import procfile_commands
 from poimenconfig import libpq_url, outbox_settings, parse_retention
+from tests import kafka_topics
 from tests.processes import (
     BIN,
     ROOT,
@@ -230,6 +231,7 @@ def world(test_env, database_url, tmp_path):
         proc.stop()
     for reader in w.readers:
         reader.close()
+    kafka_topics.delete_under(w.bootstrap, w.prefix)
 
 
 @pytest.fixture(scope="module")

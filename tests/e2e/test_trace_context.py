@@ -20,6 +20,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bridge.topics import declare_topics
 from poimen_dev.platform import procfile_commands
+from tests import kafka_topics
 from tests.processes import (
     BIN,
     Process,
@@ -128,6 +129,7 @@ def platform(test_env, make_tenant, tmp_path, request):
         for proc in procs:
             proc.stop()
             print(f"--- {proc.name} ---\n{proc.log()[-4000:]}")  # shown if the test fails
+        kafka_topics.delete_under(bootstrap, prefix)
 
 
 def test_an_http_traceparent_is_on_every_event_of_the_run_and_of_its_children(platform):

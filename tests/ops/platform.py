@@ -12,6 +12,7 @@ import requests
 from confluent_kafka import Producer
 
 from bridge.topics import declare_topics
+from tests import kafka_topics
 from tests.processes import Process, free_port, start_procfile_process, wait_until
 
 METRICS_TOKEN = "ops-metrics-token"
@@ -73,6 +74,7 @@ class Platform:
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop()
+        kafka_topics.delete_under(self.env["KAFKA_BOOTSTRAP_SERVERS"], self.prefix)
 
 
 def platform_env(test_env: dict[str, str], service_token: str, tmp_path: Path,
