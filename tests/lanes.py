@@ -15,12 +15,15 @@ Every test is in one lane, assigned at collection (``tests/process_guard.py``):
   a Postgres and a Redis of their own in a network namespace (the partition tests):
   beside the unit and db lanes, away from the other system tests.
 
-The passes run in three stages, the passes of a stage at the same time (the output of
-each printed whole, one after another): the unit lane, the db lane and the system
-lane's ``apart`` tests (on servers of their own: the partition tests); then the system
-lane's parallel pass; then its ``alone`` tests. The parallel pass starts the longest
-modules first (``tests/durations.py``, from ``tests/durations.json``);
-``--store-durations`` writes that file from the pass's report.
+Each pass starts once the passes it waits for have ended (``Pass.after``): the unit
+lane, the db lane and the system lane's ``apart`` tests (on servers of their own: the
+partition tests) at once; the system lane's parallel pass when the unit and db lanes
+have ended (the ``apart`` pass's last, mostly waiting test runs on beside its first,
+mostly waiting modules); its ``alone`` tests when every other pass has ended. The
+db, parallel and ``alone`` passes stream their output; the others' is printed whole
+when they end. The parallel pass starts the longest modules first
+(``tests/durations.py``, from ``tests/durations.json``); ``--store-durations`` writes
+that file from the pass's report.
 
 Each pass prints its test count and seconds; any pass's non-zero pytest status fails
 the run (5, no tests collected, included), after every lane has run. The defaults
@@ -36,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,8 +60,9 @@ class Pass:
     workers: int = 0  # 0: in this pytest process, no xdist
     dist: str = "load"
     env: dict[str, str] | None = None
-    stage: int = 0  # passes of one stage run at the same time; stages one after another
+    after: tuple[str, ...] = ()  # the passes (by lane label) it waits for, where selected
     longest_first: bool = False  # modules in tests/durations.json's order
+    stream: bool = False  # its output as it comes (else whole, when it ends)
 
 
 # A fixed piece of Python work, and how long it may take on a machine fast enough for the
@@ -97,16 +102,17 @@ def passes(lanes: list[str]) -> list[Pass]:
         "unit": [Pass("unit", "unit", env=NO_SERVICES)],
         # worksteal: the model test's families take tens of seconds each, the rest
         # milliseconds; an idle worker takes over another's queue.
-        "db": [Pass("db", "db", db_workers, "worksteal")],
+        "db": [Pass("db", "db", db_workers, "worksteal", stream=True)],
         # `apart`: system tests on servers of their own (the partition tests), beside the
-        # unit and db lanes; then the parallel pass; then the `alone` tests. On a fast
-        # machine two at a time: one after another they were stage 0's longest pass (179 s
-        # against unit and db's 150 s beside them).
+        # unit and db lanes and then the parallel pass's start; then the `alone` tests.
+        # On a fast machine two at a time: one after another they were the first passes'
+        # longest (179 s against unit and db's 150 s beside them).
         "system": [Pass("system apart", "system and apart", 2 if system_workers >= 5 else 0,
                         "worksteal"),
                    Pass("system", "system and not alone and not apart", system_workers,
-                        "loadfile", longest_first=True, stage=1),
-                   Pass("system alone", "system and alone", stage=2)],
+                        "loadfile", after=("unit", "db"), longest_first=True, stream=True),
+                   Pass("system alone", "system and alone",
+                        after=("unit", "db", "system apart", "system"), stream=True)],
     }
     return [p for lane in lanes for p in table[lane]]
 
@@ -146,23 +152,43 @@ def run(step: Pass, extra: list[str], report: Path,
 
 
 def run_all(steps: list[Pass], extra: list[str], reports: Path) -> list[tuple]:
-    """Every stage in order; a stage's passes at the same time, the output of all but its
-    last held and printed after the last one's."""
-    results: list[tuple] = []
-    for stage in sorted({step.stage for step in steps}):
-        *beside, last = [step for step in steps if step.stage == stage]
-        with ThreadPoolExecutor(max_workers=max(1, len(beside))) as pool:
-            held = [(step, out, pool.submit(run, step, extra, _report(reports, step), out))
-                    for step in beside for out in [tempfile.TemporaryFile("w+")]]
-            after = run(last, extra, _report(reports, last))
-            for step, out, future in held:
-                answer = future.result()
-                out.seek(0)
-                sys.stdout.write(out.read())
+    """Every pass, each once the selected passes it waits for have ended; results in
+    ``steps``' order. A streaming pass's lines and an ended pass's whole output are
+    written under one lock, so no line is cut."""
+    lock = threading.Lock()
+    ended = {step.lane: threading.Event() for step in steps}
+    results: dict[str, tuple] = {}
+
+    class Locked:
+        def write(self, text: str) -> None:
+            with lock:
+                sys.stdout.write(text)
+
+        def flush(self) -> None:
+            with lock:
                 sys.stdout.flush()
-                results.append((step, *answer))
-        results.append((last, *after))
-    return results
+
+    def one(step: Pass) -> None:
+        try:
+            for lane in step.after:
+                if lane in ended:
+                    ended[lane].wait()
+            if step.stream:
+                results[step.lane] = run(step, extra, _report(reports, step), Locked())
+                return
+            with tempfile.TemporaryFile("w+") as out:
+                results[step.lane] = run(step, extra, _report(reports, step), out)
+                out.seek(0)
+                with lock:
+                    sys.stdout.write(out.read())
+                    sys.stdout.flush()
+        finally:
+            ended[step.lane].set()
+
+    with ThreadPoolExecutor(max_workers=len(steps)) as pool:
+        for future in [pool.submit(one, step) for step in steps]:
+            future.result()
+    return [(step, *results[step.lane]) for step in steps]
 
 
 def _report(reports: Path, step: Pass) -> Path:

@@ -135,10 +135,12 @@ def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite(
     assert "-m tests.lanes --" in test.group(2), "make test runs every lane"
     assert not re.search(r"pytest[^\n]*\s-m\s", test.group(2)), "make test selects no marks"
     # The passes select every lane whole: system's three passes split it by `apart` and
-    # `alone`; the first stage is unit, db and the `apart` tests.
-    assert [(p.marks, p.stage) for p in passes(list(LANES))] == [
-        ("unit", 0), ("db", 0), ("system and apart", 0),
-        ("system and not alone and not apart", 1), ("system and alone", 2)]
+    # `alone`. Unit, db and the `apart` tests start at once; the parallel pass after unit
+    # and db; the `alone` tests after every other pass.
+    assert [(p.marks, p.after) for p in passes(list(LANES))] == [
+        ("unit", ()), ("db", ()), ("system and apart", ()),
+        ("system and not alone and not apart", ("unit", "db")),
+        ("system and alone", ("unit", "db", "system apart", "system"))]
     assert all("system" not in p.marks for p in passes(["unit", "db"]))
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
@@ -152,7 +154,7 @@ def test_the_system_pass_starts_the_longest_modules_first():
     (parallel,) = [p for p in passes(["system"]) if p.longest_first]
     assert parallel.marks == "system and not alone and not apart" and parallel.dist == "loadfile"
     unit, db = passes(["unit", "db"])
-    assert unit.stage == db.stage == 0
+    assert unit.after == db.after == ()
 
 
 def test_a_junit_report_gives_each_modules_seconds(tmp_path):
@@ -166,3 +168,32 @@ def test_a_junit_report_gives_each_modules_seconds(tmp_path):
         '<testcase classname="tests.app.test_runs.TestX" name="c" time="4"/>'
         '</testsuite></testsuites>')
     assert of_junit(report) == {"tests/test_lease.py": 3.5, "tests/app/test_runs.py": 4.0}
+
+
+def test_a_pass_starts_once_the_selected_passes_it_waits_for_have_ended(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    from tests import lanes
+
+    log: list[tuple[str, str]] = []
+    guard = threading.Lock()
+
+    def run(step, extra, report, out=None):
+        with guard:
+            log.append(("start", step.lane))
+        time.sleep({"slow": 0.3, "quick": 0.05}.get(step.lane, 0.01))
+        with guard:
+            log.append(("end", step.lane))
+        return 0, 1, 0.0, "1 passed in 0.01s"
+
+    monkeypatch.setattr(lanes, "run", run)
+    steps = [lanes.Pass("quick", "a"), lanes.Pass("slow", "b"),
+             lanes.Pass("next", "c", after=("quick", "unselected")),
+             lanes.Pass("last", "d", after=("slow", "next"))]
+    results = lanes.run_all(steps, [], tmp_path)
+    assert [r[0].lane for r in results] == ["quick", "slow", "next", "last"]
+    assert log.index(("start", "next")) > log.index(("end", "quick"))
+    assert log.index(("start", "next")) < log.index(("end", "slow")), "next waited for slow"
+    assert log.index(("start", "last")) > log.index(("end", "slow"))
+    assert log.index(("start", "last")) > log.index(("end", "next"))
