@@ -16,10 +16,10 @@ Every test is in one lane, assigned at collection (``tests/process_guard.py``):
   beside the unit and db lanes, away from the other system tests.
 
 Each pass starts once the passes it waits for have ended (``Pass.after``): the unit
-lane, the db lane and the system lane's ``apart`` tests (on servers of their own: the
-partition tests) at once; the system lane's parallel pass when the unit and db lanes
-have ended (the ``apart`` pass's last, mostly waiting test runs on beside its first,
-mostly waiting modules); its ``alone`` tests when every other pass has ended. The
+and db lanes at once; the system lane's ``apart`` tests (on servers of their own: the
+partition tests) when the unit lane has ended; the system lane's parallel pass when the
+unit and db lanes have ended (the ``apart`` tests, mostly waiting on partitions, run on
+beside its first modules); its ``alone`` tests when every other pass has ended. The
 db, parallel and ``alone`` passes stream their output; the others' is printed whole
 when they end. The parallel pass starts the longest modules first
 (``tests/durations.py``, from ``tests/durations.json``); ``--store-durations`` writes
@@ -103,12 +103,13 @@ def passes(lanes: list[str]) -> list[Pass]:
         # worksteal: the model test's families take tens of seconds each, the rest
         # milliseconds; an idle worker takes over another's queue.
         "db": [Pass("db", "db", db_workers, "worksteal", stream=True)],
-        # `apart`: system tests on servers of their own (the partition tests), beside the
-        # unit and db lanes and then the parallel pass's start; then the `alone` tests.
-        # On a fast machine two at a time: one after another they were the first passes'
-        # longest (179 s against unit and db's 150 s beside them).
+        # `apart`: system tests on servers of their own (the partition tests), once the
+        # unit lane has ended (its servers' start-up then takes no CPU from the db lane,
+        # the first on the way to the parallel pass), beside the db lane and the parallel
+        # pass's start, both waits mostly; then the `alone` tests. On a fast machine two
+        # at a time: one after another they would outlast the db lane and that start.
         "system": [Pass("system apart", "system and apart", 2 if system_workers >= 5 else 0,
-                        "worksteal"),
+                        "worksteal", after=("unit",)),
                    Pass("system", "system and not alone and not apart", system_workers,
                         "loadfile", after=("unit", "db"), longest_first=True, stream=True),
                    Pass("system alone", "system and alone",

@@ -135,10 +135,10 @@ def test_make_check_is_the_lane_over_the_services_and_make_test_the_whole_suite(
     assert "-m tests.lanes --" in test.group(2), "make test runs every lane"
     assert not re.search(r"pytest[^\n]*\s-m\s", test.group(2)), "make test selects no marks"
     # The passes select every lane whole: system's three passes split it by `apart` and
-    # `alone`. Unit, db and the `apart` tests start at once; the parallel pass after unit
-    # and db; the `alone` tests after every other pass.
+    # `alone`. Unit and db start at once, the `apart` tests after unit; the parallel pass
+    # after unit and db; the `alone` tests after every other pass.
     assert [(p.marks, p.after) for p in passes(list(LANES))] == [
-        ("unit", ()), ("db", ()), ("system and apart", ()),
+        ("unit", ()), ("db", ()), ("system and apart", ("unit",)),
         ("system and not alone and not apart", ("unit", "db")),
         ("system and alone", ("unit", "db", "system apart", "system"))]
     assert all("system" not in p.marks for p in passes(["unit", "db"]))

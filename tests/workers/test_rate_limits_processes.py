@@ -17,14 +17,14 @@ from tests.processes import start_beat, start_worker, wait_until
 # A bound on the bodies' own timestamps: measured with the machine to itself (tests/lanes.py).
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-RUNS = 300
+RUNS = 180
 PER_SECOND = 10  # the "rated" workflow's rate_limit, "10/s"
 
 
 def test_a_rate_limit_holds_across_workers_from_the_bodies_own_starts(
         admit, side_effects, fast_env, pg, tmp_path, processes):
-    """300 runs of a "10/s" workflow on 3 workers x 4: in any 1-second window at most 10
-    starts (+1 at its edges), about 30 s in all, each run once; a run of another workflow
+    """180 runs of a "10/s" workflow on 3 workers x 4: in any 1-second window at most 10
+    starts (+1 at its edges), about 18 s in all, each run once; a run of another workflow
     admitted meanwhile starts at once (no worker is held by a run waiting for its start)."""
     env = dict(fast_env)
     env.pop("POIMEN_RELEASE_INTERVAL", None)  # beat's default tick, 1 s
