@@ -132,6 +132,13 @@ def run(step: Pass, extra: list[str], report: Path,
     out = out or sys.stdout
     argv = [sys.executable, "-m", "pytest", "-m", step.marks, f"--junitxml={report}", *extra]
     env = {**os.environ, **(step.env or {})}
+    # Bytecode caches on, whatever the shell says: every pass collects the whole suite in
+    # each of its xdist workers (pytest rewrites every test module's asserts, cached in
+    # __pycache__), and the system lane starts hundreds of Pythons (web, workers, relays,
+    # CLIs) that import the project. With PYTHONDONTWRITEBYTECODE set, as some machines
+    # do, a collection took 10.7 s of CPU instead of 4.6, and each start compiled the
+    # project again. (The mutation gate keeps it set: it edits sources under test.)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if step.workers:
         argv += ["-n", str(step.workers), "--dist", step.dist]
     if step.longest_first:

@@ -197,3 +197,26 @@ def test_a_pass_starts_once_the_selected_passes_it_waits_for_have_ended(monkeypa
     assert log.index(("start", "next")) < log.index(("end", "slow")), "next waited for slow"
     assert log.index(("start", "last")) > log.index(("end", "slow"))
     assert log.index(("start", "last")) > log.index(("end", "next"))
+
+
+def test_a_pass_runs_with_bytecode_caches_whatever_the_shell_says(monkeypatch, tmp_path):
+    import io
+
+    from tests import lanes
+
+    seen = {}
+
+    class Popen:
+        def __init__(self, argv, env, **kwargs):
+            seen.update(env)
+            self.stdout = io.StringIO("1 passed in 0.01s\n")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setattr(lanes.subprocess, "Popen", Popen)
+    status, tests, _, _ = lanes.run(lanes.Pass("unit", "unit"), [], tmp_path / "r.xml",
+                                    io.StringIO())
+    assert (status, tests) == (0, 1)
+    assert "PYTHONDONTWRITEBYTECODE" not in seen
