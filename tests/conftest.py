@@ -150,14 +150,30 @@ def tx_tenant(db_session, make_tenant):
 
 @pytest.fixture(autouse=True)
 def clean_tables(request):
-    """Empty every table before a test that commits to the database for real."""
+    """Empty every table before a test that commits to the database for real, and this
+    session's queues: a message left by an earlier test names a run the TRUNCATE removed,
+    and a worker of this test would work through hundreds of them before its own runs
+    (a team-settings test waited 15 s behind 950 of them, its runs' priority list last)."""
     if "database_url" not in request.fixturenames or "db_session" in request.fixturenames:
         yield
         return
     url = request.getfixturevalue("database_url")
     with connect(url, autocommit=True) as conn:
         conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
+    empty_queues(os.environ["POIMEN_QUEUE"])
     yield
+
+
+def empty_queues(queue: str) -> None:
+    """Delete the session's queue lists in Redis: the queue, its priority lists (kombu's
+    ``<queue>\\x06\\x16<n>``) and any queue named after it; no other session's."""
+    client = redis_lib.Redis.from_url(os.environ["REDIS_URL"])
+    try:
+        keys = list(client.scan_iter(match=f"{queue}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
 
 
 @pytest.fixture
