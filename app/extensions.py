@@ -84,14 +84,6 @@ def prepare_if_direct(app, *, session_checked: bool = False) -> bool:
     return True
 
 
-def drop_inherited_connections(app) -> None:
-    """In a forked process: forget the pooled connections of the process it was forked
-    from, without closing them (they are that process's to close), so it opens its own."""
-    with app.app_context():
-        for engine in db.engines.values():
-            engine.dispose(close=False)
-
-
 def prepare_statements(engine: Engine, threshold: int) -> None:
     """Give every connection ``engine`` opens from now on psycopg's ``prepare_threshold``.
 

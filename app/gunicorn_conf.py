@@ -15,12 +15,6 @@ flags (bind, workers, threads, timeouts) win over anything here.
   start in each worker once it has loaded the app (``post_worker_init``).
 * Prepared statements (``POIMEN_DB_PREPARE_THRESHOLD=auto``): each worker turns
   them on once it has checked that ``DATABASE_URL`` is direct (``post_worker_init``).
-* Preloaded: the master builds the app once (``preload_app``) and forks each worker
-  from it, so a worker's start costs a fork, not the app's imports (a web of two workers
-  starts on about half the CPU). Nothing the app holds crosses the fork: its database
-  pools connect on first use and each worker drops any the master made (``post_fork``);
-  the sender and waiter threads start in the process that uses them. ``kill -HUP``
-  re-forks the workers from the loaded app: new code needs a restart, as on any deploy.
 * Logs: gunicorn's own error and access logs use ``LOG_FORMAT`` (``json``: one
   object per line) and ``LOG_LEVEL``, like every other process (``logconfig.py``).
   An access line names the request's ``request_id``, ``tenant`` and ``run_id``
@@ -64,17 +58,6 @@ def on_starting(server) -> None:
     if directory != os.environ.get(_OWN_DIR):
         for path in glob.glob(os.path.join(directory, "*.db")):
             os.remove(path)
-
-
-preload_app = True
-
-
-def post_fork(server, worker) -> None:
-    # A connection the master opened (none today: the pools connect on first use) would
-    # be shared by every worker; each drops the master's without closing them.
-    from app.extensions import drop_inherited_connections
-
-    drop_inherited_connections(server.app.callable)
 
 
 def post_worker_init(worker) -> None:
