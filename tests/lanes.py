@@ -13,7 +13,7 @@ Every test is in one lane, assigned at collection (``tests/process_guard.py``):
   then the ``alone`` tests one at a time: they need the machine to themselves
   (server-wide counts, timing bounds measured under load). The ``apart`` tests run on
   a Postgres and a Redis of their own in a network namespace (the partition tests):
-  beside the unit and db lanes, away from the other system tests.
+  beside the db lane and the parallel pass's start, on servers no other test uses.
 
 Each pass starts once the passes it waits for have ended (``Pass.after``): the unit
 and db lanes at once; the system lane's ``apart`` tests (on servers of their own: the
