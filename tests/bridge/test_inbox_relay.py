@@ -364,7 +364,9 @@ def test_malformed_messages_are_dead_lettered_and_draining_continues(setup, pg):
         assert h["poimen.dlq.origin.offset"] == str(offset)
     h = headers(dead[-1])
     assert h["poimen.dlq.http.status"] == "422" and "unknown_workflow" in h["poimen.dlq.detail"]
-    assert metric(url, "poimen_inbox_dead_lettered_total", reason="invalid_json") == 1
+    # The counters move after the broker's ack, which makes the record readable: wait for them.
+    wait_until(lambda: metric(url, "poimen_inbox_dead_lettered_total", reason="invalid_json") == 1,
+               timeout=10, what="the dead-letter counter")
     setup.wait_committed([8], timeout=10,
                          what="offsets committed past the dead-lettered messages")
 
@@ -380,7 +382,9 @@ def test_relay_only_admits_through_http(setup, pg):
     wait_runs(pg, setup.tenant, 4)
     rows = pg.execute("SELECT origin, origin_detail FROM runs").fetchall()
     assert rows and all(o == "http" and d.startswith("poimen-inbox/") for o, d in rows), rows
-    assert metric(url, "poimen_inbox_admitted_total") == 4
+    # The row commits before the API answers the relay, which then counts it: wait for it.
+    wait_until(lambda: metric(url, "poimen_inbox_admitted_total") == 4, timeout=10,
+               what="the admitted counter")
 
 
 def test_bridge_imports_nothing_from_app_or_workers():
@@ -521,7 +525,9 @@ def test_conflicting_dispatch_key_is_dead_lettered_with_409(setup, pg):
     assert h["poimen.dlq.reason"] == "http_409" and h["poimen.dlq.http.status"] == "409"
     assert "dispatch_key_conflict" in h["poimen.dlq.detail"]
     assert json.loads(dead.value())["input"] == {"v": 2}
-    assert metric(url, "poimen_inbox_dead_lettered_total", reason="http_409") == 1
+    # The counter moves after the broker's ack, which makes the record readable: wait for it.
+    wait_until(lambda: metric(url, "poimen_inbox_dead_lettered_total", reason="http_409") == 1,
+               timeout=10, what="the dead-letter counter")
     assert metric_sum(url, "poimen_inbox_retries_total") == 0
     setup.wait_committed([3], timeout=10, what="offsets committed past the conflict")
 
