@@ -445,7 +445,7 @@ MUTANTS: list[Mutant] = [
          "test_a_lookup_by_id_has_no_index_but_the_primary_key",),
         occurrences=9, nth=0,
         # Every lookup of a run by id, in every file.
-        also=(Edit("(r.status || '')", "('' || r.status)", 1),
+        also=(Edit("(r.status || '')", "('' || r.status)", 2),
               Edit("(runs.status || '')", "('' || runs.status)", 3, RUNS_SQL),
               Edit("(w.status || '')", "('' || w.status)", 1, RUNS_SQL)),
     ),
@@ -1204,13 +1204,56 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "batch_finish_unfenced",
-        "each end of a batch is fenced by this process's boots: a run another process took "
-        "over is refused",
+        "each end of a batch ended set-wise is fenced by this process's boots: a run another "
+        "process took over is refused",
+        CLAIMS_SQL,
+        "         WHERE r.id = b.run AND (r.status || '') = 'running' AND r.claimed_by = ANY(p_boots)\n",
+        "         WHERE r.id = b.run AND (r.status || '') = 'running'\n",
+        (f"{BATCH_TESTS}::test_a_batch_ends_each_run_fenced_in_one_commit",),
+    ),
+    Mutant(
+        "batch_each_finish_unfenced",
+        "each end of a batch ended run by run is fenced by this process's boots: a run another "
+        "process took over is refused",
         CLAIMS_SQL,
         "                             p_boots, p_event_type[i],",
         "                             ARRAY(SELECT r.claimed_by FROM runs r WHERE r.id = p_run[i]),"
         " p_event_type[i],",
-        (f"{BATCH_TESTS}::test_a_batch_ends_each_run_fenced_in_one_commit",),
+        (f"{BATCH_TESTS}::test_a_batch_with_a_fan_out_child_is_ended_run_by_run_each_fenced",),
+    ),
+    Mutant(
+        "batch_set_finish_of_a_limited_run",
+        "a batch holding a run of a limited group is ended run by run: its end hands its slot on",
+        CLAIMS_SQL,
+        "                  AND (r.concurrency_limit IS NOT NULL OR t.max_running IS NOT NULL))\n",
+        "                  AND (t.max_running IS NOT NULL))\n",
+        (f"{BATCH_TESTS}::test_a_batch_holding_a_run_with_a_slot_hands_the_slot_on[limit]",),
+    ),
+    Mutant(
+        "batch_set_finish_of_a_capped_tenant",
+        "a batch holding a run of a capped tenant is ended run by run: its end hands the "
+        "tenant's slot on",
+        CLAIMS_SQL,
+        "                  AND (r.concurrency_limit IS NOT NULL OR t.max_running IS NOT NULL))\n",
+        "                  AND (r.concurrency_limit IS NOT NULL))\n",
+        (f"{BATCH_TESTS}::test_a_batch_holding_a_run_with_a_slot_hands_the_slot_on[cap]",),
+    ),
+    Mutant(
+        "batch_set_finish_events_out_of_order",
+        "a batch ended set-wise writes each run's events in a single end's order: "
+        "step.entered, step.<status>, run.<status>",
+        CLAIMS_SQL,
+        "         ORDER BY d.n, ev.ord)\n",
+        "         ORDER BY d.n, ev.ord DESC)\n",
+        (f"{BATCH_TESTS}::test_a_batch_ended_set_wise_writes_what_each_run_ended_alone_writes",),
+    ),
+    Mutant(
+        "batch_set_finish_of_a_joined_child",
+        "a batch holding a fan-out's child is ended run by run: its end counts for the join",
+        CLAIMS_SQL,
+        "       OR EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_run)) THEN\n",
+        "       THEN\n",
+        (f"{BATCH_TESTS}::test_two_children_of_one_join_ending_in_one_batch_wake_their_parent_once",),
     ),
     Mutant(
         "batch_finish_reports_before_commit",

@@ -146,6 +146,118 @@ def test_two_children_of_one_join_ending_in_one_batch_wake_their_parent_once(
     assert events_of(pg, parent).count("run.joined") == 1
 
 
+def _entry_ends(runs, pg):
+    """Four kinds of last entry, one per run: written at the end (no row yet), with and
+    without its events; closed from an open row, failed with an error and completed."""
+    from app.state.ledger import EntryClose
+
+    opened = []
+    for run in runs[2:]:
+        opened.append(pg.execute(
+            "INSERT INTO step_entries (run_id, entry_no, step_id, status) "
+            "VALUES (%s, 0, 'a', 'running') RETURNING id", [run]).fetchone()[0])
+    error = {"message": "m", "traceback": "t"}
+    closes = [EntryClose(None, 0, "a", "completed", [{"n": 1}], {"x": 1}, None, "b", True),
+              EntryClose(None, 0, "a", "completed", [], {}, None, None, False),
+              EntryClose(opened[0], 0, "a", "failed", [], {}, error, None, True),
+              EntryClose(opened[1], 0, "a", "completed", [], {"y": 2}, None, None, True)]
+    statuses = ["succeeded", "succeeded", "failed", "succeeded"]
+    return [finish_params(run, status=status, result={"n": n} if status == "succeeded" else None,
+                          error=error if status == "failed" else None, close=close)
+            for n, (run, status, close) in enumerate(zip(runs, statuses, closes, strict=True))]
+
+
+def _written(pg, run):
+    """What an end wrote of ``run``, without the ids and times that differ by run."""
+    row = pg.execute("SELECT status, result, error, failures, finished_at IS NOT NULL "
+                     "FROM runs WHERE id = %s", [run]).fetchone()
+    entries = pg.execute("SELECT entry_no, step_id, status, actions, outputs, error, next_step, "
+                         "finished_at IS NOT NULL FROM step_entries WHERE run_id = %s",
+                         [run]).fetchall()
+    events = [(t, {k: v for k, v in payload.items() if k not in ("run_id", "entry_id")})
+              for t, payload in pg.execute("SELECT event_type, payload FROM outbox "
+                                           "WHERE run_id = %s ORDER BY id", [run])]
+    return row, entries, events
+
+
+def test_a_batch_ended_set_wise_writes_what_each_run_ended_alone_writes(
+        admit, boot_factory, own, pg):
+    """A batch of runs that set nothing off is ended set-wise; each run's row, last entry
+    (written or closed) and events, in their order, are those ``poimen_finish`` writes for
+    the same end of a twin run."""
+    from app.state.claims import finish_run
+
+    boot = boot_factory().boot_id
+    batched, alone = [admit() for _ in range(4)], [admit() for _ in range(4)]
+    claim_batch(own, batched + alone, boot)
+    batch_ends, alone_ends = _entry_ends(batched, pg), _entry_ends(alone, pg)
+    done = finish_batch(own, batch_ends, [boot])
+    assert set(done) == set(batched)
+    assert [done[run].woken for run in batched] == [[], [], [], []]
+    for end in alone_ends:
+        assert finish_run(own, end["run"], [boot], status=end["status"],
+                          result=json_of(end["result"]), error=json_of(end["error"]),
+                          close=_close_of(end))
+    for twin, run in zip(alone, batched, strict=True):
+        assert _written(pg, run) == _written(pg, twin)
+    assert [t for t, _ in _written(pg, batched[0])[2]] == [
+        "run.admitted", "run.started", "step.entered", "step.completed", "run.succeeded"]
+    assert [t for t, _ in _written(pg, batched[1])[2]] == [
+        "run.admitted", "run.started", "run.succeeded"]
+    assert "traceback" not in str(_written(pg, batched[2])[2][-2])  # step.failed's error
+    # Ended: a second batch of them is refused, and writes nothing more.
+    before = pg.execute("SELECT count(*) FROM outbox").fetchone()[0]
+    assert finish_batch(own, batch_ends, [boot]) == {}
+    assert pg.execute("SELECT count(*) FROM outbox").fetchone()[0] == before
+
+
+def json_of(text):
+    import json
+
+    return None if text is None else json.loads(text)
+
+
+def _close_of(end):
+    from app.state.ledger import EntryClose
+
+    return EntryClose(end["entry"], end["entry_no"], end["step"], end["entry_status"],
+                      json_of(end["actions"]), json_of(end["outputs"]),
+                      json_of(end["entry_error"]), end["next_step"], end["events"])
+
+
+def test_a_batch_with_a_fan_out_child_is_ended_run_by_run_each_fenced(
+        join_world, admit, boot_factory, own, pg):  # noqa: F811 - the imported fixture
+    """A batch holding a child of a fan-out is ended run by run; each end is still fenced:
+    a run another process took over is refused, its claim kept."""
+    _, _, _, children, child_boot = join_world
+    other, taken = boot_factory(), admit()
+    hold_as(pg, taken, other.boot_id)
+    done = finish_batch(own, ends([*children, taken]), [child_boot])
+    assert set(done) == set(children)
+    assert status_of(pg, taken) == ("running", other.boot_id, 1)
+    assert events_of(pg, taken) == ["run.admitted"]
+
+
+@pytest.mark.parametrize("slot", ["limit", "cap"])
+def test_a_batch_holding_a_run_with_a_slot_hands_the_slot_on(slot, admit, boot_factory, own, pg):
+    """A run of a limited group, or of a capped tenant, that ends in a batch hands its slot
+    to the run waiting for it, as its end alone does."""
+    from app.state.claims import ClaimOutcome, claim_slot
+
+    boot = boot_factory().boot_id
+    if slot == "limit":
+        holder, waiting = (admit("keyed", {"customer": "c", "seconds": 0.5}) for _ in range(2))
+    else:
+        pg.execute("UPDATE tenants SET max_running = 1")
+        holder, waiting = admit(), admit()
+    claims = [claim_slot(own, run, boot, max_takeovers=max_takeovers_of, transaction=False)
+              for run in (holder, waiting)]
+    assert [c.outcome for c in claims] == [ClaimOutcome.CLAIMED, ClaimOutcome.SLOT_WAIT]
+    done = finish_batch(own, ends([holder]), [boot])
+    assert [w["id"] for w in done[holder].woken] == [str(waiting)]
+    assert status_of(pg, waiting)[0] == "queued"
+
+
 def test_one_bad_value_fails_the_batch_statement_and_nothing_of_it_is_written(
         admit, boot_factory, own, pg):
     """A value ``jsonb`` refuses fails the whole statement (the worker then ends each run

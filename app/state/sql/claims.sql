@@ -455,18 +455,106 @@ END
 $body$;
 
 -- name: poimen_finish_batch
--- The batching worker's finish (docs/internals/batching.md): ``poimen_finish`` for each
--- run of the batch, in the order given (the caller sorts by run id), in one call: one
--- statement and one commit for all of them. Each run is ended by the same fenced function
--- as on the single-run path, seeing the ends before it in the batch, so two children of
--- one join that end in one batch count twice and wake their parent once. ``p_boots`` are
--- this process's boots that hold any run of the batch (each a boot of this process: a run
--- another process took over is refused as on its own). Each argument but ``p_boots`` is
--- an array of the single function's, one element per run. Returns one row per run ended,
--- with its position in the arrays (``n``, 1-based); a refused run has no row. One error
--- (a value ``jsonb`` refuses) fails the whole statement: the worker then ends each run
--- on the single-run path, so only the bad one fails.
+-- The batching worker's finish (docs/internals/batching.md): the ends of many runs in one
+-- call, one statement and one commit for all of them. Each argument but ``p_boots`` is an
+-- array of ``poimen_finish``'s, one element per run, in run-id order (the caller sorts);
+-- ``p_boots`` are this process's boots that hold any run of the batch (each a boot of
+-- this process: a run another process took over is refused as on its own). Returns one row
+-- per run ended, with its position in the arrays (``n``, 1-based); a refused run has no
+-- row. One error (a value ``jsonb`` refuses) fails the whole statement: the worker then
+-- ends each run on the single-run path, so only the bad one fails.
+-- Two ways, the same ends:
+-- * A batch of which no run sets anything off (no run of a limited group or of a capped
+--   tenant: no slot to lock and hand on; no fan-out's child: no join to count) is ended
+--   set-wise: one UPDATE ends every run of it, fenced row by row as ``poimen_finish``
+--   fences one, and the entries and the events of all of them are one INSERT each, each
+--   run's events in ``poimen_finish``'s order. No end of such a batch reads another's.
+-- * Any other batch is ended run by run (``poimen_finish_each``), each end seeing the ends
+--   before it, so two children of one join that end in one batch count twice and wake
+--   their parent once, and a run's freed slot is handed on.
 CREATE OR REPLACE FUNCTION poimen_finish_batch(
+    p_status text[], p_result text[], p_error text[], p_failed integer[], p_run uuid[],
+    p_boots uuid[], p_event_type text[], p_event_extra text[], p_entry_mode text[],
+    p_entry bigint[], p_entry_no integer[], p_step text[], p_entry_status text[],
+    p_actions text[], p_outputs text[], p_entry_error text[], p_next_step text[],
+    p_events boolean[], p_entry_event text[]
+) RETURNS TABLE (n integer, id runs.id%TYPE, status runs.status%TYPE, woken jsonb)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan AS $body$
+#variable_conflict use_column
+BEGIN
+    IF EXISTS (SELECT 1 FROM runs r JOIN tenants t ON t.id = r.tenant_id
+                WHERE r.id = ANY(p_run)
+                  AND (r.concurrency_limit IS NOT NULL OR t.max_running IS NOT NULL))
+       OR EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_run)) THEN
+        RETURN QUERY SELECT * FROM poimen_finish_each(
+            p_status, p_result, p_error, p_failed, p_run, p_boots, p_event_type,
+            p_event_extra, p_entry_mode, p_entry, p_entry_no, p_step, p_entry_status,
+            p_actions, p_outputs, p_entry_error, p_next_step, p_events, p_entry_event);
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH b AS (
+        SELECT * FROM unnest(p_run, p_status, p_result, p_error, p_failed, p_event_type,
+                             p_event_extra, p_entry_mode, p_entry, p_entry_no, p_step,
+                             p_entry_status, p_actions, p_outputs, p_entry_error, p_next_step,
+                             p_events, p_entry_event)
+               WITH ORDINALITY AS b(run, status, result, error, failed, event_type,
+                                    event_extra, entry_mode, entry, entry_no, step,
+                                    entry_status, actions, outputs, entry_error, next_step,
+                                    events, entry_event, n)),
+    ended AS (
+        UPDATE runs r
+           SET status = b.status, result = CAST(b.result AS jsonb),
+               error = CAST(b.error AS jsonb), finished_at = now(), updated_at = now(),
+               failures = r.failures + b.failed
+          FROM b
+         WHERE r.id = b.run AND (r.status || '') = 'running' AND r.claimed_by = ANY(p_boots)
+           AND (b.entry_mode <> 'close'
+                OR EXISTS (SELECT 1 FROM step_entries e WHERE e.id = b.entry
+                              AND e.run_id = b.run AND e.status IN ('running', 'waiting')))
+        RETURNING b.n, r.id, r.tenant_id, r.attempt, r.status, b.entry_mode, b.entry,
+                  b.entry_no, b.step, b.entry_status, b.actions, b.outputs, b.entry_error,
+                  b.next_step, b.events, b.entry_event, b.event_type, b.event_extra),
+    inserted AS (
+        INSERT INTO step_entries (run_id, entry_no, step_id, status, actions, outputs, error,
+                                  next_step, finished_at)
+        SELECT d.id, d.entry_no, d.step, d.entry_status, CAST(d.actions AS jsonb),
+               CAST(d.outputs AS jsonb), CAST(d.entry_error AS jsonb), d.next_step, now()
+          FROM ended d
+         WHERE d.entry_mode = 'insert'
+        RETURNING *),
+    closed AS (
+        UPDATE step_entries e
+           SET status = d.entry_status, actions = CAST(d.actions AS jsonb),
+               outputs = CAST(d.outputs AS jsonb), error = CAST(d.entry_error AS jsonb),
+               next_step = d.next_step, finished_at = now()
+          FROM ended d
+         WHERE d.entry_mode = 'close' AND e.id = d.entry AND e.status IN ('running', 'waiting')
+        RETURNING e.*),
+    entries AS (SELECT * FROM inserted UNION ALL SELECT * FROM closed),
+    events AS (
+        INSERT INTO outbox (tenant_id, run_id, event_type, payload)
+        SELECT d.tenant_id, d.id, ev.type,
+               jsonb_build_object('run_id', (d.id)::text, 'type', ev.type) || ev.fields
+          FROM ended d
+          LEFT JOIN entries en ON en.run_id = d.id
+         CROSS JOIN LATERAL (
+               SELECT 1, 'step.entered', jsonb_build_object('step', en.step_id, 'entry', en.entry_no, 'entry_id', en.id)
+                WHERE d.entry_mode = 'insert' AND en.id IS NOT NULL AND d.events
+               UNION ALL SELECT 2, d.entry_event, jsonb_build_object('step', en.step_id, 'entry', en.entry_no, 'entry_id', en.id) || jsonb_build_object('next_step', en.next_step) || CASE WHEN en.error IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('error', en.error - 'traceback') END
+                WHERE en.id IS NOT NULL AND d.events
+               UNION ALL SELECT 3, d.event_type, jsonb_build_object('attempt', d.attempt) || coalesce(CAST(d.event_extra AS jsonb), '{}'::jsonb)
+             ) AS ev(ord, type, fields)
+         ORDER BY d.n, ev.ord)
+    SELECT CAST(d.n AS integer), d.id, d.status, CAST('[]' AS jsonb) FROM ended d;
+END
+$body$;
+
+-- name: poimen_finish_each
+-- ``poimen_finish_batch``'s ends run by run: ``poimen_finish`` for each run, in the order
+-- given, each seeing the ends before it (the joins it counts, the slots it hands on).
+CREATE OR REPLACE FUNCTION poimen_finish_each(
     p_status text[], p_result text[], p_error text[], p_failed integer[], p_run uuid[],
     p_boots uuid[], p_event_type text[], p_event_extra text[], p_entry_mode text[],
     p_entry bigint[], p_entry_no integer[], p_step text[], p_entry_status text[],
