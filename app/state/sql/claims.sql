@@ -468,7 +468,8 @@ $body$;
 --   tenant: no slot to lock and hand on; no fan-out's child: no join to count) is ended
 --   set-wise: one UPDATE ends every run of it, fenced row by row as ``poimen_finish``
 --   fences one, and the entries and the events of all of them are one INSERT each, each
---   run's events in ``poimen_finish``'s order. No end of such a batch reads another's.
+--   run's events in ``poimen_finish``'s order. No end of such a batch reads another's. The
+--   rows are locked in the arrays' order (a nested loop over the primary key): id order.
 -- * Any other batch is ended run by run (``poimen_finish_each``), each end seeing the ends
 --   before it, so two children of one join that end in one batch count twice and wake
 --   their parent once, and a run's freed slot is handed on.
