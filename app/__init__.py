@@ -38,7 +38,7 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
     from .cli import register_cli
     from .console import init_console
     from .errors import register_error_handlers
-    from .extensions import db, migrate, ping_idle_connections
+    from .extensions import db, ping_idle_connections
 
     app = Flask(__name__)
     app.config.update(load_config())
@@ -57,7 +57,6 @@ def create_app(overrides: Mapping[str, Any] | None = None) -> Flask:
         with app.app_context():
             for engine in db.engines.values():
                 ping_idle_connections(engine, app.config["POIMEN_DB_PING_IDLE_SECONDS"])
-    migrate.init_app(app, db, directory=str(migrations_directory()))
     celery_init_app(app)
     registry.load_modules(app.config["POIMEN_WORKFLOW_MODULES"])
 

@@ -6,7 +6,6 @@ import logging
 import select
 import time
 
-from flask_migrate import Migrate
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import event, exc
 from sqlalchemy.engine import Engine
@@ -19,7 +18,6 @@ class Base(DeclarativeBase):
 
 # Rows stay loaded after commit: responses are built from them without a re-select.
 db = SQLAlchemy(model_class=Base, session_options={"expire_on_commit": False})
-migrate = Migrate()
 
 _IDLE_SINCE = "poimen_idle_since"
 

@@ -122,6 +122,32 @@ def test_importing_the_packages_reads_no_settings():
     assert proc.returncode == 0, proc.stderr
 
 
+# Alembic is the release phase's: a web, worker or beat process creates the app without
+# it, and ``flask db`` loads Flask-Migrate's commands when it runs.
+@pytest.mark.processes  # fresh interpreters: what creating the app loads, the CLI itself
+def test_the_app_loads_alembic_only_for_flask_db():
+    import os
+
+    code = ("import sys\n"
+            "from app import create_app\n"
+            "create_app()\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('alembic', 'flask_migrate'))\n"
+            "assert not loaded, loaded\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    flask = str(Path(sys.executable).parent / "flask")
+    listed = subprocess.run([flask, "--app", "app:create_app", "db", "--help"], cwd=ROOT,
+                            env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    for command in ("upgrade", "downgrade", "current", "heads", "stamp"):
+        assert f"  {command} " in listed.stdout, listed.stdout
+    current = subprocess.run([flask, "--app", "app:create_app", "db", "heads"], cwd=ROOT,
+                             env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert current.returncode == 0 and "(head)" in current.stdout, current.stderr
+
+
 # bridge/ is a client of the API, never an in-process caller, and outside the app's
 # lifecycle: it imports nothing of app/ or workers/. Its settings come from the top-level
 # poimenconfig.py (standard library only), which loads no web or task framework.
