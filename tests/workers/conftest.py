@@ -47,6 +47,19 @@ def fresh_boot():
     end_current_boot()
 
 
+def close_for_good(pg, boot) -> None:
+    """End ``boot``'s lock connection and return once its backend has exited: the server
+    releases the lock then, a moment after the client closed."""
+    import time
+
+    boot.close()
+    deadline = time.monotonic() + 10
+    while pg.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                     [boot.backend_pid]).fetchone()[0]:
+        assert time.monotonic() < deadline, "the lock's backend did not go away"
+        time.sleep(0.02)
+
+
 def long_gone(conn, *boot_ids) -> None:
     """Stamp ``boot_ids`` (their locks free) first seen dead an hour ago: past every bound,
     so their runs and slots are free (``app/liveness.py``), as if beat's repair had seen

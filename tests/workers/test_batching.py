@@ -25,6 +25,7 @@ from tests.proxy import StallingProxy
 from workers.batching import Batcher, BatchFailed, ClaimUnknown
 from workers.registry import max_takeovers_of
 
+from .conftest import close_for_good
 from .test_claims import events_of, hold_as, status_of
 from .test_step_entry_dispatch import join_world  # noqa: F401 - a fixture
 
@@ -90,7 +91,7 @@ def test_a_batch_of_a_boot_without_its_lock_claims_nothing(admit, boot_factory, 
     """The claimer's liveness is part of the batch's statement: a boot whose lock is gone
     (its process may not know yet) claims none of the runs."""
     runs, boot = [admit() for _ in range(3)], boot_factory()
-    boot.close()  # its lock connection is gone
+    close_for_good(pg, boot)  # its lock connection is gone
     assert claim_batch(own, runs, boot.boot_id) == {}
     assert {status_of(pg, run)[0] for run in runs} == {"queued"}
 

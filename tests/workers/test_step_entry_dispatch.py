@@ -19,7 +19,7 @@ from tests.processes import start_beat, start_worker, wait_until
 from workers.actions import fanout_key, idempotency_key
 from workers.registry import max_takeovers_of
 
-from .conftest import dead_boots_long_gone, long_gone
+from .conftest import close_for_good, dead_boots_long_gone, long_gone
 
 PARTICIPANTS = ["ana", "bo", "cy"]
 
@@ -362,7 +362,7 @@ def test_witness_a_dead_boots_marker_is_taken_over_by_compare_and_set(
     run_id, entry = entry_held_by(dead.boot_id)
     assert claim(first, run_id, [dead.boot_id], entry, 0, dead.boot_id).outcome \
         == MarkerOutcome.CLAIMED
-    dead.close()  # its lock is gone: the claim is wreckage
+    close_for_good(pg, dead)  # its lock is gone: the claim is wreckage
     rescuer, late = boot_factory().boot_id, boot_factory().boot_id
     pg.execute("UPDATE runs SET claimed_by = %s WHERE id = %s", [rescuer, run_id])  # took run
 
