@@ -177,8 +177,7 @@ ADOPT = statement("adopt")
 # One round trip, in autocommit, limited or not (``sql/README.md``, "Store functions").
 FINISH = function("poimen_finish")
 # The batching worker's end of many runs in one call: set-wise when no run of it sets
-# anything off (no slot, no join), else ``poimen_finish`` for each (``FINISH_EACH``).
-FINISH_EACH = function("poimen_finish_each")
+# anything off (no slot, no join), else ``poimen_finish`` for each.
 FINISH_BATCH = function("poimen_finish_batch")
 # Its call, each array typed; after an unknown batch claim, the runs the batch claimed.
 FINISH_BATCH_CALL = statement("finish_batch_call")
@@ -195,7 +194,7 @@ FUNCTIONS: tuple[Function, ...] = (
     runs.LOCK_SLOTS, runs.ENDED, runs.EVENT_ENDED, runs.CANCEL, runs.CANCEL_QUEUED,
     runs.END_ABANDONED, runs.TIME_LIMIT, runs.EXPIRE, ledger.WAIT, RATE_START, CLAIM_SLOT_LOCKED,
     SLOT_VERDICT,
-    TAKE_OVER, FINISH, FINISH_EACH, FINISH_BATCH, RELEASE, RETRY)
+    TAKE_OVER, FINISH, FINISH_BATCH, RELEASE, RETRY)
 CLAIM_STATE = statement("claim_state")
 HOLDER = statement("holder")
 GONE_IN = statement("gone_in")

@@ -1,6 +1,6 @@
 """the batching worker's finish ends a batch set-wise when no run of it sets anything off
-(no slot to hand on, no join to count): poimen_finish_batch, with the run-by-run ends as
-poimen_finish_each; the store's functions again
+(no slot to hand on, no join to count), and any other batch run by run as before:
+poimen_finish_batch; the store's functions again
 
 Revision ID: 0030
 Revises: 0029
@@ -23,7 +23,6 @@ def upgrade():
 
 
 def downgrade():
-    # The functions stay, as after every revision's downgrade: a batching worker of this
-    # revision calls poimen_finish_batch, which calls poimen_finish_each; an older one
+    # The function stays, as after every revision's downgrade: an older batching worker
     # calls poimen_finish_batch with the same arguments and gets the same ends.
     pass

@@ -470,9 +470,9 @@ $body$;
 --   fences one, and the entries and the events of all of them are one INSERT each, each
 --   run's events in ``poimen_finish``'s order. No end of such a batch reads another's. The
 --   rows are locked in the arrays' order (a nested loop over the primary key): id order.
--- * Any other batch is ended run by run (``poimen_finish_each``), each end seeing the ends
---   before it, so two children of one join that end in one batch count twice and wake
---   their parent once, and a run's freed slot is handed on.
+-- * Any other batch is ended run by run: ``poimen_finish`` for each run, in the arrays'
+--   order, each end seeing the ends before it, so two children of one join that end in
+--   one batch count twice and wake their parent once, and a run's freed slot is handed on.
 CREATE OR REPLACE FUNCTION poimen_finish_batch(
     p_status text[], p_result text[], p_error text[], p_failed integer[], p_run uuid[],
     p_boots uuid[], p_event_type text[], p_event_extra text[], p_entry_mode text[],
@@ -488,10 +488,14 @@ BEGIN
                 WHERE r.id = ANY(p_run)
                   AND (r.concurrency_limit IS NOT NULL OR t.max_running IS NOT NULL))
        OR EXISTS (SELECT 1 FROM step_children c WHERE c.child_run_id = ANY(p_run)) THEN
-        RETURN QUERY SELECT * FROM poimen_finish_each(
-            p_status, p_result, p_error, p_failed, p_run, p_boots, p_event_type,
-            p_event_extra, p_entry_mode, p_entry, p_entry_no, p_step, p_entry_status,
-            p_actions, p_outputs, p_entry_error, p_next_step, p_events, p_entry_event);
+        FOR i IN 1 .. coalesce(cardinality(p_run), 0) LOOP
+            RETURN QUERY SELECT i, f.id, f.status, f.woken
+              FROM poimen_finish(p_status[i], p_result[i], p_error[i], p_failed[i], p_run[i],
+                             p_boots, p_event_type[i], p_event_extra[i], p_entry_mode[i],
+                             p_entry[i], p_entry_no[i], p_step[i], p_entry_status[i],
+                             p_actions[i], p_outputs[i], p_entry_error[i], p_next_step[i],
+                             p_events[i], p_entry_event[i]) AS f;
+        END LOOP;
         RETURN;
     END IF;
     RETURN QUERY
@@ -549,31 +553,6 @@ BEGIN
              ) AS ev(ord, type, fields)
          ORDER BY d.n, ev.ord)
     SELECT CAST(d.n AS integer), d.id, d.status, CAST('[]' AS jsonb) FROM ended d;
-END
-$body$;
-
--- name: poimen_finish_each
--- ``poimen_finish_batch``'s ends run by run: ``poimen_finish`` for each run, in the order
--- given, each seeing the ends before it (the joins it counts, the slots it hands on).
-CREATE OR REPLACE FUNCTION poimen_finish_each(
-    p_status text[], p_result text[], p_error text[], p_failed integer[], p_run uuid[],
-    p_boots uuid[], p_event_type text[], p_event_extra text[], p_entry_mode text[],
-    p_entry bigint[], p_entry_no integer[], p_step text[], p_entry_status text[],
-    p_actions text[], p_outputs text[], p_entry_error text[], p_next_step text[],
-    p_events boolean[], p_entry_event text[]
-) RETURNS TABLE (n integer, id runs.id%TYPE, status runs.status%TYPE, woken jsonb)
-LANGUAGE plpgsql VOLATILE
-SET plan_cache_mode = force_generic_plan AS $body$
-#variable_conflict use_column
-BEGIN
-    FOR i IN 1 .. coalesce(cardinality(p_run), 0) LOOP
-        RETURN QUERY SELECT i, f.id, f.status, f.woken
-          FROM poimen_finish(p_status[i], p_result[i], p_error[i], p_failed[i], p_run[i],
-                             p_boots, p_event_type[i], p_event_extra[i], p_entry_mode[i],
-                             p_entry[i], p_entry_no[i], p_step[i], p_entry_status[i],
-                             p_actions[i], p_outputs[i], p_entry_error[i], p_next_step[i],
-                             p_events[i], p_entry_event[i]) AS f;
-    END LOOP;
 END
 $body$;
 
