@@ -2,8 +2,8 @@
 ARG ...`` runs, without the ``celery`` program's plugin search.
 
 Before it reads its arguments, the ``celery`` program imports every installed
-``celery.commands`` plugin (Flower, with Tornado), click-repl and prompt_toolkit: about
-0.3 s of CPU per start, and the system tests start about 250 workers and beats on two
+``celery.commands`` plugin (Flower, with Tornado), click-repl and prompt_toolkit: 0.2-0.3 s
+of CPU per start, and the system tests start about 250 workers and beats on two
 cores. This runs Celery's own ``worker`` and ``beat`` commands with the context the
 ``celery`` group gives them for ``-A workers``: the app ``find_app`` finds, the group's
 ``CELERY_`` environment prefix, Celery's exit status. The group's other work is for
@@ -13,8 +13,8 @@ ever does, so the two cannot drift apart silently.
 
 The Procfile's own commands stay covered as written: the deploy tests run them
 (``tests/deploy``), ``tests/workers/test_celery_native.py`` runs the ``celery`` program
-for the operators' commands, and ``tests/test_celery_launch.py`` starts a worker both
-ways and compares what they print.
+for the operators' commands, and ``tests/test_celery_launch.py`` holds this launcher and
+the ``celery`` program to the same options (their ``--help``, word for word).
 """
 
 from __future__ import annotations
