@@ -158,7 +158,7 @@ def start_web(env: Mapping[str, str], log_dir: Path, port: int | None = None,
 
 
 # ``celery -A workers`` for ``worker`` and ``beat``, without the celery program's search for
-# plugins, which costs each start about 0.3 s of CPU (tests/celery_launch.py). The
+# plugins, which costs each start 0.2-0.3 s of CPU (tests/celery_launch.py). The
 # Procfile's own commands are run as written by the deploy tests.
 CELERY_PROGRAM = (sys.executable, "-m", "tests.celery_launch")
 

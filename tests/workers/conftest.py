@@ -47,17 +47,22 @@ def fresh_boot():
     end_current_boot()
 
 
-def close_for_good(pg, boot) -> None:
-    """End ``boot``'s lock connection and return once its backend has exited: the server
-    releases the lock then, a moment after the client closed."""
+def wait_backend_gone(pg, pid: int) -> None:
+    """Return once the backend ``pid`` has exited: the server releases its locks then."""
     import time
 
-    boot.close()
     deadline = time.monotonic() + 10
     while pg.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
-                     [boot.backend_pid]).fetchone()[0]:
-        assert time.monotonic() < deadline, "the lock's backend did not go away"
+                     [pid]).fetchone()[0]:
+        assert time.monotonic() < deadline, "the backend did not go away"
         time.sleep(0.02)
+
+
+def close_for_good(pg, boot) -> None:
+    """End ``boot``'s lock connection and return once its backend has exited, a moment
+    after the client closed."""
+    boot.close()
+    wait_backend_gone(pg, boot.backend_pid)
 
 
 def long_gone(conn, *boot_ids) -> None:

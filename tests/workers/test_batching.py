@@ -148,8 +148,9 @@ def test_two_children_of_one_join_ending_in_one_batch_wake_their_parent_once(
 
 
 def _entry_ends(runs, pg):
-    """Four kinds of last entry, one per run: written at the end (no row yet), with and
-    without its events; closed from an open row, failed with an error and completed."""
+    """Four kinds of end, one per run, as ``finish_run``'s keywords: the last entry written
+    at the end (no row yet), with and without its events; closed from an open row, failed
+    with an error and completed."""
     from app.state.ledger import EntryClose
 
     opened = []
@@ -163,8 +164,8 @@ def _entry_ends(runs, pg):
               EntryClose(opened[0], 0, "a", "failed", [], {}, error, None, True),
               EntryClose(opened[1], 0, "a", "completed", [], {"y": 2}, None, None, True)]
     statuses = ["succeeded", "succeeded", "failed", "succeeded"]
-    return [finish_params(run, status=status, result={"n": n} if status == "succeeded" else None,
-                          error=error if status == "failed" else None, close=close)
+    return [(run, {"status": status, "result": {"n": n} if status == "succeeded" else None,
+                   "error": error if status == "failed" else None, "close": close})
             for n, (run, status, close) in enumerate(zip(runs, statuses, closes, strict=True))]
 
 
@@ -191,14 +192,12 @@ def test_a_batch_ended_set_wise_writes_what_each_run_ended_alone_writes(
     boot = boot_factory().boot_id
     batched, alone = [admit() for _ in range(4)], [admit() for _ in range(4)]
     claim_batch(own, batched + alone, boot)
-    batch_ends, alone_ends = _entry_ends(batched, pg), _entry_ends(alone, pg)
+    batch_ends = [finish_params(run, **end) for run, end in _entry_ends(batched, pg)]
     done = finish_batch(own, batch_ends, [boot])
     assert set(done) == set(batched)
     assert [done[run].woken for run in batched] == [[], [], [], []]
-    for end in alone_ends:
-        assert finish_run(own, end["run"], [boot], status=end["status"],
-                          result=json_of(end["result"]), error=json_of(end["error"]),
-                          close=_close_of(end))
+    for run, end in _entry_ends(alone, pg):
+        assert finish_run(own, run, [boot], **end)
     for twin, run in zip(alone, batched, strict=True):
         assert _written(pg, run) == _written(pg, twin)
     assert [t for t, _ in _written(pg, batched[0])[2]] == [
@@ -210,20 +209,6 @@ def test_a_batch_ended_set_wise_writes_what_each_run_ended_alone_writes(
     before = pg.execute("SELECT count(*) FROM outbox").fetchone()[0]
     assert finish_batch(own, batch_ends, [boot]) == {}
     assert pg.execute("SELECT count(*) FROM outbox").fetchone()[0] == before
-
-
-def json_of(text):
-    import json
-
-    return None if text is None else json.loads(text)
-
-
-def _close_of(end):
-    from app.state.ledger import EntryClose
-
-    return EntryClose(end["entry"], end["entry_no"], end["step"], end["entry_status"],
-                      json_of(end["actions"]), json_of(end["outputs"]),
-                      json_of(end["entry_error"]), end["next_step"], end["events"])
 
 
 def test_a_batch_with_a_fan_out_child_is_ended_run_by_run_each_fenced(

@@ -11,7 +11,7 @@ from app.state.claims import ClaimOutcome, claim_run, finish_run, release_claim
 from app.state.executor import on_session
 from workers.registry import max_takeovers_of
 
-from .conftest import long_gone
+from .conftest import long_gone, wait_backend_gone
 
 
 @pytest.fixture
@@ -296,11 +296,7 @@ def test_a_run_pinned_to_a_version_this_worker_lacks_is_given_back_uncounted(app
 def terminate_lock_backend(pg, boot) -> None:
     """Cut the boot's lock connection server-side, as a restart or a failover would."""
     assert pg.execute("SELECT pg_terminate_backend(%s)", [boot.backend_pid]).fetchone()[0]
-    deadline = time.monotonic() + 10
-    while pg.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
-                     [boot.backend_pid]).fetchone()[0]:
-        assert time.monotonic() < deadline, "the backend did not go away"
-        time.sleep(0.02)
+    wait_backend_gone(pg, boot.backend_pid)
 
 
 def test_a_boot_cut_off_server_side_claims_nothing(session, admit, boot_factory, pg):
