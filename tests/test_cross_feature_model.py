@@ -826,17 +826,22 @@ class CrossFeatureModel(RuleBasedStateMachine):
         if not waiting:
             return
         note(f"waiting runs checked: {min(len(waiting), 3)}{'+' if len(waiting) > 3 else ''}")
-        eventually = self._would_wake(strict=False)
-        at_once = self._would_wake(strict=True) if strict_tenant else eventually
+        # What the system would wake is asked only for a run whose own reason has room:
+        # the verdict is the same (woken, or its reason applies), without a rolled-back
+        # wake-and-claim replay per step for runs that plainly still wait.
+        woken_by: dict[bool, set[uuid.UUID]] = {}
         counting = self.counting_boots()
         for run_id, row in waiting.items():
             reason = row[2]
             if reason not in ("concurrency", "tenant_cap"):
                 raise violated("waiting", f"run {run_id} waits ({reason}) for nothing")
+            if self._reason_applies(run_id, table, counting):
+                continue
             run = self.world.runs[run_id]
             strict = reason == "tenant_cap" and run.tenant == strict_tenant
-            woken = at_once if strict else eventually
-            if run_id in woken or self._reason_applies(run_id, table, counting):
+            if strict not in woken_by:
+                woken_by[strict] = self._would_wake(strict=strict)
+            if run_id in woken_by[strict]:
                 continue
             raise violated("waiting", (
                 f"run {run_id} ({run.tenant}/{run.workflow}, group {run.group}) waits "
