@@ -128,8 +128,7 @@ class Batcher:
         """Claim ``run_id`` for ``boot_id`` in the next batch: its row once committed, None
         if the batch did not claim it (ask why on the single-run path). Raises
         ``ClaimUnknown`` when its outcome could not be decided."""
-        value: ClaimedRun | None = self._submit(self._claims,
-                                                _Request(run_id, boot_id=boot_id))
+        value: ClaimedRun | None = self._submit("claim", _Request(run_id, boot_id=boot_id))
         return value
 
     def finish(self, run_id: uuid.UUID, boots: Iterable[uuid.UUID],
@@ -138,13 +137,16 @@ class Batcher:
         run as ended, once committed; None if the fence refused it. Raises
         ``BatchFailed`` when the batch's statement failed (send it alone)."""
         value: FinishedInBatch | None = self._submit(
-            self._finishes, _Request(run_id, boots=tuple(boots), params=params))
+            "finish", _Request(run_id, boots=tuple(boots), params=params))
         return value
 
-    def _submit(self, queue: list[_Request], request: _Request) -> Any:
+    def _submit(self, kind: str, request: _Request) -> Any:
+        # The queue is read under the lock the batcher takes it under: a queue read before
+        # a take would be the list that take already emptied, and the request would wait
+        # there forever, unsent (its run queued, its thread gone).
         with self._cond:
             self._start()
-            queue.append(request)
+            (self._claims if kind == "claim" else self._finishes).append(request)
             self._cond.notify()
         return request.wait()
 
@@ -172,9 +174,7 @@ class Batcher:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-                claims, self._claims = self._claims[:self._max], self._claims[self._max:]
-                finishes = self._finishes[:self._max]
-                self._finishes = self._finishes[self._max:]
+                claims, finishes = self._take()
             for send, batch in ((self._send_claims, claims), (self._send_finishes, finishes)):
                 if not batch:
                     continue
@@ -185,6 +185,12 @@ class Batcher:
                     for request in batch:
                         if not request.done.is_set():
                             request.resolve(error=BatchFailed(type(err).__name__))
+
+    def _take(self) -> tuple[list[_Request], list[_Request]]:
+        """The next batch of each kind, taken off the queues (under ``_cond``)."""
+        claims, self._claims = self._claims[:self._max], self._claims[self._max:]
+        finishes, self._finishes = self._finishes[:self._max], self._finishes[self._max:]
+        return claims, finishes
 
     def _connection(self) -> OwnConnection:
         if self._conn is None or self._conn.conn.closed:

@@ -1269,6 +1269,19 @@ MUTANTS: list[Mutant] = [
         (f"{BATCH_TESTS}::test_a_finish_returns_only_once_its_batch_committed",),
     ),
     Mutant(
+        "batcher_reads_its_queue_outside_the_lock",
+        "a thread's request is appended to the batcher's queue under the lock the batcher "
+        "takes batches under: a request made during a take is sent in the next batch, never "
+        "left on the list the take emptied",
+        "workers/batching.py",
+        "        with self._cond:\n            self._start()\n"
+        "            (self._claims if kind == \"claim\" else self._finishes).append(request)\n",
+        "        queue = self._claims if kind == \"claim\" else self._finishes\n"
+        "        with self._cond:\n            self._start()\n            queue.append(request)\n",
+        (f"{BATCH_TESTS}::test_a_request_made_while_the_batcher_takes_a_batch_goes_in_the_next_"
+         "one",),
+    ),
+    Mutant(
         "batch_claim_decided_before_its_backend_ended",
         "a batch claim of unknown outcome is read only once its backend has ended: a backend "
         "still waiting would commit the claim later, with nobody to run the runs",
