@@ -318,9 +318,9 @@ def test_a_request_made_while_the_batcher_takes_a_batch_goes_in_the_next_one(
         kind, admit, boot_factory, dsn, pg):
     """A thread that asks while the batcher takes a batch off its queue is sent in the next
     batch: it appends to the queue as it is after the take, never to the list the take
-    emptied, where it would wait forever unsent (its run queued, its thread lost). Seen
-    under e2e load with 48 threads: 7 of 100 runs stuck. The interleaving is forced: the
-    test holds the batcher's lock, lets the asker reach it, and takes a batch meanwhile."""
+    emptied, where it would wait forever unsent (its run queued, its thread lost). The
+    interleaving is forced: the test holds the batcher's lock, lets the asker reach it, and
+    takes a batch meanwhile."""
     run, boot = admit(), boot_factory()
     b = batcher(dsn, window=0.01)
     b.enter()
