@@ -50,8 +50,15 @@ def require_wrk() -> str:
 
 
 def stop_on_sigterm() -> None:
-    """Turn SIGTERM into ``SystemExit`` so ``finally`` blocks clean up on a plain kill."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    """Turn SIGTERM into ``SystemExit`` so ``finally`` blocks clean up on a plain kill. A
+    second SIGTERM while they run is ignored: raised inside a ``finally``, it would cut the
+    clean-up short and leave the benchmark's processes running."""
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 @contextlib.contextmanager
