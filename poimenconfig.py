@@ -497,6 +497,11 @@ def topic_prefix(env: Mapping[str, str] | None = None) -> str:
             + (get_str(env, "POIMEN_TOPIC_PREFIX").strip() or DEFAULT_TOPIC_PREFIX))
 
 
+# The dead-letter replay's consumer group (``bridge/dlq.py``, ``flask replay-dlq``, the
+# console's inbox page), named here so the app knows it without loading the Kafka client.
+REPLAY_GROUP: Final = "poimen-dlq-replay"
+
+
 def consumer_group(name: str, env: Mapping[str, str] | None = None) -> str:
     """Return the consumer group ``name`` with Heroku's ``KAFKA_PREFIX`` in front (if set)."""
     env = _environ(env)

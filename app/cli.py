@@ -258,8 +258,8 @@ def register_cli(app: Flask) -> None:
         """
         from confluent_kafka import KafkaException
 
-        from bridge.dlq import REPLAY_GROUP, parse_since, replay_dead_letters
-        from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
+        from bridge.dlq import parse_since, replay_dead_letters
+        from poimenconfig import REPLAY_GROUP, consumer_group, kafka_client_settings, topic_prefix
 
         tenant_service.find_tenant(tenant_name)
         if since and from_start:

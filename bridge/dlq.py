@@ -59,7 +59,7 @@ from datetime import UTC, datetime, timedelta
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
+from poimenconfig import REPLAY_GROUP, consumer_group, kafka_client_settings, topic_prefix
 
 from .deadletter import DeadLetter
 from .inbox.faults import MessageFault, run_request_body
@@ -68,7 +68,6 @@ from .topics import dead_letter_topic, dispatch_topic
 
 log = logging.getLogger("poimen.dlq")
 
-REPLAY_GROUP = "poimen-dlq-replay"
 PROGRESS_SECONDS = 5.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", re.IGNORECASE)
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}

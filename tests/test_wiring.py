@@ -123,16 +123,17 @@ def test_importing_the_packages_reads_no_settings():
 
 
 # Alembic is the release phase's: a web, worker or beat process creates the app without
-# it, and ``flask db`` loads Flask-Migrate's commands when it runs.
+# it, and ``flask db`` loads Flask-Migrate's commands when it runs. The Kafka client and the
+# HTTP client are the dead-letter replay's, loaded when a replay runs.
 @pytest.mark.processes  # fresh interpreters: what creating the app loads, the CLI itself
-def test_the_app_loads_alembic_only_for_flask_db():
+def test_the_app_loads_alembic_only_for_flask_db_and_no_kafka_client():
     import os
 
     code = ("import sys\n"
             "from app import create_app\n"
             "create_app()\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('alembic', 'flask_migrate'))\n"
+            "('alembic', 'flask_migrate', 'confluent_kafka', 'poimen_client'))\n"
             "assert not loaded, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
                           capture_output=True, text=True, timeout=60)

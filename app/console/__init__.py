@@ -61,8 +61,7 @@ def init_console(app: Flask) -> None:
 
 def _kafka_settings() -> dict | None:
     """The inbox page's Kafka client settings, topic prefix and group; None without Kafka."""
-    from bridge.dlq import REPLAY_GROUP
-    from poimenconfig import consumer_group, kafka_client_settings, topic_prefix
+    from poimenconfig import REPLAY_GROUP, consumer_group, kafka_client_settings, topic_prefix
 
     try:
         settings = kafka_client_settings()

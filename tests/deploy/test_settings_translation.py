@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from bridge.dlq import REPLAY_GROUP
 from bridge.kafka import describe
 from bridge.topics import dead_letter_topic, dispatch_topic, events_topic
 from poimenconfig import (
+    REPLAY_GROUP,
     consumer_group,
     inbox_settings,
     kafka_client_settings,
