@@ -92,8 +92,7 @@ def run_one(mutant: Mutant, files: list[str], timeout: float) -> tuple[str, str,
         env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1",
                "COLUMNS": "1000",  # summary lines uncut: the gate reads why a test failed
                # The cross-feature model test searches at random: six times make test's
-               # budget here, so a mutant it can find is found in every gate run (at 150,
-               # model_finish_unfenced, found after 100-140 s, survived one gate in five).
+               # budget here, so a mutant it can find is found in every gate run.
                "POIMEN_MODEL_EXAMPLES": os.environ.get("POIMEN_MODEL_EXAMPLES", "300")}
         try:
             proc = subprocess.run(
