@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -76,8 +79,14 @@ class Process:
         # own directory: a SIGKILLed process cannot remove them, pytest's tmp_path does.
         tmp = self.log_path.with_name(f"{self.name}-tmp")
         tmp.mkdir(exist_ok=True)
+        env = {"TMPDIR": str(tmp), **self.env}
+        server = zygote_for(self.argv, env, self.cwd)
+        if server is not None:
+            log.close()
+            self.proc = server.spawn(self.argv, env, self.cwd, self.log_path)
+            return self
         self.proc = subprocess.Popen(
-            self.argv, env={"TMPDIR": str(tmp), **self.env}, cwd=self.cwd, stdout=log,
+            self.argv, env=env, cwd=self.cwd, stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         return self
@@ -134,6 +143,108 @@ class Process:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Zygote:
+    """A ``tests.zygote`` server: Celery workers and beats started by fork from a Python
+    that imported their libraries once (its docstring says what the child gets, and why
+    only an environment its preload allows is served). One per working directory and
+    ``PYTHON*`` environment, per pytest process; ``POIMEN_TEST_ZYGOTE=0`` turns it off
+    (every process then started by ``Popen``)."""
+
+    _servers: dict[tuple, Zygote] = {}
+    _servers_lock = threading.Lock()
+
+    def __init__(self, env: Mapping[str, str], cwd: Path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], env=dict(env),
+                                     cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"tests.zygote exited with status {self.proc.wait()} "
+                               "before it was ready (its error is above)")
+        self.recorded: dict[str, str | None] = json.loads(ready)["recorded"]
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        from tests.zygote import serves
+
+        return serves(self.recorded, dict(env))
+
+    def request(self, message: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests.zygote ended (status {self.proc.poll()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path,
+              log_path: Path) -> ZygoteChild:
+        # The process guard (tests/process_guard.py) sees this start as it sees Popen's.
+        sys.audit("subprocess.Popen", argv[0], list(argv), str(cwd), dict(env))
+        pid = self.request({"spawn": {"argv": list(argv), "env": dict(env), "cwd": str(cwd),
+                                      "log": str(log_path)}})["pid"]
+        return ZygoteChild(self, pid, argv)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ZygoteChild:
+    """A process a :class:`Zygote` forked, with the part of ``Popen``'s interface the
+    tests use: ``pid``, ``returncode``, ``poll()``, ``wait(timeout)``."""
+
+    def __init__(self, server: Zygote, pid: int, argv: Sequence[str]):
+        self.server = server
+        self.pid = pid
+        self.args = list(argv)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.request({"poll": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def zygote_for(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> Zygote | None:
+    """The :class:`Zygote` to start ``argv`` from, or ``None``: start it with ``Popen``
+    (not a Celery worker or beat, ``POIMEN_TEST_ZYGOTE=0``, or an environment that a
+    server's preload would have read otherwise)."""
+    if tuple(argv[:3]) != CELERY_PROGRAM or os.environ.get("POIMEN_TEST_ZYGOTE") == "0":
+        return None
+    key = (str(cwd), tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON"))))
+    with Zygote._servers_lock:
+        server = Zygote._servers.get(key)
+        if server is None:
+            server = Zygote._servers[key] = Zygote(env, cwd)
+    return server if server.serves(env) else None
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    for server in Zygote._servers.values():
+        server.close()
 
 
 def start_web(env: Mapping[str, str], log_dir: Path, port: int | None = None,

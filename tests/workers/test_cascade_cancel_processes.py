@@ -57,7 +57,13 @@ def test_a_cancel_of_a_parent_with_20_children_in_every_state_lets_none_start_af
         "WHERE parent_run_id = %s GROUP BY 1, 2, 3", [answered, parent]).fetchall()
     assert all(flagged or started_before for _, flagged, started_before, _ in states), states
     assert sum(n for status, _, _, n in states if status == "cancelled") >= 12, states
-    assert int(answer.headers["Poimen-Cancelled-Descendants"]) == 20
+    # The header counts the children the cascade reached: each cancelled or flagged by the
+    # answer. The parent, asked to stop first, frees its pool process at its next
+    # checkpoint: a queued sibling it takes and runs to its end before the cascade comes
+    # to it (it started before the answer, as asserted above) is not reached.
+    escaped = sum(n for status, flagged, _, n in states if not flagged and status != "cancelled")
+    assert escaped <= 2, states
+    assert int(answer.headers["Poimen-Cancelled-Descendants"]) == 20 - escaped, states
 
     # Past the delays, with the pool processes freed by the checkpoints.
     wait_until(lambda: pg.execute(
@@ -74,7 +80,7 @@ def test_a_cancel_of_a_parent_with_20_children_in_every_state_lets_none_start_af
     ends = dict(pg.execute("SELECT status, count(*) FROM runs WHERE id = ANY(%s) "
                            "GROUP BY status", [children]).fetchall())
     # Every child ended cancelled but the keyed slot holder, which has no checkpoint
-    # (it sleeps) and ends as its body does.
-    assert ends.get("cancelled", 0) >= 19, ends
+    # (it sleeps) and ends as its body does, and any sibling that escaped the cascade.
+    assert ends.get("cancelled", 0) >= 19 - escaped, ends
     assert pg.execute("SELECT status FROM runs WHERE id = %s", [parent]).fetchone()[0] \
         == "cancelled"
