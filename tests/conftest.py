@@ -18,6 +18,7 @@ import redis as redis_lib
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
+import tests.processes
 from poimen_dev.scratch import scratch_database
 from poimenconfig import libpq_url
 from tests.processes import free_port, start_tansu_broker, start_web
@@ -25,6 +26,9 @@ from tests.processes import free_port, start_tansu_broker, start_web
 # The `processes` mark and its guard (make check leaves marked tests out); pytester
 # runs the guard's own wiring test.
 pytest_plugins = ("tests.process_guard", "tests.durations", "pytester")
+
+# Workers and beats start by fork from tests/zygote.py (POIMEN_TEST_ZYGOTE=0: by Popen).
+tests.processes.ZYGOTE_ENABLED = True
 
 REQUIRED = ("DATABASE_URL", "REDIS_URL", "KAFKA_BOOTSTRAP_SERVERS")
 TABLES = ("outbox", "runs", "worker_boots", "api_tokens", "tenants", "rate_slots")

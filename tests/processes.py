@@ -227,11 +227,17 @@ class ZygoteChild:
         return self.returncode
 
 
+# Turned on by tests/conftest.py: the tests start workers and beats through a Zygote. The
+# benchmarks, which use this module too, start every process by Popen, as a dyno does.
+ZYGOTE_ENABLED = False
+
+
 def zygote_for(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> Zygote | None:
     """The :class:`Zygote` to start ``argv`` from, or ``None``: start it with ``Popen``
-    (not a Celery worker or beat, ``POIMEN_TEST_ZYGOTE=0``, or an environment that a
-    server's preload would have read otherwise)."""
-    if tuple(argv[:3]) != CELERY_PROGRAM or os.environ.get("POIMEN_TEST_ZYGOTE") == "0":
+    (not a Celery worker or beat, outside the tests, ``POIMEN_TEST_ZYGOTE=0``, or an
+    environment that a server's preload would have read otherwise)."""
+    if (tuple(argv[:3]) != CELERY_PROGRAM or not ZYGOTE_ENABLED
+            or os.environ.get("POIMEN_TEST_ZYGOTE") == "0"):
         return None
     key = (str(cwd), tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON"))))
     with Zygote._servers_lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,12 @@ def test_a_start_through_the_zygote_is_seen_by_the_process_guard(fast_env, tmp_p
         processes.append(start_worker(fast_env, tmp_path, "seen"))
     assert isinstance(processes[-1].proc, ZygoteChild)
     assert [s for s in started if "tests.celery_launch" in s], started
+
+
+@pytest.mark.processes
+def test_outside_the_tests_every_process_starts_by_popen():
+    # The benchmarks start their processes through tests.processes, as a dyno starts them.
+    out = subprocess.run([sys.executable, "-c", "import tests.processes as p; "
+                          "print(p.ZYGOTE_ENABLED)"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
