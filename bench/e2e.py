@@ -119,11 +119,25 @@ def process_cpu(procs) -> dict[str, float]:
     return {p.name: cpu_seconds([p.proc.pid, *child_pids(p.proc.pid)]) for p in procs}
 
 
-def wait_for(count, target: int, timeout: float, what: str) -> float:
-    """Poll ``count()`` until it reaches ``target``; return that moment (monotonic)."""
-    deadline = time.monotonic() + timeout
+STALL_S = 30.0  # a wait that has not moved for this long says so, and again each period
+
+
+def wait_for(count, target: int, timeout: float, what: str, stall_s: float = STALL_S) -> float:
+    """Poll ``count()`` until it reaches ``target``; return that moment (monotonic). While
+    the count stands still it prints where it stands every ``stall_s`` seconds, so a stuck
+    case is seen long before its timeout."""
+    started = time.monotonic()
+    deadline = started + timeout
+    last, moved, reported = -1, started, started
     while (seen := count()) < target:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if seen != last:
+            last, moved = seen, now
+        elif now - max(moved, reported) >= stall_s:
+            print(f"{what}: {seen}/{target}, no progress for {now - moved:.0f} s "
+                  f"({now - started:.0f} s of {timeout:.0f} s)", flush=True)
+            reported = now
+        if now > deadline:
             raise RuntimeError(f"{what}: only {seen}/{target} after {timeout:.0f} s")
         time.sleep(POLL_S)
     return time.monotonic()

@@ -26,3 +26,13 @@ def test_a_second_sigterm_does_not_cut_a_benchmarks_clean_up_short():
         assert cleaned == ["every process stopped"]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_stuck_end_to_end_wait_says_where_it_stands_before_its_timeout(capsys):
+    from bench.e2e import wait_for
+
+    with pytest.raises(RuntimeError, match="only 7/10 after 1 s"):
+        wait_for(lambda: 7, 10, timeout=1.0, what="poimen", stall_s=0.3)
+    reports = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("poimen: 7/10, no progress for")]
+    assert 2 <= len(reports) <= 4, reports
