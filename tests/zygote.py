@@ -4,7 +4,7 @@ that has already imported Celery, kombu, SQLAlchemy, Flask and psycopg.
 A worker's start is mostly importing those libraries: 0.85 s of CPU, of which the child
 of a process that imported them pays 0.2-0.3 s. The system lane starts about 250 workers
 and beats on two cores, and it is bound by CPU. So :mod:`tests.processes` asks this
-server for them (``ZygoteProcess``): it forks, and the child runs
+server for them (``tests.processes.Zygote``): it forks, and the child runs
 ``python -m tests.celery_launch ...`` as a fresh interpreter would.
 
 What the child gets, as ``subprocess.Popen`` would give it:
