@@ -18,6 +18,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from poimen_dev.platform import procfile_commands
+from tests.zygote import serves
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -69,12 +70,11 @@ class Process:
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = Path(log_dir) / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ZygoteChild | None = None
         self.graceful = graceful
         self.cwd = cwd
 
     def start(self) -> Process:
-        log = open(self.log_path, "ab")
         # Temporary files (web's and the worker's metrics directories) under the test's
         # own directory: a SIGKILLed process cannot remove them, pytest's tmp_path does.
         tmp = self.log_path.with_name(f"{self.name}-tmp")
@@ -82,13 +82,13 @@ class Process:
         env = {"TMPDIR": str(tmp), **self.env}
         server = zygote_for(self.argv, env, self.cwd)
         if server is not None:
-            log.close()
             self.proc = server.spawn(self.argv, env, self.cwd, self.log_path)
             return self
-        self.proc = subprocess.Popen(
-            self.argv, env=env, cwd=self.cwd, stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                self.argv, env=env, cwd=self.cwd, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
         return self
 
     @property
@@ -167,8 +167,6 @@ class Zygote:
         self.recorded: dict[str, str | None] = json.loads(ready)["recorded"]
 
     def serves(self, env: Mapping[str, str]) -> bool:
-        from tests.zygote import serves
-
         return serves(self.recorded, dict(env))
 
     def request(self, message: dict) -> dict:
