@@ -460,6 +460,23 @@ def committed(db_url: str) -> int:
                             "WHERE datname = current_database()").fetchone()[0]
 
 
+def batch_sizes(*urls: str) -> dict[str, float]:
+    """The mean runs per store-batcher statement, by kind, over the batch workers whose
+    metrics ``urls`` serve (warm-up included); empty for prefork workers."""
+    from tests.processes import metrics
+
+    counts: dict[str, list[float]] = {"claim": [0.0, 0.0], "finish": [0.0, 0.0]}
+    for url in urls:
+        try:
+            scraped = metrics(url)
+        except Exception:  # noqa: BLE001 - a figure to report, not a result
+            continue
+        for kind, sums in counts.items():
+            sums[0] += scraped.get(("poimen_worker_batch_size_count", (("kind", kind),)), 0.0)
+            sums[1] += scraped.get(("poimen_worker_batch_size_sum", (("kind", kind),)), 0.0)
+    return {kind: total / count for kind, (count, total) in counts.items() if count}
+
+
 def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
     """Poll ``count_fn`` every ``POLL_S`` until it reaches ``target``; return that moment."""
     deadline = time.monotonic() + timeout

@@ -81,6 +81,7 @@ from bench._common import (  # noqa: E402
     STATS_FLUSH_S,
     CountPoll,
     append_result,
+    batch_sizes,
     bench_database,
     committed,
     cpu_delta,
@@ -103,7 +104,6 @@ from tests.processes import (  # noqa: E402
     BIN,
     Process,
     free_port,
-    metrics,
     start_web,
     start_worker,
 )
@@ -266,22 +266,6 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
                           batch_sizes(f"http://127.0.0.1:{metrics_port}/metrics"))
     finally:
         worker.stop()
-
-
-def batch_sizes(url: str) -> dict[str, float]:
-    """The mean runs per store-batcher statement, by kind, from a batch worker's metrics
-    (warm-up included); empty for a prefork worker."""
-    try:
-        scraped = metrics(url)
-    except Exception:  # noqa: BLE001 - a figure to report, not a result
-        return {}
-    out = {}
-    for kind in ("claim", "finish"):
-        count = scraped.get(("poimen_worker_batch_size_count", (("kind", kind),)), 0.0)
-        total = scraped.get(("poimen_worker_batch_size_sum", (("kind", kind),)), 0.0)
-        if count:
-            out[kind] = total / count
-    return out
 
 
 def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, token: str,

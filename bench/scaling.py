@@ -1,7 +1,8 @@
 """Benchmark: how throughput and Postgres CPU scale with worker and inbox processes.
 
     python bench/scaling.py [--runs 5000] [--messages 10000] [--workers 1 2 4]
-                            [--inboxes 1 2] [--no-record]
+                            [--inboxes 1 2] [--mode prefork|batch [--threads 16]]
+                            [--no-record]
 
 In one invocation, on the same services, one gunicorn as the Procfile starts it
 (2 workers x 4 threads) and a migrated ``poimen_bench_<id>`` database:
@@ -14,13 +15,20 @@ In one invocation, on the same services, one gunicorn as the Procfile starts it
   main process, broker connection and boots, and one pool process each keeps
   "N workers" = N processes executing runs (``--concurrency N`` in one process
   would measure a wider pool behind one consumer instead, the other knob).
+  ``--mode batch`` makes each worker a batching one (``POIMEN_WORKER_MODE=batch``,
+  docs/internals/batching.md): one process of ``--threads`` threads whose claims and
+  finishes go to Postgres many per statement.
   The web process sends the runs' messages to a *holding* queue; once every
   worker is up and ``ready``, the holding queue is renamed onto the workers'
   queue (one atomic Redis ``RENAME``). The clock runs from that release until
-  ``SELECT count(*) FROM runs WHERE status = 'succeeded'`` (polled every 50 ms)
-  reaches ``--runs``: the workers' start-up (imports, boot registration) is not
+  ``SELECT count(*) FROM runs WHERE status = 'succeeded'`` (polled every 50 ms, on
+  one open connection) reaches ``--runs``: the workers' start-up (imports, boot registration) is not
   charged to the runs, in time or CPU. Also printed: the steady rate, first
-  claim to last finish by Postgres' clock.
+  claim to last finish by Postgres' clock. **Commits per run**: the transactions
+  committed in the bench database from the release to the end
+  (``pg_stat_database.xact_commit``, read-only ones included), less the script's own
+  polls; each end of the count waits ``STATS_FLUSH_S`` for the backends to report. A
+  batch worker's runs per claim and per finish statement come from its metrics.
 * **Inbox.** For 1 and 2 ``python -m bridge.inbox`` processes in one consumer
   group (each with its own ``METRICS_PORT``): ``--messages`` dispatch messages
   of ``noop`` are produced first to ``poimen.<tenant>.dispatch`` under a private
@@ -73,8 +81,12 @@ import redis as redis_lib  # noqa: E402
 import requests  # noqa: E402
 
 from bench._common import (  # noqa: E402
+    STATS_FLUSH_S,
+    CountPoll,
     append_result,
+    batch_sizes,
     bench_database,
+    committed,
     cpu_delta,
     cpu_snapshot,
     credentials,
@@ -109,6 +121,9 @@ class Case:
     load_before: str = ""
     load_after: str = ""
     valid: bool = True
+    commits: int | None = None  # transactions committed in the bench database (workers)
+    # Batch workers: the mean runs per store-batcher statement, by kind.
+    batch_sizes: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -121,15 +136,26 @@ class Case:
     def ms_per(self, key: str) -> float:
         return self.cpu.get(key, 0.0) * 1000 / self.count
 
+    @property
+    def commits_per_run(self) -> str:
+        return "-" if self.commits is None else f"{self.commits / self.count:.2f}"
+
+    @property
+    def runs_per_statement(self) -> str:
+        if not self.batch_sizes:
+            return "-"
+        return (f"{self.batch_sizes.get('claim', 0):.1f} / "
+                f"{self.batch_sizes.get('finish', 0):.1f}")
+
 
 # -- database reads -------------------------------------------------------------------------
 
-def count_runs(db: str, status: str | None = None) -> int:
-    with psycopg.connect(db) as conn:
-        if status is None:
-            return conn.execute("SELECT count(*) FROM runs").fetchone()[0]
-        return conn.execute("SELECT count(*) FROM runs WHERE status = %s",
-                            (status,)).fetchone()[0]
+def count_poll(db: str, status: str | None = None) -> CountPoll:
+    """The case's poll of ``count(*) FROM runs`` (of ``status``), on one open connection:
+    a connection per poll would charge 20 backend starts a second to Postgres' CPU."""
+    if status is None:
+        return CountPoll(db, "SELECT count(*) FROM runs")
+    return CountPoll(db, "SELECT count(*) FROM runs WHERE status = %s", [status])
 
 
 def span(db: str, start: str, end: str) -> float:
@@ -177,20 +203,26 @@ def wait_queued(redis: redis_lib.Redis, queue: str, n: int, timeout: float = 120
 
 def workers_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: int,
                  token: str, redis: redis_lib.Redis, k: int, n: int, args) -> Case:
-    from tests.processes import start_worker
+    from tests.processes import free_port, start_worker
 
     hold, queue = env["BENCH_HOLD_QUEUE"], env["POIMEN_QUEUE"]
     reset_runs(db)
     redis.delete(hold, queue)
     admit_batches(api, token, n, f"w{k}")
     wait_queued(redis, hold, n)
-    workers = []
+    workers, ports = [], [free_port() for _ in range(k)]
+    poll = count_poll(db, "succeeded")
     try:
         for i in range(k):
-            workers.append(start_worker(env, logs, f"scale-w{k}-{i}", concurrency=1))
+            # One dyno each: prefork at WORKER_CONCURRENCY=1, or a batch worker's threads.
+            workers.append(start_worker(
+                {**env, "METRICS_PORT": str(ports[i])}, logs, f"scale-w{k}-{i}",
+                concurrency=args.threads if args.mode == "batch" else 1))
         for w in workers:
             wait_ready(w)
         valid = ensure_quiet(args.max_load, args.quiet_wait)
+        time.sleep(STATS_FLUSH_S)  # the admission's commits reported before the count
+        commits0, polls0 = committed(db), poll.calls
         load_before = load_average()
         print(f"workers x{k}: load average before {load_before}", flush=True)
         groups = {"worker": [w.pid for w in workers], "web": web_pid}
@@ -198,16 +230,21 @@ def workers_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: in
         started = time.monotonic()
         redis.rename(hold, queue)  # the release: every message at once, workers warm
         try:
-            done = wait_for_count(lambda: count_runs(db, "succeeded"), n, args.timeout,
-                                  f"workers x{k}")
+            done = wait_for_count(poll, n, args.timeout, f"workers x{k}")
         except RuntimeError as err:
             raise RuntimeError(f"{err}; runs by status: {runs_by_status(db)}") from None
         cpu = cpu_delta(cpu0, cpu_snapshot(groups))
+        load_after = load_average()
+        time.sleep(STATS_FLUSH_S)  # every process's commits of the case reported
+        # Less this script's own: the polls, and the first read of the count.
+        commits = committed(db) - commits0 - 1 - (poll.calls - polls0)
         case = Case("workers", k, n, done - started, span(db, "started_at", "finished_at"),
-                    cpu, load_before, load_average(), valid)
+                    cpu, load_before, load_after, valid, commits,
+                    batch_sizes(*(f"http://127.0.0.1:{p}/metrics" for p in ports)))
         print(f"workers x{k}: load average after {case.load_after}", flush=True)
         return case
     finally:
+        poll.close()
         for w in workers:
             w.stop()
 
@@ -237,7 +274,8 @@ def inbox_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: int,
         started = time.monotonic()
         for i in range(k):  # start_inbox gives each its own free METRICS_PORT
             inboxes.append(start_inbox(relay_env, logs, name=f"scale-i{k}-{i}")[0])
-        done = wait_for_count(lambda: count_runs(db), m, args.timeout, f"inbox x{k}")
+        with contextlib.closing(count_poll(db)) as poll:
+            done = wait_for_count(poll, m, args.timeout, f"inbox x{k}")
         cpu = cpu_delta(cpu0, cpu_snapshot({"web": web_pid,
                                              "inbox": [p.pid for p in inboxes]}))
         case = Case("inbox", k, m, done - started, span(db, "created_at", "created_at"),
@@ -255,8 +293,9 @@ def report(cases: list[Case]) -> list[str]:
     lines = [
         "| case | processes | count | seconds | /s | steady /s | Postgres CPU ms per run "
         "| worker CPU ms per run | web CPU ms per run | inbox CPU ms per run | machine CPU ms "
-        "per run | load before -> after | valid |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "per run | commits per run | runs per claim / finish statement "
+        "| load before -> after | valid |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for c in cases:
         def col(key: str, c: Case = c) -> str:
@@ -264,7 +303,8 @@ def report(cases: list[Case]) -> list[str]:
         lines.append(
             f"| {c.kind} | {c.processes} | {c.count} | {c.seconds:.2f} | {c.rate:.0f} | "
             f"{c.steady_rate:.0f} | {col('postgres')} | {col('worker')} | {col('web')} | "
-            f"{col('inbox')} | {col('machine')} | {c.load_before} -> {c.load_after} | "
+            f"{col('inbox')} | {col('machine')} | {c.commits_per_run} | "
+            f"{c.runs_per_statement} | {c.load_before} -> {c.load_after} | "
             f"{'yes' if c.valid else '**INVALID** (load above the limit)'} |")
     for kind, unit in (("workers", "runs/s"), ("inbox", "messages/s")):
         mine = [c for c in cases if c.kind == kind]
@@ -285,6 +325,11 @@ def main() -> int:
                         help="worker process counts (each --concurrency 1)")
     parser.add_argument("--inboxes", type=int, nargs="+", default=[1, 2],
                         help="inbox process counts (one consumer group)")
+    parser.add_argument("--mode", choices=("prefork", "batch"), default="prefork",
+                        help="the workers' POIMEN_WORKER_MODE: prefork at --concurrency 1, "
+                             "or batch (one threads-pool process of --threads each)")
+    parser.add_argument("--threads", type=int, default=16,
+                        help="batch mode: each worker's threads")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=600.0, help="per case, seconds")
     parser.add_argument("--max-load", type=float, default=1.5,
@@ -310,11 +355,15 @@ def main() -> int:
         "BENCH_HOLD_QUEUE": f"{queue}-hold",
         "BENCH_TOPIC_PREFIX": f"benchscale{bench_id}",
         "POIMEN_REPAIR_MIN_AGE": "3600",  # beat is not running; repair stays out of it
+        "POIMEN_WORKER_MODE": args.mode,
     })
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     redis = redis_lib.Redis.from_url(env["REDIS_URL"])
     machine = machine_summary(env["DATABASE_URL"])
     print(f"machine: {machine}", flush=True)
+    workers_are = (f"batch, {args.threads} threads each" if args.mode == "batch"
+                   else "prefork, --concurrency 1 each")
+    print(f"workers: {workers_are}", flush=True)
     print(f"runs {args.runs} x workers {args.workers}; messages {args.messages} x inboxes "
           f"{args.inboxes}, {args.partitions} partitions; queue {queue}", flush=True)
     cases: list[Case] = []
@@ -340,7 +389,8 @@ def main() -> int:
             print(f"workers x{k}: {case.count} runs in {case.seconds:.2f}s = "
                   f"{case.rate:.0f} runs/s (steady {case.steady_rate:.0f}); Postgres "
                   f"{case.ms_per('postgres'):.2f} ms/run, worker {case.ms_per('worker'):.2f} "
-                  f"ms/run{'' if case.valid else ' INVALID'}", flush=True)
+                  f"ms/run, {case.commits_per_run} commits/run"
+                  f"{'' if case.valid else ' INVALID'}", flush=True)
         for k in args.inboxes:
             case = inbox_case(env, logs, db, api, web.pid, service_token, k, args.messages,
                               args)
@@ -362,7 +412,9 @@ def main() -> int:
         f"load average at the start {machine['load']}",
         f"- `python bench/scaling.py --runs {args.runs} --messages {args.messages} --workers "
         f"{' '.join(map(str, args.workers))} --inboxes {' '.join(map(str, args.inboxes))} "
-        f"--partitions {args.partitions}`; gunicorn 2x4; each worker `--concurrency 1`; "
+        f"--partitions {args.partitions} --mode {args.mode}"
+        f"{f' --threads {args.threads}' if args.mode == 'batch' else ''}`; gunicorn 2x4; "
+        f"each worker {workers_are}; "
         f"CPU in ms per run (per admitted message), every `postgres` process counted",
         "", *lines])
     print(f"appended to {RESULTS}")

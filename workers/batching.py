@@ -43,9 +43,13 @@ from app.state.claims import (
     FinishedInBatch,
     backend_gone,
     claim_batch,
+    claim_batch_call,
+    claimed_by_batch,
     claimed_in_batch,
     end_backend,
     finish_batch,
+    finish_batch_call,
+    finished_by_batch,
 )
 from app.state.direct import OwnConnection
 
@@ -175,16 +179,30 @@ class Batcher:
                         break
                     self._cond.wait(left)
                 claims, finishes = self._take()
-            for send, batch in ((self._send_claims, claims), (self._send_finishes, finishes)):
-                if not batch:
-                    continue
-                try:
-                    send(batch)
-                except BaseException as err:  # noqa: BLE001 - no thread may wait forever
-                    log.exception("store batcher: %d request(s) failed", len(batch))
-                    for request in batch:
-                        if not request.done.is_set():
-                            request.resolve(error=BatchFailed(type(err).__name__))
+            by_boot = _claims_by_boot(claims)
+            if finishes and len(by_boot) == 1:
+                # One transaction, one commit for the claims and the finishes taken
+                # together (docs/internals/batching.md, "One commit for both kinds").
+                [(boot_id, first)] = by_boot.items()
+                self._guarded([*first.values(), *finishes], self._send_together, first,
+                              boot_id, finishes)
+                continue
+            for boot_id, first in by_boot.items():
+                self._guarded(list(first.values()), self._send_claims, first, boot_id)
+            if finishes:
+                self._guarded(finishes, self._send_finishes, finishes)
+
+    @staticmethod
+    def _guarded(requests: list[_Request], send: Callable[..., None], *args: Any) -> None:
+        """``send(*args)``; should it raise, each of ``requests`` not answered yet fails
+        (to be sent alone): no thread may wait forever."""
+        try:
+            send(*args)
+        except BaseException as err:  # noqa: BLE001 - no thread may wait forever
+            log.exception("store batcher: %d request(s) failed", len(requests))
+            for request in requests:
+                if not request.done.is_set():
+                    request.resolve(error=BatchFailed(type(err).__name__))
 
     def _take(self) -> tuple[list[_Request], list[_Request]]:
         """The next batch of each kind, taken off the queues (under ``_cond``)."""
@@ -206,52 +224,91 @@ class Batcher:
             except Exception:  # noqa: BLE001 - it is being dropped
                 pass
 
-    def _send_claims(self, requests: list[_Request]) -> None:
-        by_boot: dict[uuid.UUID, list[_Request]] = {}
-        for request in requests:
-            assert request.boot_id is not None  # a claim names its boot
-            by_boot.setdefault(request.boot_id, []).append(request)
-        for boot_id, group in by_boot.items():
-            first: dict[uuid.UUID, _Request] = {}
-            for request in group:
-                if request.run_id in first:
-                    request.resolve(None)  # a second delivery in one batch: single path
-                else:
-                    first[request.run_id] = request
-            try:
-                conn = self._connection()
-            except Exception:  # noqa: BLE001 - nothing was sent: nothing claimed
-                log.warning("store batcher: could not connect; %d claim(s) go alone",
-                            len(first))
+    def _send_claims(self, first: dict[uuid.UUID, _Request], boot_id: uuid.UUID) -> None:
+        """One claim statement for the runs of ``first`` (each run once), all of
+        ``boot_id``."""
+        try:
+            conn = self._connection()
+        except Exception:  # noqa: BLE001 - nothing was sent: nothing claimed
+            log.warning("store batcher: could not connect; %d claim(s) go alone", len(first))
+            for request in first.values():
+                request.resolve(None)
+            return
+        pid = conn.conn.info.backend_pid
+        try:
+            claimed = claim_batch(conn, list(first), boot_id)
+        except DBAPIError as err:
+            if not conn.conn.closed and _answered(err):
+                # Postgres answered with an error: the statement rolled back whole.
+                log.warning("store batcher: a claim batch was refused (%s); its %d "
+                            "run(s) go alone", _code(err), len(first))
+                claimed = {}
+            else:
+                self._claims_unknown(first, boot_id, pid, err)
+                return
+        self._claimed(first, claimed)
+
+    def _claimed(self, first: dict[uuid.UUID, _Request],
+                 claimed: Mapping[uuid.UUID, ClaimedRun]) -> None:
+        """Answer a committed claim batch's requests: each its row, or None."""
+        self.sizes["claim"][len(first)] += 1
+        WORKER_BATCH_SIZE.labels("claim").observe(len(first))
+        for run_id, request in first.items():
+            request.resolve(claimed.get(run_id))
+
+    def _claims_unknown(self, first: dict[uuid.UUID, _Request], boot_id: uuid.UUID, pid: int,
+                        err: BaseException) -> None:
+        """The claim batch sent on backend ``pid`` has an unknown outcome: decide each of
+        its runs once that backend has ended."""
+        self._drop()
+        log.warning("store batcher: a claim batch's outcome is unknown (%s); deciding its %d "
+                    "run(s) one by one", type(err).__name__, len(first))
+        decided = self._decide_claims(list(first), boot_id, pid)
+        for request in first.values():
+            if decided is None:
+                request.resolve(error=ClaimUnknown(
+                    f"batch claim of run {request.run_id}: outcome unknown"))
+            else:
+                request.resolve(decided.get(request.run_id))
+
+    def _send_together(self, first: dict[uuid.UUID, _Request], boot_id: uuid.UUID,
+                       finishes: list[_Request]) -> None:
+        """The claim statement for ``first`` and the finish statement for ``finishes`` in
+        one transaction, sent in one round trip (``OwnConnection.together``): one commit
+        for both, and every request answered only after it.
+        An error Postgres answers rolls both back: the claims go the single-run way (None)
+        and the finishes alone. An unknown outcome (the connection broke) decides each
+        claim once the backend has ended; the finishes then go alone, fenced (one that
+        had applied is refused there and recognised as this process's)."""
+        ends, boots = _finish_arguments(finishes)
+        try:
+            conn = self._connection()
+        except Exception:  # noqa: BLE001 - nothing was sent: nothing claimed or ended
+            log.warning("store batcher: could not connect; %d claim(s) and %d finish(es) go "
+                        "alone", len(first), len(finishes))
+            for request in first.values():
+                request.resolve(None)
+            _fail(finishes, "OperationalError")
+            return
+        pid = conn.conn.info.backend_pid
+        try:
+            claim_result, finish_result = conn.together([
+                claim_batch_call(list(first), boot_id), finish_batch_call(ends, boots)])
+        except DBAPIError as err:
+            if not conn.conn.closed and _answered(err):
+                # Postgres answered with an error: the transaction rolled back whole.
+                log.warning("store batcher: a claim and finish batch was refused (%s); its "
+                            "%d claim(s) and %d finish(es) go alone", _code(err),
+                            len(first), len(finishes))
                 for request in first.values():
                     request.resolve(None)
-                continue
-            pid = conn.conn.info.backend_pid
-            try:
-                claimed = claim_batch(conn, list(first), boot_id)
-            except DBAPIError as err:
-                if not conn.conn.closed and _answered(err):
-                    # Postgres answered with an error: the statement rolled back whole.
-                    log.warning("store batcher: a claim batch was refused (%s); its %d "
-                                "run(s) go alone", _code(err), len(first))
-                    claimed = {}
-                else:
-                    self._drop()
-                    log.warning("store batcher: a claim batch's outcome is unknown (%s); "
-                                "deciding its %d run(s) one by one", type(err).__name__,
-                                len(first))
-                    decided = self._decide_claims(list(first), boot_id, pid)
-                    for request in first.values():
-                        if decided is None:
-                            request.resolve(error=ClaimUnknown(
-                                f"batch claim of run {request.run_id}: outcome unknown"))
-                        else:
-                            request.resolve(decided.get(request.run_id))
-                    continue
-            self.sizes["claim"][len(first)] += 1
-            WORKER_BATCH_SIZE.labels("claim").observe(len(first))
-            for run_id, request in first.items():
-                request.resolve(claimed.get(run_id))
+                _fail(finishes, type(err).__name__)
+                return
+            self._claims_unknown(first, boot_id, pid, err)
+            _fail(finishes, type(err).__name__)
+            return
+        self._claimed(first, claimed_by_batch(claim_result))
+        self._finished(finishes, finished_by_batch(finish_result))
 
     def _decide_claims(self, run_ids: list[uuid.UUID], boot_id: uuid.UUID, pid: int
                        ) -> dict[uuid.UUID, ClaimedRun] | None:
@@ -279,8 +336,7 @@ class Batcher:
         return None
 
     def _send_finishes(self, requests: list[_Request]) -> None:
-        boots = sorted({boot for request in requests for boot in request.boots})
-        ends = [{**(request.params or {}), "run": request.run_id} for request in requests]
+        ends, boots = _finish_arguments(requests)
         try:
             conn = self._connection()
             done = finish_batch(conn, ends, boots)
@@ -289,18 +345,48 @@ class Batcher:
                 self._drop()
             log.warning("store batcher: a finish batch failed (%s); its %d run(s) end alone",
                         _code(err) or type(err).__name__, len(requests))
-            for request in requests:
-                request.resolve(error=BatchFailed(type(err).__name__))
+            _fail(requests, type(err).__name__)
             return
         except psycopg.Error as err:
             self._drop()
-            for request in requests:
-                request.resolve(error=BatchFailed(type(err).__name__))
+            _fail(requests, type(err).__name__)
             return
+        self._finished(requests, done)
+
+    def _finished(self, requests: list[_Request],
+                  done: Mapping[uuid.UUID, FinishedInBatch]) -> None:
+        """Answer a committed finish batch's requests: each its ended run, or None."""
         self.sizes["finish"][len(requests)] += 1
         WORKER_BATCH_SIZE.labels("finish").observe(len(requests))
         for request in requests:
             request.resolve(done.get(request.run_id))
+
+
+def _claims_by_boot(requests: list[_Request]) -> dict[uuid.UUID, dict[uuid.UUID, _Request]]:
+    """The claim requests by boot, each run once: a second delivery of a run in one batch
+    is answered None here (the single-run path decides it)."""
+    by_boot: dict[uuid.UUID, dict[uuid.UUID, _Request]] = {}
+    for request in requests:
+        assert request.boot_id is not None  # a claim names its boot
+        first = by_boot.setdefault(request.boot_id, {})
+        if request.run_id in first:
+            request.resolve(None)
+        else:
+            first[request.run_id] = request
+    return by_boot
+
+
+def _finish_arguments(requests: list[_Request]
+                      ) -> tuple[list[dict[str, Any]], list[uuid.UUID]]:
+    """``finish_batch``'s ends and fence for the finish ``requests``."""
+    boots = sorted({boot for request in requests for boot in request.boots})
+    return [{**(request.params or {}), "run": request.run_id} for request in requests], boots
+
+
+def _fail(requests: list[_Request], reason: str) -> None:
+    """Each of ``requests`` fails, to be sent alone."""
+    for request in requests:
+        request.resolve(error=BatchFailed(reason))
 
 
 def conn_closed(conn: OwnConnection | None) -> bool:
@@ -310,12 +396,13 @@ def conn_closed(conn: OwnConnection | None) -> bool:
 def _answered(err: DBAPIError) -> bool:
     """Postgres answered the statement with an error (it rolled back), as opposed to a
     connection that broke with no answer."""
-    return getattr(err.orig, "sqlstate", None) is not None \
-        and not str(getattr(err.orig, "sqlstate", "")).startswith("08")
+    code = _code(err)
+    return code is not None and not code.startswith("08")
 
 
 def _code(err: DBAPIError) -> str | None:
-    return getattr(err.orig, "sqlstate", None)
+    code = getattr(err.orig, "sqlstate", None)
+    return None if code is None else str(code)
 
 
 # -- this process's batcher --------------------------------------------------------------------

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import TextClause
+
 from app.liveness import boot_alive
 from app.models import TERMINAL_STATUSES, RunStatus
 
@@ -440,9 +442,19 @@ def claim_batch(session: Executor, run_ids: Collection[uuid.UUID], boot_id: uuid
     """Claim each of ``run_ids`` for ``boot_id`` in one statement (``claim_queued_batch``):
     the runs it claimed, by id. A run it did not claim is missing: its delivery asks why
     with ``claim_run``. In autocommit, one commit for all."""
-    rows = session.execute(CLAIM_QUEUED_BATCH, {"runs": sorted(run_ids),
-                                                "boot": boot_id}).all()
-    return {row.id: build(ClaimedRun, row) for row in rows}
+    return claimed_by_batch(session.execute(*claim_batch_call(run_ids, boot_id)))
+
+
+def claim_batch_call(run_ids: Collection[uuid.UUID], boot_id: uuid.UUID
+                     ) -> tuple[TextClause, dict[str, Any]]:
+    """``claim_batch``'s statement and parameters, to send with others
+    (``OwnConnection.together``); its result is read by ``claimed_by_batch``."""
+    return CLAIM_QUEUED_BATCH, {"runs": sorted(run_ids), "boot": boot_id}
+
+
+def claimed_by_batch(result: Any) -> dict[uuid.UUID, ClaimedRun]:
+    """The runs a ``claim_batch_call`` claimed, by id."""
+    return {row.id: build(ClaimedRun, row) for row in result.all()}
 
 
 def claimed_in_batch(session: Executor, run_ids: Collection[uuid.UUID], boot_id: uuid.UUID
@@ -478,6 +490,13 @@ def finish_batch(session: Executor, ends: list[dict[str, Any]],
     ``poimen_finish_batch``, fenced by ``boots`` (this process's boots holding any of
     them): the runs it ended, by id. A run missing was refused (its claim was lost). The
     runs are ended in id order. Their woken runs are the caller's to send."""
+    return finished_by_batch(session.execute(*finish_batch_call(ends, boots)))
+
+
+def finish_batch_call(ends: list[dict[str, Any]], boots: Collection[uuid.UUID]
+                      ) -> tuple[TextClause, dict[str, Any]]:
+    """``finish_batch``'s statement and parameters, to send with others
+    (``OwnConnection.together``); its result is read by ``finished_by_batch``."""
     ends = sorted(ends, key=lambda end: end["run"])
     columns: dict[str, list[Any]] = {name.removeprefix("p_"): []
                                      for name in FINISH_BATCH.arguments}
@@ -485,8 +504,12 @@ def finish_batch(session: Executor, ends: list[dict[str, Any]],
     for end in ends:
         for name, values in columns.items():
             values.append(end[name])
-    rows = session.execute(FINISH_BATCH_CALL, {**columns, "boots": list(boots)}).all()
-    return {row.id: FinishedInBatch(row.id, row.status, row.woken) for row in rows}
+    return FINISH_BATCH_CALL, {**columns, "boots": list(boots)}
+
+
+def finished_by_batch(result: Any) -> dict[uuid.UUID, FinishedInBatch]:
+    """The runs a ``finish_batch_call`` ended, by id."""
+    return {row.id: FinishedInBatch(row.id, row.status, row.woken) for row in result.all()}
 
 
 def schedule_retry(session: Executor, run_id: uuid.UUID,

@@ -23,7 +23,7 @@ transaction.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import psycopg
@@ -171,6 +171,35 @@ class OwnConnection:
             raise exc.DBAPIError.instance(sql, params, err, psycopg.Error,
                                           connection_invalidated=self.conn.closed) from err
 
+    def together(self, calls: Sequence[tuple[Executable, Mapping[str, Any]]]
+                 ) -> list[Result]:
+        """Each statement of ``calls`` in one transaction with one commit, all sent in one
+        round trip: a pipeline, whose statements up to its sync are one implicit
+        transaction, committed at the sync or, on an error, rolled back whole. Their
+        results, in order. Errors are SQLAlchemy's, as ``execute``'s."""
+        compiled = []
+        for statement, params in calls:
+            assert isinstance(statement, TextClause), "the store's statements are text"
+            sql = _compiled(statement, _PSYCOPG_DIALECT)
+            for observe in OBSERVERS:
+                observe(sql)
+            compiled.append((sql, params))
+        cursors: list[psycopg.Cursor[Any]] = []
+        try:
+            try:
+                with self.conn.pipeline():
+                    for sql, params in compiled:
+                        cur = self.conn.cursor(row_factory=namedtuple_row)
+                        cursors.append(cur)
+                        cur.execute(sql, params)
+                return [_result(cur) for cur in cursors]
+            finally:
+                for cur in cursors:
+                    cur.close()
+        except psycopg.Error as err:
+            raise exc.DBAPIError.instance(compiled[0][0], compiled[0][1], err, psycopg.Error,
+                                          connection_invalidated=self.conn.closed) from err
+
     def commit(self) -> None:
         """Every statement committed as it ran."""
 
@@ -186,11 +215,16 @@ def _run(conn: psycopg.Connection[Any], sql: str, params: Mapping[str, Any] | No
     """``sql`` on ``conn`` (in autocommit): its rows and rowcount."""
     with conn.cursor(row_factory=namedtuple_row) as cur:
         cur.execute(sql, params or {})
-        # Not ``cur.description``: it builds a Column object for every column of every
-        # statement (a tenth of an admission's CPU for a run's 32).
-        result = cur.pgresult
-        rows = cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
-        return Result(rows, cur.rowcount)
+        return _result(cur)
+
+
+def _result(cur: psycopg.Cursor[Any]) -> Result:
+    """The rows and rowcount of the statement ``cur`` ran."""
+    # Not ``cur.description``: it builds a Column object for every column of every
+    # statement (a tenth of an admission's CPU for a run's 32).
+    result = cur.pgresult
+    rows = cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
+    return Result(rows, cur.rowcount)
 
 
 _COMPILED: dict[tuple[int, int], tuple[TextClause, str]] = {}

@@ -1311,6 +1311,38 @@ MUTANTS: list[Mutant] = [
         ("tests/workers/test_batching_processes.py::test_sigterm_to_a_batch_worker_lets_"
          "short_runs_finish_and_leaves_the_rest_after_the_grace",),
     ),
+    Mutant(
+        "batch_together_commits_each_statement",
+        "a claim batch and a finish batch sent together are one transaction: a finish that "
+        "fails rolls the claims back, so their threads claim them alone (never runs left "
+        "running under a live boot that nobody executes)",
+        "app/state/direct.py",
+        "                with self.conn.pipeline():\n"
+        "                    for sql, params in compiled:\n"
+        "                        cur = self.conn.cursor(row_factory=namedtuple_row)\n"
+        "                        cursors.append(cur)\n"
+        "                        cur.execute(sql, params)\n",
+        "                with self.conn.pipeline() as pipeline:\n"
+        "                    for sql, params in compiled:\n"
+        "                        cur = self.conn.cursor(row_factory=namedtuple_row)\n"
+        "                        cursors.append(cur)\n"
+        "                        cur.execute(sql, params)\n"
+        "                        pipeline.sync()\n",
+        (f"{BATCH_TESTS}::test_a_refused_claim_and_finish_batch_rolls_both_back_and_sends_each_"
+         "alone",),
+    ),
+    Mutant(
+        "batch_claims_answered_before_their_commit",
+        "a claim sent with finishes is answered only once their one transaction committed: "
+        "no body starts while the finishes' statement may still fail",
+        "workers/batching.py",
+        "            claim_result, finish_result = conn.together([\n"
+        "                claim_batch_call(list(first), boot_id), finish_batch_call(ends, boots)])\n",
+        "            claim_result = conn.execute(*claim_batch_call(list(first), boot_id))\n"
+        "            self._claimed(first, claimed_by_batch(claim_result))\n"
+        "            finish_result = conn.execute(*finish_batch_call(ends, boots))\n",
+        (f"{BATCH_TESTS}::test_a_claim_sent_with_finishes_is_answered_only_once_their_commit",),
+    ),
     # -- rate limits --------------------------------------------------------------------------
     Mutant(
         "rate_check_then_claim",

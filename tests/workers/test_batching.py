@@ -509,6 +509,175 @@ def test_a_finish_returns_only_once_its_batch_committed(admit, boot_factory, dsn
     assert status_of(pg, run)[0] == "succeeded"
 
 
+# -- a claim batch and a finish batch in one transaction ----------------------------------------
+
+def _claim_and_finish(b, claim_run_id, finish_run_id, boot):
+    """A thread claiming ``claim_run_id`` and one finishing ``finish_run_id`` (claimed
+    before), both waiting on ``b`` at once: taken in one batch. Their answers, in that
+    order, once both returned (``join``), and the threads."""
+    out: list = [None, None]
+
+    def claim():
+        out[0] = _caught(lambda: b.claim(claim_run_id, boot.boot_id))
+
+    def finish():
+        out[1] = _caught(lambda: b.finish(finish_run_id, [boot.boot_id],
+                                          ends([finish_run_id])[0]))
+
+    threads = [threading.Thread(target=claim, daemon=True),
+               threading.Thread(target=finish, daemon=True)]
+    for t in threads:
+        t.start()
+    return out, threads
+
+
+def _caught(call):
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - returned for the test to read
+        return err
+
+
+def _xmin(pg, run_id) -> int:
+    return int(pg.execute("SELECT xmin::text FROM runs WHERE id = %s", [run_id]).fetchone()[0])
+
+
+def test_claims_and_finishes_taken_together_commit_in_one_transaction(
+        admit, boot_factory, dsn, pg):
+    """A claim and a finish the batcher takes at once are one transaction, one commit:
+    the claimed run's row and the ended run's row carry the same transaction id."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    b = batcher(dsn, window=5.0)  # sent when both threads wait, never by the window
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    out, threads = _claim_and_finish(b, claimed, ended, boot)
+    for t in threads:
+        t.join(30)
+    assert out[0] is not None and out[0].id == claimed, out
+    assert out[1] is not None and out[1].id == ended and out[1].status == "succeeded", out
+    assert b.sizes == {"claim": {1: 2}, "finish": {1: 1}}
+    assert _xmin(pg, claimed) == _xmin(pg, ended)
+    assert status_of(pg, claimed) == ("running", boot.boot_id, 1)
+    assert status_of(pg, ended)[0] == "succeeded"
+
+
+def test_a_claim_sent_with_finishes_is_answered_only_once_their_commit(
+        admit, boot_factory, dsn, pg):
+    """The claim of a batch sent with finishes returns only after the transaction's
+    commit: while the finish waits on a lock, the claim has not returned (its body may not
+    start) and, outside the transaction, the run is still queued."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    b = batcher(dsn, window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    blocker = _block_on_row(dsn, ended)
+    try:
+        out, threads = _claim_and_finish(b, claimed, ended, boot)
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
+        time.sleep(0.3)
+        assert out == [None, None]
+        assert status_of(pg, claimed)[0] == "queued"
+    finally:
+        blocker.rollback()
+        blocker.close()
+    for t in threads:
+        t.join(30)
+    assert out[0].id == claimed and out[1].id == ended
+    assert status_of(pg, claimed)[0] == "running" and status_of(pg, ended)[0] == "succeeded"
+
+
+def test_a_refused_claim_and_finish_batch_rolls_both_back_and_sends_each_alone(
+        admit, boot_factory, dsn, pg):
+    """A finish value ``jsonb`` refuses fails the transaction: the claim taken with it is
+    not applied (its run stays queued, answered None: the single-run path claims it) and
+    the finish fails, to be sent alone."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    b = batcher(dsn, window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    out: list = [None, None]
+    bad = ends([ended])[0]
+    bad["result"] = '{"text": "nul \\u0000 here"}'
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__(0, _caught(
+            lambda: b.claim(claimed, boot.boot_id)))),
+        threading.Thread(target=lambda: out.__setitem__(1, _caught(
+            lambda: b.finish(ended, [boot.boot_id], bad)))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out[0] is None and isinstance(out[1], BatchFailed), out
+    assert status_of(pg, claimed)[0] == "queued"
+    assert status_of(pg, ended) == ("running", boot.boot_id, 1)
+    assert events_of(pg, claimed) == ["run.admitted"]
+
+
+def test_a_claim_and_finish_batch_cut_before_it_applied_is_decided_per_run(
+        admit, boot_factory, dsn, pg):
+    """The connection breaks while the transaction's finish waits on a row lock: the
+    batcher ends the backend and awaits it, so nothing of the transaction applies later;
+    the claim is decided not claimed (None, the single-run path) and the finish fails, to
+    be sent alone. No boot is ended."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    proxy = StallingProxy.to_postgres(dsn)
+    b = batcher(proxy.url(dsn), window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    blocker = _block_on_row(dsn, ended)
+    try:
+        out, threads = _claim_and_finish(b, claimed, ended, boot)
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
+        proxy.cut()
+        for t in threads:
+            t.join(30)
+    finally:
+        blocker.rollback()
+        blocker.close()
+        proxy.close()
+    assert out[0] is None and isinstance(out[1], BatchFailed), out
+    time.sleep(1.0)  # had the cut backend lived on, it would have committed by now
+    assert status_of(pg, claimed)[0] == "queued"
+    assert status_of(pg, ended) == ("running", boot.boot_id, 1)
+
+
+def test_a_claim_and_finish_batch_that_applied_with_its_answer_lost_is_decided_claimed(
+        admit, boot_factory, dsn, pg):
+    """The transaction commits but its answer never arrives: the claim is decided claimed
+    (this boot holds the run once the backend ended), and the finish, failed to be sent
+    alone, is refused there by its fence, its run already ended by this process."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    proxy = StallingProxy.to_postgres(dsn)
+    b = batcher(proxy.url(dsn), window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    blocker = _block_on_row(dsn, ended)
+    try:
+        out, threads = _claim_and_finish(b, claimed, ended, boot)
+        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
+        proxy.stall()
+        blocker.rollback()  # the transaction goes on, commits, answers into the stall
+        wait_until(lambda: status_of(pg, ended)[0] == "succeeded", timeout=10,
+                   what="the transaction to commit")
+        proxy.cut()
+        proxy.resume()
+        for t in threads:
+            t.join(30)
+    finally:
+        blocker.close()
+        proxy.close()
+    assert out[0] is not None and out[0].id == claimed, out
+    assert isinstance(out[1], BatchFailed), out
+    assert status_of(pg, claimed) == ("running", boot.boot_id, 1)
+    assert events_of(pg, ended) == ["run.admitted", "run.started", "run.succeeded"]
+
+
 # -- a batch worker's executions, in this process ---------------------------------------------
 
 @pytest.fixture
