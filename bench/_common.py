@@ -460,21 +460,37 @@ def committed(db_url: str) -> int:
                             "WHERE datname = current_database()").fetchone()[0]
 
 
-def batch_sizes(*urls: str) -> dict[str, float]:
-    """The mean runs per store-batcher statement, by kind, over the batch workers whose
-    metrics ``urls`` serve (warm-up included); empty for prefork workers."""
+def batch_counts(*urls: str) -> dict[str, tuple[float, float]]:
+    """The store batchers' statements so far and the runs they carried, by kind
+    (``claim``, ``finish``), summed over the batch workers whose metrics ``urls`` serve;
+    zeros for prefork workers."""
     from tests.processes import metrics
 
-    counts: dict[str, list[float]] = {"claim": [0.0, 0.0], "finish": [0.0, 0.0]}
+    counts = {"claim": (0.0, 0.0), "finish": (0.0, 0.0)}
     for url in urls:
         try:
             scraped = metrics(url)
         except Exception:  # noqa: BLE001 - a figure to report, not a result
             continue
-        for kind, sums in counts.items():
-            sums[0] += scraped.get(("poimen_worker_batch_size_count", (("kind", kind),)), 0.0)
-            sums[1] += scraped.get(("poimen_worker_batch_size_sum", (("kind", kind),)), 0.0)
-    return {kind: total / count for kind, (count, total) in counts.items() if count}
+        for kind, (statements, runs) in counts.items():
+            labels = (("kind", kind),)
+            counts[kind] = (
+                statements + scraped.get(("poimen_worker_batch_size_count", labels), 0.0),
+                runs + scraped.get(("poimen_worker_batch_size_sum", labels), 0.0))
+    return counts
+
+
+def batch_sizes(*urls: str, since: Mapping[str, tuple[float, float]] | None = None
+                ) -> dict[str, float]:
+    """The mean runs per store-batcher statement, by kind, over the batch workers whose
+    metrics ``urls`` serve: since ``since`` (an earlier ``batch_counts``), else since
+    they started (warm-up included); empty for prefork workers."""
+    out = {}
+    for kind, (statements, runs) in batch_counts(*urls).items():
+        before = (since or {}).get(kind, (0.0, 0.0))
+        if statements > before[0]:
+            out[kind] = (runs - before[1]) / (statements - before[0])
+    return out
 
 
 def wait_for_count(count_fn, target: int, timeout: float, what: str) -> float:
@@ -561,6 +577,8 @@ def produce(bootstrap: str, topic: str, first: int, n: int, partitions: int, pha
 
 
 HISTORY_TENANT = "bench-history"
+# How many finished runs of ``HISTORY_TENANT`` a case's ``runs`` holds (``reset_runs``).
+RUNS_HISTORY = 20_000
 # The tenant of a case's runs, besides ``reset_runs``' history. Read its runs with
 # ``tenant_id = %s`` and its id as a parameter: the planner then sees the value and
 # uses the tenant's index (with ``= ANY(SELECT ...)`` or ``= (SELECT ...)`` it planned

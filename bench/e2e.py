@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -66,9 +66,12 @@ import psycopg  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
+    RUNS_HISTORY,
     STATS_FLUSH_S,
     CountPoll,
     append_result,
+    batch_counts,
+    batch_sizes,
     bench_database,
     child_pids,
     committed,
@@ -80,6 +83,7 @@ from bench._common import (  # noqa: E402
     log_directory,
     percentile,
     produce,
+    reset_runs,
     settle,
     stop_on_sigterm,
 )
@@ -103,6 +107,8 @@ class Case:
     cpu_ms: dict[str, float] | None = None  # CPU per message, by process
     shared_ms: dict[str, float] | None = None  # CPU per message: postgres, redis, machine
     commits: int | None = None  # transactions committed in Poimen's database in the case
+    # A batch worker's mean runs per store-batcher statement in the burst, by kind.
+    batch_sizes: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -170,20 +176,27 @@ def naive_bridge() -> int:
 
 # -- the cases ----------------------------------------------------------------------------------
 
-def poimen_counts(db: str) -> tuple[int, int, int]:
-    """(succeeded runs, runs, run.started events)."""
+def poimen_counts(db: str, tenant: int) -> tuple[int, int, int]:
+    """The case tenant's (succeeded runs, runs, run.started events)."""
     with psycopg.connect(db) as conn:
         return conn.execute(
-            "SELECT (SELECT count(*) FROM runs WHERE status = 'succeeded'), "
-            "(SELECT count(*) FROM runs), "
-            "(SELECT count(*) FROM outbox WHERE event_type = 'run.started')").fetchone()
+            "SELECT (SELECT count(*) FROM runs WHERE status = 'succeeded' AND tenant_id = %s), "
+            "(SELECT count(*) FROM runs WHERE tenant_id = %s), "
+            "(SELECT count(*) FROM outbox WHERE event_type = 'run.started' "
+            "AND tenant_id = %s)", [tenant] * 3).fetchone()
 
 
-def latencies(db: str, phase: str) -> list[float]:
+def latencies(db: str, phase: str, tenant: int) -> list[float]:
     with psycopg.connect(db) as conn:
         return [row[0] for row in conn.execute(
             "SELECT extract(epoch FROM finished_at) - (input->>'t')::float8 FROM runs "
-            "WHERE status = 'succeeded' AND input->>'phase' = %s", (phase,))]
+            "WHERE status = 'succeeded' AND tenant_id = %s AND input->>'phase' = %s",
+            (tenant, phase))]
+
+
+def tenant_id(db: str, name: str) -> int:
+    with psycopg.connect(db) as conn:
+        return conn.execute("SELECT id FROM tenants WHERE name = %s", [name]).fetchone()[0]
 
 
 def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: int,
@@ -192,12 +205,19 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
     from tests.processes import Process, free_port, start_inbox, start_web, start_worker
 
     token = credentials(env, "e2e", "bench/e2e.py")[1]
+    # ``runs`` as production's holds them: a history of finished runs, analyzed. Fresh
+    # and empty, every plan the processes made while it was small read it by sequential
+    # scan until autovacuum analyzed it, mid-burst or never (reset_runs).
+    reset_runs(db, history=RUNS_HISTORY)
+    tenant = tenant_id(db, "e2e")
     procs: list = []
     polls: list[CountPoll] = []
     try:
         web, api = start_web(env, logs, workers=2, threads=4)
         procs.append(web)
-        worker = start_worker(env, logs, "e2e-worker", concurrency=CONCURRENCY)
+        worker_metrics = f"http://127.0.0.1:{(port := free_port())}/metrics"
+        worker = start_worker({**env, "METRICS_PORT": str(port)}, logs, "e2e-worker",
+                              concurrency=CONCURRENCY)
         procs.append(worker)
         prefix = env["POIMEN_TOPIC_PREFIX"]
         declare_topics(env["KAFKA_BOOTSTRAP_SERVERS"], prefix, ["e2e"], partitions)
@@ -217,7 +237,8 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         warm = max(10, min(100, n // 10))
         # The clock's poll, 20 times a second on one connection (its Postgres CPU is
         # charged to the case); the full counts are read once, at the end.
-        count_succeeded = CountPoll(db, "SELECT count(*) FROM runs WHERE status = 'succeeded'")
+        count_succeeded = CountPoll(db, "SELECT count(*) FROM runs WHERE status = 'succeeded' "
+                                        "AND tenant_id = %s", [tenant])
         polls.append(count_succeeded)
         produce(bootstrap, topic, 10_000_000, warm, partitions, "warmup")
         wait_for(count_succeeded, warm, timeout, "poimen warm-up")
@@ -225,6 +246,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         settle()
         time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
         commits_before, polls_before = committed(db), count_succeeded.calls
+        batches_before = batch_counts(worker_metrics)
         load_before = load_average()
         cpu_before, shared_before = process_cpu(procs), cpu_snapshot({})
         sent: list[float] = []
@@ -236,17 +258,19 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         producer.join()
         cpu_after, shared_after = process_cpu(procs), cpu_snapshot({})
         load_after = load_average()
+        sizes = batch_sizes(worker_metrics, since=batches_before)
         time.sleep(STATS_FLUSH_S)  # every process's commits of the burst reported
         # Less this script's own: the polls and the first read of the count.
         commits = (committed(db) - commits_before - 1
                    - (count_succeeded.calls - polls_before))
-        succeeded, runs, starts = poimen_counts(db)
+        succeeded, runs, starts = poimen_counts(db, tenant)
         burst = Case("poimen", n, done - started,
                      duplicates=(runs - n - warm) + (starts - runs),
                      load_before=load_before, load_after=load_after,
-                     latencies=latencies(db, "burst"),
+                     latencies=latencies(db, "burst", tenant),
                      cpu_ms=_cpu_ms(cpu_before, cpu_after, n),
-                     shared_ms=_shared_ms(shared_before, shared_after, n), commits=commits)
+                     shared_ms=_shared_ms(shared_before, shared_after, n), commits=commits,
+                     batch_sizes=sizes)
 
         paced = None
         if paced_seconds > 0:
@@ -257,11 +281,11 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
             t0 = time.monotonic()
             produce(bootstrap, topic, n, m, partitions, "paced", rate=rate)
             done = wait_for(lambda: count_succeeded() - warm - n, m, timeout, "poimen paced")
-            _, runs, starts = poimen_counts(db)
+            _, runs, starts = poimen_counts(db, tenant)
             paced = Case("poimen paced", m, done - t0,
                          duplicates=(runs - n - m - warm) + (starts - runs),
                          load_before=load_before, load_after=load_average(),
-                         latencies=latencies(db, "paced"))
+                         latencies=latencies(db, "paced", tenant))
         return burst, paced
     finally:
         for poll in polls:
@@ -397,6 +421,10 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
                      "(pg_stat_database.xact_commit of its database, read-only transactions "
                      "included, this script's own left out: admissions, claims, finishes, "
                      "the outbox relay's marks, the worker's own checks)")
+    if burst.batch_sizes:
+        lines.append(f"- Poimen batch worker, mean runs per claim / finish statement in the "
+                     f"burst: {burst.batch_sizes.get('claim', 0):.1f} / "
+                     f"{burst.batch_sizes.get('finish', 0):.1f}")
     if burst.cpu_ms:
         parts = ", ".join(f"{name} {ms:.1f}" for name, ms in burst.cpu_ms.items())
         lines.append(f"- Poimen CPU per message in the burst, ms by process (with its "

@@ -78,6 +78,7 @@ import redis as redis_lib  # noqa: E402
 
 from bench._common import (  # noqa: E402
     CASE_TENANT,
+    RUNS_HISTORY,
     STATS_FLUSH_S,
     CountPoll,
     append_result,
@@ -111,7 +112,6 @@ from tests.processes import (  # noqa: E402
 TARGET_RATIO = 0.6  # admit -> succeeded, of plain Celery's rate
 TARGET_LATENCY_P50_MS = 20.0  # admit -> running at low load
 # Finished runs in ``runs`` before each case, as a production table holds (``reset_runs``).
-HISTORY = 20_000
 TARGET_KEYED_COST = 0.10  # a key limit's cost per run, of the unlimited case's
 
 
@@ -231,7 +231,7 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
         if warmup:
             admit_concurrently(web_url, token, warmup, clients, keyed)
             wait_for_count(lambda: succeeded(db_url), warmup, timeout, "poimen warm-up")
-        reset_runs(db_url, history=HISTORY)
+        reset_runs(db_url, history=RUNS_HISTORY)
         if hold_for_profile:
             print(f"PROFILE worker_pgrp={worker.pid} web_pgrp={web_pgrp}: attach a profiler "
                   f"(e.g. py-spy record --pid <pool pid>); starting in 10 s", flush=True)
@@ -284,7 +284,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         wait_ready(worker)
         admit_concurrently(web_url, token, 20, 1)
         wait_for_count(lambda: succeeded(db_url), 20, timeout, "latency warm-up")
-        reset_runs(db_url, history=HISTORY)
+        reset_runs(db_url, history=RUNS_HISTORY)
         settle()  # the previous case's load must not be charged to this one
         load_before = load_average()
         errors: list[str] = []
