@@ -11,8 +11,12 @@ Three cases in one invocation, on the same services, each with a worker of
   messages for the built-in ``noop`` workflow, each with its own
   ``dispatch_key``, are produced over ``--partitions`` partitions as fast as the
   producer goes *while everything runs*; the clock goes from the first produce
-  to the moment ``SELECT count(*) ... WHERE status = 'succeeded'`` (polled every
-  50 ms, on one connection) reaches ``--messages``. A message's latency is the run's
+  to the moment ``SELECT count(*) ... WHERE status = 'succeeded'`` of the case's
+  tenant (polled every 50 ms, on one connection) reaches ``--messages``. ``runs``
+  holds a history of 20,000 finished runs of another tenant, analyzed, as in
+  production (``reset_runs``): on a fresh table, the plans made in the warm-up read
+  ``runs`` by sequential scan for the whole burst. With ``--mode batch`` the worker is
+  a batching one (threads), and the runs per claim and finish statement are printed. A message's latency is the run's
   ``finished_at`` minus the moment it was produced (both clocks are this
   machine's). Then a **paced** phase offers messages at half the measured rate
   for ``--paced-seconds``: its p50/p99 are the latency "at that load" (the
