@@ -562,6 +562,42 @@ def test_claims_and_finishes_taken_together_commit_in_one_transaction(
     assert status_of(pg, ended)[0] == "succeeded"
 
 
+@pytest.mark.parametrize("slot", ["limit", "cap"])
+def test_a_slot_handed_on_by_a_finish_sent_with_claims_commits_with_them(
+        slot, admit, boot_factory, dsn, own, pg):
+    """A limited run's end (or a capped tenant's) taken together with a claim: its slot
+    is handed on in the same transaction as the claim. Under a tenant cap the batch claim
+    refuses the other run (the single-run path claims it under the slot), and the
+    transaction still commits the end."""
+    from app.state.claims import ClaimOutcome, claim_slot
+
+    boot = boot_factory()
+    if slot == "limit":
+        holder, waiting = (admit("keyed", {"customer": "c", "seconds": 0.5}) for _ in range(2))
+    else:
+        pg.execute("UPDATE tenants SET max_running = 1")
+        holder, waiting = admit(), admit()
+    other = admit()
+    claims = [claim_slot(own, run, boot.boot_id, max_takeovers=max_takeovers_of,
+                         transaction=False) for run in (holder, waiting)]
+    assert [c.outcome for c in claims] == [ClaimOutcome.CLAIMED, ClaimOutcome.SLOT_WAIT]
+    b = batcher(dsn, window=5.0)
+    b.enter()
+    b.enter()
+    out, threads = _claim_and_finish(b, other, holder, boot)
+    for t in threads:
+        t.join(30)
+    assert out[1] is not None and [w["id"] for w in out[1].woken] == [str(waiting)], out
+    assert status_of(pg, waiting)[0] == "queued"
+    assert b.sizes["finish"] == {1: 1} and b.sizes["claim"] == {1: 1}
+    if slot == "limit":
+        assert out[0] is not None and out[0].id == other, out
+        assert _xmin(pg, other) == _xmin(pg, holder)
+    else:
+        assert out[0] is None, out
+        assert status_of(pg, other)[0] == "queued"
+
+
 def test_a_claim_sent_with_finishes_is_answered_only_once_their_commit(
         admit, boot_factory, dsn, pg):
     """The claim of a batch sent with finishes returns only after the transaction's
