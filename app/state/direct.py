@@ -175,8 +175,13 @@ class OwnConnection:
                  ) -> list[Result]:
         """Each statement of ``calls`` in one transaction with one commit, all sent in one
         round trip: a pipeline, whose statements up to its sync are one implicit
-        transaction, committed at the sync or, on an error, rolled back whole. Their
-        results, in order. Errors are SQLAlchemy's, as ``execute``'s."""
+        transaction, committed at the sync or, on an error Postgres answers, rolled back
+        whole. Their results, in order. Errors are SQLAlchemy's, as ``execute``'s.
+
+        One exception: a value psycopg refuses to send (an error without a SQLSTATE)
+        raises with the statements before it already queued, and psycopg's pipeline still
+        syncs them on its way out, so they commit. Treat such an error as an unknown
+        outcome (``workers/batching.py`` does)."""
         compiled = []
         for statement, params in calls:
             assert isinstance(statement, TextClause), "the store's statements are text"

@@ -653,6 +653,37 @@ def test_a_refused_claim_and_finish_batch_rolls_both_back_and_sends_each_alone(
     assert events_of(pg, claimed) == ["run.admitted"]
 
 
+def test_a_finish_value_psycopg_cannot_send_leaves_the_claims_decided_per_run(
+        admit, boot_factory, dsn, pg):
+    """A finish value psycopg refuses before sending (a NUL in a text) raises with the
+    claim statement already queued: psycopg's pipeline still syncs on its way out, so
+    the claim commits alone. The error has no SQLSTATE, so the batcher takes the outcome
+    as unknown and reads each claim: the claim is answered claimed (its run runs), and
+    the finish fails, to be sent alone."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    b = batcher(dsn, window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    out: list = [None, None]
+    bad = ends([ended])[0]
+    bad["step"] = "nul \x00 here"
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__(0, _caught(
+            lambda: b.claim(claimed, boot.boot_id)))),
+        threading.Thread(target=lambda: out.__setitem__(1, _caught(
+            lambda: b.finish(ended, [boot.boot_id], bad)))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out[0] is not None and out[0].id == claimed, out
+    assert isinstance(out[1], BatchFailed), out
+    assert status_of(pg, claimed) == ("running", boot.boot_id, 1)
+    assert status_of(pg, ended) == ("running", boot.boot_id, 1)
+
+
 def test_a_claim_and_finish_batch_cut_before_it_applied_is_decided_per_run(
         admit, boot_factory, dsn, pg):
     """The connection breaks while the transaction's finish waits on a row lock: the
