@@ -460,36 +460,69 @@ def committed(db_url: str) -> int:
                             "WHERE datname = current_database()").fetchone()[0]
 
 
-def batch_counts(*urls: str) -> dict[str, tuple[float, float]]:
-    """The store batchers' statements so far and the runs they carried, by kind
-    (``claim``, ``finish``), summed over the batch workers whose metrics ``urls`` serve;
-    zeros for prefork workers."""
+# A batch worker's store-batcher statements so far, by kind (``claim``, ``finish``):
+# ``count`` (statements), ``sum`` (runs) and each bucket's cumulative count by its
+# bound (``1.0``, ``2.0``, ... ``+Inf``), summed over workers.
+BatchCounts = dict[str, dict[str, float]]
+
+
+def batch_counts(*urls: str) -> BatchCounts:
+    """The ``poimen_worker_batch_size`` histogram of the batch workers whose metrics
+    ``urls`` serve, summed (``BatchCounts``); empty kinds for prefork workers."""
     from tests.processes import metrics
 
-    counts = {"claim": (0.0, 0.0), "finish": (0.0, 0.0)}
+    counts: BatchCounts = {"claim": {}, "finish": {}}
     for url in urls:
         try:
             scraped = metrics(url)
         except Exception:  # noqa: BLE001 - a figure to report, not a result
             continue
-        for kind, (statements, runs) in counts.items():
-            labels = (("kind", kind),)
-            counts[kind] = (
-                statements + scraped.get(("poimen_worker_batch_size_count", labels), 0.0),
-                runs + scraped.get(("poimen_worker_batch_size_sum", labels), 0.0))
+        for (name, labels), value in scraped.items():
+            fields = dict(labels)
+            kind = fields.get("kind")
+            if kind not in counts or not name.startswith("poimen_worker_batch_size_"):
+                continue
+            key = name.removeprefix("poimen_worker_batch_size_")
+            if key == "bucket":
+                key = fields["le"]
+            elif key not in ("count", "sum"):
+                continue
+            counts[kind][key] = counts[kind].get(key, 0.0) + value
     return counts
 
 
-def batch_sizes(*urls: str, since: Mapping[str, tuple[float, float]] | None = None
-                ) -> dict[str, float]:
-    """The mean runs per store-batcher statement, by kind, over the batch workers whose
-    metrics ``urls`` serve: since ``since`` (an earlier ``batch_counts``), else since
-    they started (warm-up included); empty for prefork workers."""
+def batch_sizes(after: BatchCounts, before: BatchCounts | None = None) -> dict[str, float]:
+    """The mean runs per store-batcher statement, by kind, between two ``batch_counts``
+    (``before`` None: since the workers started); a kind without statements is left out."""
     out = {}
-    for kind, (statements, runs) in batch_counts(*urls).items():
-        before = (since or {}).get(kind, (0.0, 0.0))
-        if statements > before[0]:
-            out[kind] = (runs - before[1]) / (statements - before[0])
+    for kind, now in after.items():
+        then = (before or {}).get(kind, {})
+        statements = now.get("count", 0.0) - then.get("count", 0.0)
+        if statements > 0:
+            out[kind] = (now.get("sum", 0.0) - then.get("sum", 0.0)) / statements
+    return out
+
+
+def batch_histogram(after: BatchCounts, before: BatchCounts | None = None) -> dict[str, str]:
+    """The store-batcher statements between two ``batch_counts`` by how many runs each
+    carried, by kind: ``"1: 812, 2: 301, 3-4: 96, 5-8: 4"`` (empty ranges left out)."""
+    out = {}
+    for kind, now in after.items():
+        then = (before or {}).get(kind, {})
+        bounds = sorted((float(key), key) for key in now if key not in ("count", "sum"))
+        parts, below, low = [], 0.0, 1
+        for bound, key in bounds:
+            cumulative = now[key] - then.get(key, 0.0)
+            if cumulative > below:
+                high = "" if bound == float("inf") else str(int(bound))
+                label = (f"{low}+" if not high else
+                         str(low) if str(low) == high else f"{low}-{high}")
+                parts.append(f"{label}: {int(cumulative - below)}")
+            below = cumulative
+            if bound != float("inf"):
+                low = int(bound) + 1
+        if parts:
+            out[kind] = ", ".join(parts)
     return out
 
 

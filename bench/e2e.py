@@ -75,6 +75,7 @@ from bench._common import (  # noqa: E402
     CountPoll,
     append_result,
     batch_counts,
+    batch_histogram,
     batch_sizes,
     bench_database,
     child_pids,
@@ -113,6 +114,7 @@ class Case:
     commits: int | None = None  # transactions committed in Poimen's database in the case
     # A batch worker's mean runs per store-batcher statement in the burst, by kind.
     batch_sizes: dict[str, float] = field(default_factory=dict)
+    batch_histogram: dict[str, str] = field(default_factory=dict)  # ``batch_histogram``
 
     @property
     def rate(self) -> float:
@@ -262,7 +264,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         producer.join()
         cpu_after, shared_after = process_cpu(procs), cpu_snapshot({})
         load_after = load_average()
-        sizes = batch_sizes(worker_metrics, since=batches_before)
+        batches_after = batch_counts(worker_metrics)
         time.sleep(STATS_FLUSH_S)  # every process's commits of the burst reported
         # Less this script's own: the polls and the first read of the count.
         commits = (committed(db) - commits_before - 1
@@ -274,7 +276,8 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
                      latencies=latencies(db, "burst", tenant),
                      cpu_ms=_cpu_ms(cpu_before, cpu_after, n),
                      shared_ms=_shared_ms(shared_before, shared_after, n), commits=commits,
-                     batch_sizes=sizes)
+                     batch_sizes=batch_sizes(batches_after, batches_before),
+                     batch_histogram=batch_histogram(batches_after, batches_before))
 
         paced = None
         if paced_seconds > 0:
@@ -428,7 +431,9 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
     if burst.batch_sizes:
         lines.append(f"- Poimen batch worker, mean runs per claim / finish statement in the "
                      f"burst: {burst.batch_sizes.get('claim', 0):.1f} / "
-                     f"{burst.batch_sizes.get('finish', 0):.1f}")
+                     f"{burst.batch_sizes.get('finish', 0):.1f}; statements by runs "
+                     "carried: " + "; ".join(f"{kind} {histogram}" for kind, histogram
+                                             in burst.batch_histogram.items()))
     if burst.cpu_ms:
         parts = ", ".join(f"{name} {ms:.1f}" for name, ms in burst.cpu_ms.items())
         lines.append(f"- Poimen CPU per message in the burst, ms by process (with its "

@@ -82,6 +82,8 @@ from bench._common import (  # noqa: E402
     STATS_FLUSH_S,
     CountPoll,
     append_result,
+    batch_counts,
+    batch_histogram,
     batch_sizes,
     bench_database,
     committed,
@@ -128,8 +130,10 @@ class CaseResult:
     load_before: str = ""
     load_after: str = ""
     commits: int | None = None  # transactions committed in the case's database (Poimen)
-    # A batch worker's runs per store-batcher statement, by kind (mean), from its metrics.
+    # A batch worker's runs per store-batcher statement in the case, by kind (mean), and
+    # its statements by runs carried (``batch_histogram``), from its metrics.
     batch_sizes: dict[str, float] = field(default_factory=dict)
+    batch_histogram: dict[str, str] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -240,6 +244,8 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
         settle()  # the previous case's load must not be charged to this one
         time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
         commits0, polls0 = committed(db_url), _succeeded_poll(db_url).calls
+        worker_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        batches0 = batch_counts(worker_metrics)
         load_before = load_average()
         pgroups = {"worker": worker.pid, "web": web_pgrp}
         cpu0 = cpu_snapshot(pgroups)
@@ -257,13 +263,14 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
         sender.join()
         cpu1 = cpu_snapshot(pgroups)
         load_after = load_average()
+        batches1 = batch_counts(worker_metrics)
         time.sleep(STATS_FLUSH_S)  # every process's commits of the case reported
         # Less this script's own: the polls, and the first read of the count.
         commits = (committed(db_url) - commits0 - 1
                    - (_succeeded_poll(db_url).calls - polls0))
         return CaseResult(name, prefetch, runs, done - start, sent[0] - start,
                           cpu_delta(cpu0, cpu1), load_before, load_after, commits,
-                          batch_sizes(f"http://127.0.0.1:{metrics_port}/metrics"))
+                          batch_sizes(batches1, batches0), batch_histogram(batches1, batches0))
     finally:
         worker.stop()
 
@@ -392,6 +399,10 @@ def report(results: list[CaseResult]) -> str:
                  "runs/tasks. Load (1/5/15 min) before -> after each case:")
     for r in results:
         lines.append(f"- {r.name} prefetch {r.prefetch}: {r.load_before} -> {r.load_after}")
+    for r in results:
+        for kind, histogram in r.batch_histogram.items():
+            lines.append(f"- {r.name} prefetch {r.prefetch}, {kind} statements by runs "
+                         f"carried: {histogram}")
     lines.append("")
     for prefetch in sorted({r.prefetch for r in results}):
         rates = {name: sorted(r.rate for r in results if r.prefetch == prefetch and r.name == name)

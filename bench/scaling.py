@@ -84,6 +84,8 @@ from bench._common import (  # noqa: E402
     STATS_FLUSH_S,
     CountPoll,
     append_result,
+    batch_counts,
+    batch_histogram,
     batch_sizes,
     bench_database,
     committed,
@@ -122,8 +124,10 @@ class Case:
     load_after: str = ""
     valid: bool = True
     commits: int | None = None  # transactions committed in the bench database (workers)
-    # Batch workers: the mean runs per store-batcher statement, by kind.
+    # Batch workers: the mean runs per store-batcher statement, by kind, and the
+    # statements by runs carried (``batch_histogram``).
     batch_sizes: dict[str, float] = field(default_factory=dict)
+    batch_histogram: dict[str, str] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -223,6 +227,8 @@ def workers_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: in
         valid = ensure_quiet(args.max_load, args.quiet_wait)
         time.sleep(STATS_FLUSH_S)  # the admission's commits reported before the count
         commits0, polls0 = committed(db), poll.calls
+        urls = [f"http://127.0.0.1:{p}/metrics" for p in ports]
+        batches0 = batch_counts(*urls)
         load_before = load_average()
         print(f"workers x{k}: load average before {load_before}", flush=True)
         groups = {"worker": [w.pid for w in workers], "web": web_pid}
@@ -235,12 +241,13 @@ def workers_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: in
             raise RuntimeError(f"{err}; runs by status: {runs_by_status(db)}") from None
         cpu = cpu_delta(cpu0, cpu_snapshot(groups))
         load_after = load_average()
+        batches1 = batch_counts(*urls)
         time.sleep(STATS_FLUSH_S)  # every process's commits of the case reported
         # Less this script's own: the polls, and the first read of the count.
         commits = committed(db) - commits0 - 1 - (poll.calls - polls0)
         case = Case("workers", k, n, done - started, span(db, "started_at", "finished_at"),
                     cpu, load_before, load_after, valid, commits,
-                    batch_sizes(*(f"http://127.0.0.1:{p}/metrics" for p in ports)))
+                    batch_sizes(batches1, batches0), batch_histogram(batches1, batches0))
         print(f"workers x{k}: load average after {case.load_after}", flush=True)
         return case
     finally:
@@ -313,6 +320,10 @@ def report(cases: list[Case]) -> list[str]:
             lines.append(f"- {kind}: " + ", ".join(
                 f"x{c.processes} {c.rate:.0f} {unit} ({c.rate / base.rate:.2f}x of "
                 f"x{base.processes})" for c in mine))
+    for c in cases:
+        for kind, histogram in c.batch_histogram.items():
+            lines.append(f"- {c.kind} x{c.processes}, {kind} statements by runs carried: "
+                         f"{histogram}")
     return lines
 
 
