@@ -174,8 +174,9 @@ SETTINGS: tuple[Setting, ...] = (
     _proc("POIMEN_WORKER_MODE", str, "prefork", WORKER,
           "`prefork` (Celery's prefork pool: a process per run in flight) or `batch` "
           "(Celery's threads pool, one process whose runs' claims and finishes are sent "
-          "many at once, one commit for each batch: docs/internals/batching.md). A batch "
-          "worker refuses to start while a workflow sets a hard time limit."),
+          "many at once, a claim batch and a finish batch taken together in one commit: "
+          "docs/internals/batching.md). A batch worker refuses to start while a workflow "
+          "sets a hard time limit."),
     _proc("POIMEN_WORKER_BATCH_WINDOW_MS", float, 2.0, WORKER,
           "`batch` mode: how long the store batcher waits for more claims or finishes "
           "after the first arrives, before it sends them."),

@@ -115,6 +115,7 @@ class Case:
     # A batch worker's mean runs per store-batcher statement in the burst, by kind.
     batch_sizes: dict[str, float] = field(default_factory=dict)
     batch_histogram: dict[str, str] = field(default_factory=dict)  # ``batch_histogram``
+    spans: tuple[float, float] | None = None  # ``phase_spans``: admitted; started -> finished
 
     @property
     def rate(self) -> float:
@@ -200,6 +201,17 @@ def latencies(db: str, phase: str, tenant: int) -> list[float]:
             (tenant, phase))]
 
 
+def phase_spans(db: str, phase: str, tenant: int) -> tuple[float, float]:
+    """Seconds, by Postgres' clock, from the phase's first admission to its last, and from
+    its first start to its last finish: which side bounded the rate."""
+    with psycopg.connect(db) as conn:
+        row = conn.execute(
+            "SELECT extract(epoch FROM max(created_at) - min(created_at)), "
+            "extract(epoch FROM max(finished_at) - min(started_at)) FROM runs "
+            "WHERE tenant_id = %s AND input->>'phase' = %s", (tenant, phase)).fetchone()
+    return float(row[0] or 0.0), float(row[1] or 0.0)
+
+
 def tenant_id(db: str, name: str) -> int:
     with psycopg.connect(db) as conn:
         return conn.execute("SELECT id FROM tenants WHERE name = %s", [name]).fetchone()[0]
@@ -277,7 +289,8 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
                      cpu_ms=_cpu_ms(cpu_before, cpu_after, n),
                      shared_ms=_shared_ms(shared_before, shared_after, n), commits=commits,
                      batch_sizes=batch_sizes(batches_after, batches_before),
-                     batch_histogram=batch_histogram(batches_after, batches_before))
+                     batch_histogram=batch_histogram(batches_after, batches_before),
+                     spans=phase_spans(db, "burst", tenant))
 
         paced = None
         if paced_seconds > 0:
@@ -428,6 +441,10 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
                      "(pg_stat_database.xact_commit of its database, read-only transactions "
                      "included, this script's own left out: admissions, claims, finishes, "
                      "the outbox relay's marks, the worker's own checks)")
+    if burst.spans is not None:
+        lines.append(f"- Poimen burst by Postgres' clock: admitted over {burst.spans[0]:.1f} s "
+                     f"(inbox and web), first start to last finish {burst.spans[1]:.1f} s "
+                     f"(worker), of {burst.seconds:.1f} s")
     if burst.batch_sizes:
         lines.append(f"- Poimen batch worker, mean runs per claim / finish statement in the "
                      f"burst: {burst.batch_sizes.get('claim', 0):.1f} / "
