@@ -511,10 +511,23 @@ def test_a_finish_returns_only_once_its_batch_committed(admit, boot_factory, dsn
 
 # -- a claim batch and a finish batch in one transaction ----------------------------------------
 
-def _claim_and_finish(b, claim_run_id, finish_run_id, boot):
+def _pair(admit, boot_factory, url):
+    """A batcher on ``url`` with two threads in flight: one has claimed ``ended`` (to end
+    it), the other is to claim ``claimed``. Sent when both wait, never by the window.
+    Returns (batcher, ended, claimed, boot)."""
+    ended, claimed, boot = admit(), admit(), boot_factory()
+    b = batcher(url, window=5.0)
+    b.enter()
+    assert b.claim(ended, boot.boot_id) is not None
+    b.enter()
+    return b, ended, claimed, boot
+
+
+def _claim_and_finish(b, claim_run_id, finish_run_id, boot, params=None):
     """A thread claiming ``claim_run_id`` and one finishing ``finish_run_id`` (claimed
-    before), both waiting on ``b`` at once: taken in one batch. Their answers, in that
-    order, once both returned (``join``), and the threads."""
+    before; with ``params``, else a success), both waiting on ``b`` at once: taken in one
+    batch. Their answers, in that order, once both returned (``join``), and the
+    threads."""
     out: list = [None, None]
 
     def claim():
@@ -522,7 +535,7 @@ def _claim_and_finish(b, claim_run_id, finish_run_id, boot):
 
     def finish():
         out[1] = _caught(lambda: b.finish(finish_run_id, [boot.boot_id],
-                                          ends([finish_run_id])[0]))
+                                          params or ends([finish_run_id])[0]))
 
     threads = [threading.Thread(target=claim, daemon=True),
                threading.Thread(target=finish, daemon=True)]
@@ -546,11 +559,7 @@ def test_claims_and_finishes_taken_together_commit_in_one_transaction(
         admit, boot_factory, dsn, pg):
     """A claim and a finish the batcher takes at once are one transaction, one commit:
     the claimed run's row and the ended run's row carry the same transaction id."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
-    b = batcher(dsn, window=5.0)  # sent when both threads wait, never by the window
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
+    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
     out, threads = _claim_and_finish(b, claimed, ended, boot)
     for t in threads:
         t.join(30)
@@ -603,11 +612,7 @@ def test_a_claim_sent_with_finishes_is_answered_only_once_their_commit(
     """The claim of a batch sent with finishes returns only after the transaction's
     commit: while the finish waits on a lock, the claim has not returned (its body may not
     start) and, outside the transaction, the run is still queued."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
-    b = batcher(dsn, window=5.0)
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
+    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
     blocker = _block_on_row(dsn, ended)
     try:
         out, threads = _claim_and_finish(b, claimed, ended, boot)
@@ -629,22 +634,10 @@ def test_a_refused_claim_and_finish_batch_rolls_both_back_and_sends_each_alone(
     """A finish value ``jsonb`` refuses fails the transaction: the claim taken with it is
     not applied (its run stays queued, answered None: the single-run path claims it) and
     the finish fails, to be sent alone."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
-    b = batcher(dsn, window=5.0)
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
-    out: list = [None, None]
+    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
     bad = ends([ended])[0]
     bad["result"] = '{"text": "nul \\u0000 here"}'
-    threads = [
-        threading.Thread(target=lambda: out.__setitem__(0, _caught(
-            lambda: b.claim(claimed, boot.boot_id)))),
-        threading.Thread(target=lambda: out.__setitem__(1, _caught(
-            lambda: b.finish(ended, [boot.boot_id], bad)))),
-    ]
-    for t in threads:
-        t.start()
+    out, threads = _claim_and_finish(b, claimed, ended, boot, bad)
     for t in threads:
         t.join(30)
     assert out[0] is None and isinstance(out[1], BatchFailed), out
@@ -660,22 +653,10 @@ def test_a_finish_value_psycopg_cannot_send_leaves_the_claims_decided_per_run(
     the claim commits alone. The error has no SQLSTATE, so the batcher takes the outcome
     as unknown and reads each claim: the claim is answered claimed (its run runs), and
     the finish fails, to be sent alone."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
-    b = batcher(dsn, window=5.0)
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
-    out: list = [None, None]
+    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
     bad = ends([ended])[0]
     bad["step"] = "nul \x00 here"
-    threads = [
-        threading.Thread(target=lambda: out.__setitem__(0, _caught(
-            lambda: b.claim(claimed, boot.boot_id)))),
-        threading.Thread(target=lambda: out.__setitem__(1, _caught(
-            lambda: b.finish(ended, [boot.boot_id], bad)))),
-    ]
-    for t in threads:
-        t.start()
+    out, threads = _claim_and_finish(b, claimed, ended, boot, bad)
     for t in threads:
         t.join(30)
     assert out[0] is not None and out[0].id == claimed, out
@@ -690,12 +671,8 @@ def test_a_claim_and_finish_batch_cut_before_it_applied_is_decided_per_run(
     batcher ends the backend and awaits it, so nothing of the transaction applies later;
     the claim is decided not claimed (None, the single-run path) and the finish fails, to
     be sent alone. No boot is ended."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
     proxy = StallingProxy.to_postgres(dsn)
-    b = batcher(proxy.url(dsn), window=5.0)
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
+    b, ended, claimed, boot = _pair(admit, boot_factory, proxy.url(dsn))
     blocker = _block_on_row(dsn, ended)
     try:
         out, threads = _claim_and_finish(b, claimed, ended, boot)
@@ -718,12 +695,8 @@ def test_a_claim_and_finish_batch_that_applied_with_its_answer_lost_is_decided_c
     """The transaction commits but its answer never arrives: the claim is decided claimed
     (this boot holds the run once the backend ended), and the finish, failed to be sent
     alone, is refused there by its fence, its run already ended by this process."""
-    ended, claimed, boot = admit(), admit(), boot_factory()
     proxy = StallingProxy.to_postgres(dsn)
-    b = batcher(proxy.url(dsn), window=5.0)
-    b.enter()
-    assert b.claim(ended, boot.boot_id) is not None
-    b.enter()
+    b, ended, claimed, boot = _pair(admit, boot_factory, proxy.url(dsn))
     blocker = _block_on_row(dsn, ended)
     try:
         out, threads = _claim_and_finish(b, claimed, ended, boot)
