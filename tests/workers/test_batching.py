@@ -629,17 +629,23 @@ def test_a_claim_sent_with_finishes_is_answered_only_once_their_commit(
     assert status_of(pg, claimed)[0] == "running" and status_of(pg, ended)[0] == "succeeded"
 
 
+def _with_a_bad_finish(admit, boot_factory, dsn, **bad):
+    """A claim and a finish taken together, the finish with the values ``bad``: their
+    answers once both returned, and (ended, claimed, boot)."""
+    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
+    out, threads = _claim_and_finish(b, claimed, ended, boot, {**ends([ended])[0], **bad})
+    for t in threads:
+        t.join(30)
+    return out, ended, claimed, boot
+
+
 def test_a_refused_claim_and_finish_batch_rolls_both_back_and_sends_each_alone(
         admit, boot_factory, dsn, pg):
     """A finish value ``jsonb`` refuses fails the transaction: the claim taken with it is
     not applied (its run stays queued, answered None: the single-run path claims it) and
     the finish fails, to be sent alone."""
-    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
-    bad = ends([ended])[0]
-    bad["result"] = '{"text": "nul \\u0000 here"}'
-    out, threads = _claim_and_finish(b, claimed, ended, boot, bad)
-    for t in threads:
-        t.join(30)
+    out, ended, claimed, boot = _with_a_bad_finish(
+        admit, boot_factory, dsn, result='{"text": "nul \\u0000 here"}')
     assert out[0] is None and isinstance(out[1], BatchFailed), out
     assert status_of(pg, claimed)[0] == "queued"
     assert status_of(pg, ended) == ("running", boot.boot_id, 1)
@@ -653,12 +659,8 @@ def test_a_finish_value_psycopg_cannot_send_leaves_the_claims_decided_per_run(
     the claim commits alone. The error has no SQLSTATE, so the batcher takes the outcome
     as unknown and reads each claim: the claim is answered claimed (its run runs), and
     the finish fails, to be sent alone."""
-    b, ended, claimed, boot = _pair(admit, boot_factory, dsn)
-    bad = ends([ended])[0]
-    bad["step"] = "nul \x00 here"
-    out, threads = _claim_and_finish(b, claimed, ended, boot, bad)
-    for t in threads:
-        t.join(30)
+    out, ended, claimed, boot = _with_a_bad_finish(admit, boot_factory, dsn,
+                                                   step="nul \x00 here")
     assert out[0] is not None and out[0].id == claimed, out
     assert isinstance(out[1], BatchFailed), out
     assert status_of(pg, claimed) == ("running", boot.boot_id, 1)
