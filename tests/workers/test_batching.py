@@ -10,9 +10,11 @@ under kill -9, a Postgres restart, the partition) are ``test_batching_processes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
+import types
 import uuid
 
 import psycopg
@@ -667,25 +669,42 @@ def test_a_finish_value_psycopg_cannot_send_leaves_the_claims_decided_per_run(
     assert status_of(pg, ended) == ("running", boot.boot_id, 1)
 
 
-def test_a_claim_and_finish_batch_cut_before_it_applied_is_decided_per_run(
-        admit, boot_factory, dsn, pg):
-    """The connection breaks while the transaction's finish waits on a row lock: the
-    batcher ends the backend and awaits it, so nothing of the transaction applies later;
-    the claim is decided not claimed (None, the single-run path) and the finish fails, to
-    be sent alone. No boot is ended."""
+@contextlib.contextmanager
+def _pair_waiting_on_a_lock(admit, boot_factory, dsn, pg):
+    """A claim and a finish taken together through a proxy, the finish waiting on its
+    run's row lock (held by ``blocker``): the test then breaks the path and reads the
+    answers (``answers()``). Yields a namespace of proxy, blocker, ended, claimed, boot
+    and answers."""
     proxy = StallingProxy.to_postgres(dsn)
     b, ended, claimed, boot = _pair(admit, boot_factory, proxy.url(dsn))
     blocker = _block_on_row(dsn, ended)
     try:
         out, threads = _claim_and_finish(b, claimed, ended, boot)
         wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
-        proxy.cut()
-        for t in threads:
-            t.join(30)
+
+        def answers():
+            for t in threads:
+                t.join(30)
+            return out
+
+        yield types.SimpleNamespace(proxy=proxy, blocker=blocker, ended=ended,
+                                    claimed=claimed, boot=boot, answers=answers)
     finally:
         blocker.rollback()
         blocker.close()
         proxy.close()
+
+
+def test_a_claim_and_finish_batch_cut_before_it_applied_is_decided_per_run(
+        admit, boot_factory, dsn, pg):
+    """The connection breaks while the transaction's finish waits on a row lock: the
+    batcher ends the backend and awaits it, so nothing of the transaction applies later;
+    the claim is decided not claimed (None, the single-run path) and the finish fails, to
+    be sent alone. No boot is ended."""
+    with _pair_waiting_on_a_lock(admit, boot_factory, dsn, pg) as pair:
+        pair.proxy.cut()
+        out = pair.answers()
+    ended, claimed, boot = pair.ended, pair.claimed, pair.boot
     assert out[0] is None and isinstance(out[1], BatchFailed), out
     time.sleep(1.0)  # had the cut backend lived on, it would have committed by now
     assert status_of(pg, claimed)[0] == "queued"
@@ -697,23 +716,15 @@ def test_a_claim_and_finish_batch_that_applied_with_its_answer_lost_is_decided_c
     """The transaction commits but its answer never arrives: the claim is decided claimed
     (this boot holds the run once the backend ended), and the finish, failed to be sent
     alone, is refused there by its fence, its run already ended by this process."""
-    proxy = StallingProxy.to_postgres(dsn)
-    b, ended, claimed, boot = _pair(admit, boot_factory, proxy.url(dsn))
-    blocker = _block_on_row(dsn, ended)
-    try:
-        out, threads = _claim_and_finish(b, claimed, ended, boot)
-        wait_until(lambda: _waiting_on_a_lock(pg), timeout=10, what="the finish to wait")
-        proxy.stall()
-        blocker.rollback()  # the transaction goes on, commits, answers into the stall
-        wait_until(lambda: status_of(pg, ended)[0] == "succeeded", timeout=10,
+    with _pair_waiting_on_a_lock(admit, boot_factory, dsn, pg) as pair:
+        pair.proxy.stall()
+        pair.blocker.rollback()  # the transaction goes on, commits, answers into the stall
+        wait_until(lambda: status_of(pg, pair.ended)[0] == "succeeded", timeout=10,
                    what="the transaction to commit")
-        proxy.cut()
-        proxy.resume()
-        for t in threads:
-            t.join(30)
-    finally:
-        blocker.close()
-        proxy.close()
+        pair.proxy.cut()
+        pair.proxy.resume()
+        out = pair.answers()
+    ended, claimed, boot = pair.ended, pair.claimed, pair.boot
     assert out[0] is not None and out[0].id == claimed, out
     assert isinstance(out[1], BatchFailed), out
     assert status_of(pg, claimed) == ("running", boot.boot_id, 1)
