@@ -90,7 +90,8 @@ RUN_DURATION_SECONDS = Histogram(
 WORKER_BATCH_SIZE = Histogram(
     "poimen_worker_batch_size",
     "Runs per statement of a batch worker's store batcher (POIMEN_WORKER_MODE=batch), by "
-    "kind (claim, finish): one commit each.",
+    "kind (claim, finish); a claim batch and a finish batch sent together share one "
+    "commit.",
     ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128),
 )
 CLAIMS = Counter(

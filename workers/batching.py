@@ -1,13 +1,15 @@
 """The batching worker (``POIMEN_WORKER_MODE=batch``): one process running Celery's threads
-pool, whose runs' claims and finishes the store batcher sends many at once, one statement
-and one commit for each batch (docs/internals/batching.md).
+pool, whose runs' claims and finishes the store batcher sends many at once: one statement
+for each batch, and one transaction with one commit for a claim batch and a finish batch
+taken together (docs/internals/batching.md).
 
 Every rule stays per run. A claim in a batch is ``claim_queued``'s compare-and-set and
 liveness check, row by row, in one statement (``claim_queued_batch``); a finish is
 ``poimen_finish`` run by run, in one call (``poimen_finish_batch``). The order:
 
 1. A thread's claim is sent in the next batch; its body starts only once that statement
-   returned: the claim is committed.
+   returned (with the finishes sent beside it, once their transaction committed): the
+   claim is committed.
 2. Its finish is sent in a later batch; the run is reported (its events, the task's
    answer to Celery, the acknowledgement) only once that statement returned.
 3. What the batch statements refuse or cannot decide goes the single-run way: a run not
