@@ -503,6 +503,13 @@ def batch_sizes(after: BatchCounts, before: BatchCounts | None = None) -> dict[s
     return out
 
 
+def format_batch_sizes(sizes: Mapping[str, float]) -> str:
+    """``batch_sizes`` as a report shows it: ``"claim / finish"`` means, ``-`` if none."""
+    if not sizes:
+        return "-"
+    return f"{sizes.get('claim', 0):.1f} / {sizes.get('finish', 0):.1f}"
+
+
 def batch_histogram(after: BatchCounts, before: BatchCounts | None = None) -> dict[str, str]:
     """The store-batcher statements between two ``batch_counts`` by how many runs each
     carried, by kind: ``"1: 812, 2: 301, 3-4: 96, 5-8: 4"`` (empty ranges left out)."""
@@ -618,6 +625,12 @@ RUNS_HISTORY = 20_000
 # for any tenant, i.e. for the history's, and scanned all of ``runs`` on every poll:
 # auto_explain, 3-6 ms each, 20 polls a second).
 CASE_TENANT = "bench"
+
+
+def tenant_id(db_url: str, name: str) -> int:
+    """The id of tenant ``name`` in ``db_url``'s database."""
+    with psycopg.connect(db_url) as conn:
+        return conn.execute("SELECT id FROM tenants WHERE name = %s", [name]).fetchone()[0]
 
 
 def reset_runs(db_url: str, history: int = 0) -> None:

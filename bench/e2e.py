@@ -16,9 +16,9 @@ Three cases in one invocation, on the same services, each with a worker of
   holds a history of 20,000 finished runs of another tenant, analyzed, as in
   production (``reset_runs``): on a fresh table, the plans made in the warm-up read
   ``runs`` by sequential scan for the whole burst. With ``--mode batch`` the worker is
-  a batching one (threads), and the runs per claim and finish statement are printed. A message's latency is the run's
-  ``finished_at`` minus the moment it was produced (both clocks are this
-  machine's). Then a **paced** phase offers messages at half the measured rate
+  a batching one (threads), and the runs per claim and finish statement are printed.
+  A message's latency is the run's ``finished_at`` minus the moment it was produced
+  (both clocks are this machine's). Then a **paced** phase offers messages at half the measured rate
   for ``--paced-seconds``: its p50/p99 are the latency "at that load" (the
   burst's latency is mostly time spent queued behind the burst).
 * **plain Celery** — ``bench/plain_celery_app.py`` (the same Celery settings,
@@ -84,6 +84,7 @@ from bench._common import (  # noqa: E402
     cpu_seconds,
     cpu_snapshot,
     credentials,
+    format_batch_sizes,
     libpq_url,
     log_directory,
     percentile,
@@ -91,6 +92,7 @@ from bench._common import (  # noqa: E402
     reset_runs,
     settle,
     stop_on_sigterm,
+    tenant_id,
 )
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -210,11 +212,6 @@ def phase_spans(db: str, phase: str, tenant: int) -> tuple[float, float]:
             "extract(epoch FROM max(finished_at) - min(started_at)) FROM runs "
             "WHERE tenant_id = %s AND input->>'phase' = %s", (tenant, phase)).fetchone()
     return float(row[0] or 0.0), float(row[1] or 0.0)
-
-
-def tenant_id(db: str, name: str) -> int:
-    with psycopg.connect(db) as conn:
-        return conn.execute("SELECT id FROM tenants WHERE name = %s", [name]).fetchone()[0]
 
 
 def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: int,
@@ -447,8 +444,7 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
                      f"(worker), of {burst.seconds:.1f} s")
     if burst.batch_sizes:
         lines.append(f"- Poimen batch worker, mean runs per claim / finish statement in the "
-                     f"burst: {burst.batch_sizes.get('claim', 0):.1f} / "
-                     f"{burst.batch_sizes.get('finish', 0):.1f}; statements by runs "
+                     f"burst: {format_batch_sizes(burst.batch_sizes)}; statements by runs "
                      "carried: " + "; ".join(f"{kind} {histogram}" for kind, histogram
                                              in burst.batch_histogram.items()))
     if burst.cpu_ms:

@@ -90,6 +90,7 @@ from bench._common import (  # noqa: E402
     cpu_delta,
     cpu_snapshot,
     delete_redis_keys,
+    format_batch_sizes,
     libpq_url,
     load_average,
     log_directory,
@@ -100,6 +101,7 @@ from bench._common import (  # noqa: E402
     runs_by_status,
     settle,
     stop_on_sigterm,
+    tenant_id,
     wait_for_count,
     wait_ready,
 )
@@ -216,9 +218,7 @@ def _succeeded_poll(db_url: str) -> CountPoll:
 def case_tenant_id(db_url: str) -> int:
     """The id of the case's tenant in ``db_url``, read once (the polls run 20 times a
     second, and ``reset_runs`` never touches ``tenants``)."""
-    with psycopg.connect(db_url) as conn:
-        return conn.execute("SELECT id FROM tenants WHERE name = %s",
-                            [CASE_TENANT]).fetchone()[0]
+    return tenant_id(db_url, CASE_TENANT)
 
 
 def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, web_pgrp: int,
@@ -386,8 +386,7 @@ def report(results: list[CaseResult]) -> str:
         cpu = " | ".join(
             f"{r.cpu_per_1000(k):.2f}" if k in r.cpu else "-"
             for k in ("worker", "web", "postgres", "redis", "client", "machine"))
-        sizes = (f"{r.batch_sizes.get('claim', 0):.1f} / {r.batch_sizes.get('finish', 0):.1f}"
-                 if r.batch_sizes else "-")
+        sizes = format_batch_sizes(r.batch_sizes)
         lines.append(f"| {r.name} | {r.prefetch} | {r.count} | {r.seconds:.2f} | "
                      f"{r.rate:.0f} | {r.send_seconds:.2f} | {r.commits_per_run} | {sizes} | "
                      f"{cpu} |")

@@ -22,8 +22,8 @@ In one invocation, on the same services, one gunicorn as the Procfile starts it
   worker is up and ``ready``, the holding queue is renamed onto the workers'
   queue (one atomic Redis ``RENAME``). The clock runs from that release until
   ``SELECT count(*) FROM runs WHERE status = 'succeeded'`` (polled every 50 ms, on
-  one open connection) reaches ``--runs``: the workers' start-up (imports, boot registration) is not
-  charged to the runs, in time or CPU. Also printed: the steady rate, first
+  one open connection) reaches ``--runs``: the workers' start-up (imports, boot
+  registration) is not charged to the runs, in time or CPU. Also printed: the steady rate, first
   claim to last finish by Postgres' clock. **Commits per run**: the transactions
   committed in the bench database from the release to the end
   (``pg_stat_database.xact_commit``, read-only ones included), less the script's own
@@ -94,6 +94,7 @@ from bench._common import (  # noqa: E402
     credentials,
     delete_redis_keys,
     ensure_quiet,
+    format_batch_sizes,
     libpq_url,
     load_average,
     log_directory,
@@ -144,12 +145,6 @@ class Case:
     def commits_per_run(self) -> str:
         return "-" if self.commits is None else f"{self.commits / self.count:.2f}"
 
-    @property
-    def runs_per_statement(self) -> str:
-        if not self.batch_sizes:
-            return "-"
-        return (f"{self.batch_sizes.get('claim', 0):.1f} / "
-                f"{self.batch_sizes.get('finish', 0):.1f}")
 
 
 # -- database reads -------------------------------------------------------------------------
@@ -311,7 +306,7 @@ def report(cases: list[Case]) -> list[str]:
             f"| {c.kind} | {c.processes} | {c.count} | {c.seconds:.2f} | {c.rate:.0f} | "
             f"{c.steady_rate:.0f} | {col('postgres')} | {col('worker')} | {col('web')} | "
             f"{col('inbox')} | {col('machine')} | {c.commits_per_run} | "
-            f"{c.runs_per_statement} | {c.load_before} -> {c.load_after} | "
+            f"{format_batch_sizes(c.batch_sizes)} | {c.load_before} -> {c.load_after} | "
             f"{'yes' if c.valid else '**INVALID** (load above the limit)'} |")
     for kind, unit in (("workers", "runs/s"), ("inbox", "messages/s")):
         mine = [c for c in cases if c.kind == kind]
