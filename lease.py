@@ -298,6 +298,10 @@ class KillFence:
         if os.getpid() != self._pid:
             return  # timers do not survive fork: the child makes its own
         with self._cond:
+            if deadline == self._deadline:
+                # Armed at this very deadline already (the runs of one boot share it): a
+                # batch worker's threads arm it twice a run, and the timer is not moved.
+                return
             self._deadline = deadline
             if self._libc is not None:
                 when = _Itimerspec()

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -195,6 +196,19 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
+        self._second: tuple[int, str] = (-1, "")  # the last second formatted, and its text
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        # logging's own text, with the seconds part made once a second: ``strftime`` per
+        # record was a tenth of a busy worker's logging (a line or two per run).
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second, text = self._second
+        if second != int(record.created):
+            second = int(record.created)
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (second, text)
+        return self.default_msec_format % (text, record.msecs)
 
     def formatException(self, ei) -> str:  # noqa: N802 - logging's name
         return quiet_traceback(_exception(ei))

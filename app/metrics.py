@@ -31,6 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, request
 from prometheus_client import (
@@ -135,6 +136,19 @@ ACK_REMOVALS = Counter(
 
 bp = Blueprint("metrics", __name__)
 log = logging.getLogger(__name__)
+
+_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def labelled(metric: Counter | Histogram, *values: str) -> Any:
+    """``metric.labels(*values)``, looked up once per process: the same child
+    prometheus_client keeps, without its lock and checks on every call (a batch worker's
+    runs count several per run). For labels of a bounded set only (outcomes, workflows)."""
+    key = (id(metric), values)
+    child = _children.get(key)
+    if child is None:
+        child = _children.setdefault(key, metric.labels(*values))
+    return child
 
 
 class GaugeCache:

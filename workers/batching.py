@@ -39,7 +39,7 @@ import psycopg
 from flask import current_app
 from sqlalchemy.exc import DBAPIError
 
-from app.metrics import WORKER_BATCH_SIZE
+from app.metrics import WORKER_BATCH_SIZE, labelled
 from app.state.claims import (
     ClaimedRun,
     FinishedInBatch,
@@ -167,7 +167,7 @@ class Batcher:
     def _full(self) -> bool:
         waiting = len(self._claims) + len(self._finishes)
         return (len(self._claims) >= self._max or len(self._finishes) >= self._max
-                or waiting >= self._active)
+                or (waiting >= self._active))
 
     def _run(self) -> None:
         while True:
@@ -254,7 +254,7 @@ class Batcher:
                  claimed: Mapping[uuid.UUID, ClaimedRun]) -> None:
         """Answer a committed claim batch's requests: each its row, or None."""
         self.sizes["claim"][len(first)] += 1
-        WORKER_BATCH_SIZE.labels("claim").observe(len(first))
+        labelled(WORKER_BATCH_SIZE, "claim").observe(len(first))
         for run_id, request in first.items():
             request.resolve(claimed.get(run_id))
 
@@ -359,7 +359,7 @@ class Batcher:
                   done: Mapping[uuid.UUID, FinishedInBatch]) -> None:
         """Answer a committed finish batch's requests: each its ended run, or None."""
         self.sizes["finish"][len(requests)] += 1
-        WORKER_BATCH_SIZE.labels("finish").observe(len(requests))
+        labelled(WORKER_BATCH_SIZE, "finish").observe(len(requests))
         for request in requests:
             request.resolve(done.get(request.run_id))
 

@@ -64,9 +64,9 @@ def pending_removals() -> int:
 
 
 def _count(how: str, n: int) -> None:
-    from app.metrics import ACK_REMOVALS
+    from app.metrics import ACK_REMOVALS, labelled
 
-    ACK_REMOVALS.labels(how).inc(n)
+    labelled(ACK_REMOVALS, how).inc(n)
 
 
 class BatchedAckQoS(kombu_redis.QoS):

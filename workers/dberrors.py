@@ -18,9 +18,12 @@ def retryable(err: Exception) -> bool:
 
 
 def rollback() -> None:
-    """Roll the session back; a dead connection may refuse even this: then drop it."""
+    """Roll the session back; a dead connection may refuse even this: then drop it.
+    Without a session in this app context there is nothing to roll back (a batch worker's
+    run often has none: its claim and finish went in the batcher's statements)."""
     try:
-        db.session.rollback()
+        if db.session.registry.has():
+            db.session.rollback()
     except Exception:  # noqa: BLE001 - a dead connection may refuse even this
         db.session.remove()
 
