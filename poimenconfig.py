@@ -236,6 +236,7 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "POIMEN_BATCH_MAX": get_int(env, "POIMEN_BATCH_MAX"),
         "POIMEN_WORKER_MODE": worker_mode(env),
         "POIMEN_WORKER_BATCH_WINDOW_MS": get_float(env, "POIMEN_WORKER_BATCH_WINDOW_MS"),
+        "POIMEN_WORKER_BATCH_LINGER_MS": get_float(env, "POIMEN_WORKER_BATCH_LINGER_MS"),
         "POIMEN_WORKER_BATCH_MAX": get_int(env, "POIMEN_WORKER_BATCH_MAX"),
         # GET /v1/runs/<id>?wait= (app/waiter.py).
         "POIMEN_WAIT_MAX": get_int(env, "POIMEN_WAIT_MAX"),

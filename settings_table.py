@@ -180,6 +180,12 @@ SETTINGS: tuple[Setting, ...] = (
     _proc("POIMEN_WORKER_BATCH_WINDOW_MS", float, 2.0, WORKER,
           "`batch` mode: how long the store batcher waits for more claims or finishes "
           "after the first arrives, before it sends them."),
+    _proc("POIMEN_WORKER_BATCH_LINGER_MS", float, 5.0, WORKER,
+          "`batch` mode, under load: once every run in flight waits on the store batcher, how "
+          "long (from the first request) it may still wait for the runs the worker is "
+          "about to start, while the rate requests arrive at says one is due in that time "
+          "and some thread of the pool is free. Larger batches cost less CPU per run "
+          "(docs/internals/batching.md); at a low rate it never waits. 0: off."),
     _proc("POIMEN_WORKER_BATCH_MAX", int, 64, WORKER,
           "`batch` mode: the most claims (or finishes) one statement carries."),
     _proc("CELERY_BEAT_SCHEDULE", str, "/tmp/poimen-celerybeat-schedule", BEAT,

@@ -27,6 +27,7 @@ liveness check, row by row, in one statement (``claim_queued_batch``); a finish 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -102,9 +103,14 @@ class Batcher:
 
     def __init__(self, dsn: Callable[[], str], *, window: float, max_size: int,
                  live: Callable[[uuid.UUID], bool], resolve_seconds: float = 30.0,
-                 connect_kwargs: Mapping[str, Any] | None = None):
+                 connect_kwargs: Mapping[str, Any] | None = None, linger: float = 0.0,
+                 threads: int | None = None):
         self._dsn = dsn
         self._window = window
+        self._linger = linger
+        self._threads = threads
+        self._arrivals = Arrivals()
+        self._lingering = False
         self._max = max(1, max_size)
         self._live = live
         self._resolve_seconds = resolve_seconds
@@ -152,8 +158,11 @@ class Batcher:
         # there forever, unsent (its run queued, its thread gone).
         with self._cond:
             self._start()
-            (self._claims if kind == "claim" else self._finishes).append(request)
-            self._cond.notify()
+            queue = self._claims if kind == "claim" else self._finishes
+            queue.append(request)
+            self._arrivals.note(time.monotonic())
+            if not self._lingering or self._enough():
+                self._cond.notify()
         return request.wait()
 
     # -- the batcher's thread ---------------------------------------------------------------
@@ -164,22 +173,32 @@ class Batcher:
                                             daemon=True)
             self._thread.start()
 
+    def _at_max(self) -> bool:
+        return len(self._claims) >= self._max or len(self._finishes) >= self._max
+
+    def _enough(self) -> bool:
+        """No more requests can come in time: a batch at its maximum, or every thread of
+        the pool waiting on this batcher."""
+        return self._at_max() or (
+            self._threads is not None
+            and len(self._claims) + len(self._finishes) >= self._threads)
+
     def _full(self) -> bool:
-        waiting = len(self._claims) + len(self._finishes)
-        return (len(self._claims) >= self._max or len(self._finishes) >= self._max
-                or (waiting >= self._active))
+        return self._at_max() or len(self._claims) + len(self._finishes) >= self._active
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not (self._claims or self._finishes):
                     self._cond.wait()
-                deadline = time.monotonic() + self._window
+                started = time.monotonic()
+                deadline = started + self._window
                 while not self._full():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
+                self._linger_for_more(started + self._linger)
                 claims, finishes = self._take()
             by_boot = _claims_by_boot(claims)
             if finishes and len(by_boot) == 1:
@@ -193,6 +212,20 @@ class Batcher:
                 self._guarded(list(first.values()), self._send_claims, first, boot_id)
             if finishes:
                 self._guarded(finishes, self._send_finishes, finishes)
+
+    def _linger_for_more(self, until: float) -> None:
+        """Under load, wait until ``until`` for requests of runs not in flight yet: the
+        rate they arrive at says at least one more is due by then (under ``_cond``)."""
+        left = until - time.monotonic()
+        if left <= 0 or self._enough() or self._arrivals.expected(left) < 1.0:
+            return
+        self._lingering = True
+        try:
+            while left > 0 and not self._enough():
+                self._cond.wait(left)
+                left = until - time.monotonic()
+        finally:
+            self._lingering = False
 
     @staticmethod
     def _guarded(requests: list[_Request], send: Callable[..., None], *args: Any) -> None:
@@ -364,6 +397,31 @@ class Batcher:
             request.resolve(done.get(request.run_id))
 
 
+class Arrivals:
+    """When the batcher's requests arrive: the mean gap between two (exponentially
+    weighted, so a pause counts at once), and how many more are due within a time."""
+
+    WEIGHT = 0.125
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._gap = math.inf
+
+    def note(self, now: float) -> None:
+        """A request arrived at ``now`` (``time.monotonic()``)."""
+        if self._last is not None:
+            gap = max(0.0, now - self._last)
+            self._gap = gap if math.isinf(self._gap) else \
+                self._gap + self.WEIGHT * (gap - self._gap)
+        self._last = now
+
+    def expected(self, within: float) -> float:
+        """How many requests are due within ``within`` seconds at the recent rate."""
+        if math.isinf(self._gap):
+            return 0.0
+        return within / max(self._gap, 1e-6)
+
+
 def _claims_by_boot(requests: list[_Request]) -> dict[uuid.UUID, dict[uuid.UUID, _Request]]:
     """The claim requests by boot, each run once: a second delivery of a run in one batch
     is answered None here (the single-run path decides it)."""
@@ -410,6 +468,7 @@ def _code(err: DBAPIError) -> str | None:
 # -- this process's batcher --------------------------------------------------------------------
 
 _batcher: Batcher | None = None
+pool_threads: int | None = None  # the worker's --concurrency (workers/tasks.py, at its start)
 _batcher_lock = threading.Lock()
 
 
@@ -429,7 +488,8 @@ def batcher() -> Batcher:
                 lambda: dsn, window=config["POIMEN_WORKER_BATCH_WINDOW_MS"] / 1000.0,
                 max_size=config["POIMEN_WORKER_BATCH_MAX"], live=boots.boot_is_live,
                 resolve_seconds=config["POIMEN_RECORD_RETRY_SECONDS"],
-                connect_kwargs=_connect_kwargs(config))
+                connect_kwargs=_connect_kwargs(config),
+                linger=config["POIMEN_WORKER_BATCH_LINGER_MS"] / 1000.0, threads=pool_threads)
         return _batcher
 
 

@@ -100,9 +100,11 @@ def _check_batch_mode(sender: Any = None, **_: Any) -> None:
     flask_app = sender.app.flask_app
     if flask_app.config.get("POIMEN_WORKER_MODE") != "batch":
         return
-    from .batching import refused_workflows
+    from . import batching
 
-    refused = refused_workflows()
+    # The pool's size: the batcher stops waiting for more once every thread waits on it.
+    batching.pool_threads = sender.concurrency
+    refused = batching.refused_workflows()
     if refused:
         log.critical("poimen worker refuses to start: POIMEN_WORKER_MODE=batch runs Celery's "
                      "threads pool, which cannot enforce time limits, and these workflows "
@@ -110,8 +112,9 @@ def _check_batch_mode(sender: Any = None, **_: Any) -> None:
                      ", ".join(refused))
         raise SystemExit(1)
     log.info("poimen worker: batch mode (threads pool, %s threads; claims and finishes "
-             "batched within %gms, at most %d per statement)", sender.concurrency,
-             flask_app.config["POIMEN_WORKER_BATCH_WINDOW_MS"],
+             "batched within %gms, %gms under load, at most %d per statement)",
+             sender.concurrency, flask_app.config["POIMEN_WORKER_BATCH_WINDOW_MS"],
+             flask_app.config["POIMEN_WORKER_BATCH_LINGER_MS"],
              flask_app.config["POIMEN_WORKER_BATCH_MAX"])
 
 

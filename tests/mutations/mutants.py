@@ -1275,9 +1275,9 @@ MUTANTS: list[Mutant] = [
         "left on the list the take emptied",
         "workers/batching.py",
         "        with self._cond:\n            self._start()\n"
-        "            (self._claims if kind == \"claim\" else self._finishes).append(request)\n",
+        "            queue = self._claims if kind == \"claim\" else self._finishes\n",
         "        queue = self._claims if kind == \"claim\" else self._finishes\n"
-        "        with self._cond:\n            self._start()\n            queue.append(request)\n",
+        "        with self._cond:\n            self._start()\n",
         (f"{BATCH_TESTS}::test_a_request_made_while_the_batcher_takes_a_batch_goes_in_the_next_"
          "one",),
     ),
@@ -1342,6 +1342,25 @@ MUTANTS: list[Mutant] = [
         "            self._claimed(first, claimed_by_batch(claim_result))\n"
         "            finish_result = conn.execute(*finish_batch_call(ends, boots))\n",
         (f"{BATCH_TESTS}::test_a_claim_sent_with_finishes_is_answered_only_once_their_commit",),
+    ),
+    Mutant(
+        "batch_linger_ignores_a_full_pool",
+        "a batcher lingering under load sends once every thread of the pool waits on it: "
+        "nothing more can come, and waiting on would idle the whole worker",
+        "workers/batching.py",
+        "            self._threads is not None\n",
+        "            self._threads is not None and False\n",
+        (f"{BATCH_TESTS}::"
+         "test_under_load_the_batcher_lingers_until_every_thread_of_the_pool_waits",),
+    ),
+    Mutant(
+        "batch_lingers_at_a_low_rate",
+        "the batcher lingers only while the rate requests arrive at says one is due within "
+        "the bound: at a low rate a run's claim and finish go at once",
+        "workers/batching.py",
+        "        if left <= 0 or self._enough() or self._arrivals.expected(left) < 1.0:\n",
+        "        if left <= 0 or self._enough():\n",
+        (f"{BATCH_TESTS}::test_at_a_low_rate_the_batcher_sends_at_once",),
     ),
     # -- rate limits --------------------------------------------------------------------------
     Mutant(

@@ -25,7 +25,7 @@ from app.state.direct import OwnConnection
 from app.state.executor import on_session
 from tests.processes import wait_until
 from tests.proxy import StallingProxy
-from workers.batching import Batcher, BatchFailed, ClaimUnknown
+from workers.batching import Arrivals, Batcher, BatchFailed, ClaimUnknown
 from workers.registry import max_takeovers_of
 
 from .conftest import close_for_good
@@ -343,6 +343,75 @@ def test_a_request_made_while_the_batcher_takes_a_batch_goes_in_the_next_one(
     assert not asker.is_alive(), f"the {kind} was never sent"
     assert out[0] is not None and out[0].id == run
     assert status_of(pg, run)[0] == ("running" if kind == "claim" else "succeeded")
+
+
+# -- lingering under load (POIMEN_WORKER_BATCH_LINGER_MS) --------------------------------------
+
+def test_the_arrival_rate_expects_requests_only_while_they_come_often():
+    arrivals = Arrivals()
+    assert arrivals.expected(1.0) == 0.0  # nothing known yet: nothing expected
+    for n in range(20):
+        arrivals.note(100.0 + n * 0.001)  # one a millisecond
+    assert arrivals.expected(0.005) == pytest.approx(5.0, rel=0.05)
+    arrivals.note(100.019 + 1.0)  # then a pause of a second counts at once
+    assert arrivals.expected(0.005) < 0.05
+
+
+def _busy(b: Batcher, gap: float = 0.001, ago: float = 0.0) -> None:
+    """Requests arrived at ``b`` every ``gap`` seconds until ``ago`` seconds ago (0: it is
+    under load now)."""
+    last = time.monotonic() - ago
+    for n in range(19, -1, -1):
+        b._arrivals.note(last - n * gap)
+
+
+def test_under_load_the_batcher_lingers_until_every_thread_of_the_pool_waits(
+        admit, boot_factory, dsn, pg):
+    # The first claim finds every run in flight waiting (one): without lingering it would
+    # go alone. Under load the batcher waits, up to 30 s here, for the runs about to start;
+    # once all three threads of the pool wait on it, nothing more can come: it sends.
+    runs, boot = [admit() for _ in range(3)], boot_factory()
+    b = batcher(dsn, window=0.0, linger=30.0, threads=3)
+    _busy(b)
+    b.enter()
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(b.claim(runs[0], boot.boot_id)))
+    t.start()
+    wait_until(lambda: _in_submit(t) and b._lingering, timeout=10, what="the batcher to linger")
+    started = time.monotonic()
+    b.enter()
+    b.enter()
+    rest = in_threads([lambda run=run: b.claim(run, boot.boot_id) for run in runs[1:]])
+    t.join(10)
+    assert [r.id for r in [*first, *rest]] == runs
+    assert b.sizes["claim"] == {3: 1}  # one statement for the three
+    assert time.monotonic() - started < 10  # sent when the pool was full, not at 30 s
+
+
+def test_the_batcher_lingers_no_longer_than_its_bound(admit, boot_factory, dsn):
+    run, boot = admit(), boot_factory()
+    b = batcher(dsn, window=0.0, linger=0.3, threads=16)
+    _busy(b)
+    b.enter()
+    started = time.monotonic()
+    assert b.claim(run, boot.boot_id).id == run
+    waited = time.monotonic() - started
+    assert 0.25 <= waited < 5  # it waited for more, and only its bound
+
+
+@pytest.mark.parametrize("history", ["none", "a pause"])
+def test_at_a_low_rate_the_batcher_sends_at_once(history, admit, boot_factory, dsn):
+    # No request recently: lingering 30 s would only delay the run (its test would time out).
+    run, boot = admit(), boot_factory()
+    b = batcher(dsn, window=0.0, linger=30.0, threads=16)
+    if history == "a pause":
+        _busy(b, ago=2000.0)  # a burst, then a pause far longer than the bound
+    b.enter()
+    started = time.monotonic()
+    claimed = in_threads([lambda: b.claim(run, boot.boot_id)])
+    assert claimed[0].id == run
+    assert time.monotonic() - started < 10
+    assert not b._lingering
 
 
 def test_a_finish_batch_that_fails_fails_each_request_to_be_sent_alone(
