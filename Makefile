@@ -63,8 +63,10 @@ bench: services
 	@command -v wrk >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y wrk \
 		|| { apt-get update && apt-get install -y wrk; }
 	set -a; eval "$$($(BIN)/poimen-dev env)"; set +a; \
-	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done; \
-	for b in execution e2e; do $(BIN)/python bench/$$b.py --mode batch || exit 1; done; \
+	rec() { [ "$$1" = bench/execution.py ] && echo --record bench/RESULTS.md; true; }; \
+	for b in bench/*.py; do $(BIN)/python $$b $$(rec $$b) || exit 1; done; \
+	for b in bench/execution.py bench/e2e.py; do \
+		$(BIN)/python $$b --mode batch $$(rec $$b) || exit 1; done; \
 	$(BIN)/python bench/scaling.py --mode batch --workers 1 2 --inboxes 1
 
 lint: install
