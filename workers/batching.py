@@ -97,8 +97,10 @@ class Batcher:
     ``dsn``: a direct connection to the runs' database (the lock database's: a batch's
     backend must be a real one to end, never a pooler's). ``window``: seconds to wait for
     more requests after the first, unless every thread executing a run is already waiting
-    on this batcher (``enter``/``leave`` count them). ``live(boot)``: whether ``boot``
-    is still this process's boot and holds its lock.
+    on this batcher (``enter``/``leave`` count them). ``linger``: under load, how long after
+    the first request it may then still wait for runs not in flight yet, until ``threads``
+    (the pool's size) all wait (``_linger_for_more``; 0: never). ``live(boot)``: whether
+    ``boot`` is still this process's boot and holds its lock.
     """
 
     def __init__(self, dsn: Callable[[], str], *, window: float, max_size: int,
