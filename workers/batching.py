@@ -178,15 +178,19 @@ class Batcher:
     def _at_max(self) -> bool:
         return len(self._claims) >= self._max or len(self._finishes) >= self._max
 
+    def _waiting(self) -> int:
+        """Requests waiting on this batcher: one per thread at most."""
+        return len(self._claims) + len(self._finishes)
+
     def _enough(self) -> bool:
         """No more requests can come in time: a batch at its maximum, or every thread of
         the pool waiting on this batcher."""
         return self._at_max() or (
             self._threads is not None
-            and len(self._claims) + len(self._finishes) >= self._threads)
+            and self._waiting() >= self._threads)
 
     def _full(self) -> bool:
-        return self._at_max() or len(self._claims) + len(self._finishes) >= self._active
+        return self._at_max() or self._waiting() >= self._active
 
     def _run(self) -> None:
         while True:
