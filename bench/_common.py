@@ -309,9 +309,14 @@ def quiet_database(database_url: str) -> bool:
         return False
 
 
-def settle(limit: float = 1.5, cap: float = 300.0) -> None:
+def settle(database_url: str | None = None, limit: float = 1.5, cap: float = 300.0) -> None:
     """Wait until the one-minute load average is under ``limit`` (the previous phase's
-    load must not be charged to the next one), for at most ``cap`` seconds."""
+    load must not be charged to the next one), for at most ``cap`` seconds. With
+    ``database_url``, first ``quiet_database`` it: every case then starts just after a
+    checkpoint, alone or in ``make bench`` (where the previous script's writes and its
+    ``DROP DATABASE`` otherwise leave a checkpoint to land inside the next case)."""
+    if database_url:
+        quiet_database(database_url)
     started = time.monotonic()
     while os.getloadavg()[0] > limit and time.monotonic() - started < cap:
         time.sleep(5)
@@ -319,10 +324,14 @@ def settle(limit: float = 1.5, cap: float = 300.0) -> None:
           f"{time.monotonic() - started:.0f}s of quiet", flush=True)
 
 
-def ensure_quiet(limit: float = 1.5, wait: float = 300.0) -> bool:
+def ensure_quiet(limit: float = 1.5, wait: float = 300.0,
+                 database_url: str | None = None) -> bool:
     """The project's rule, benchmarks run alone: wait up to ``wait`` seconds for the
     one-minute load average to fall to ``limit``; if it does not, say so loudly and return
-    False (the caller marks its figure invalid). True when the machine is quiet."""
+    False (the caller marks its figure invalid). True when the machine is quiet. With
+    ``database_url``, first ``quiet_database`` it (as ``settle``)."""
+    if database_url:
+        quiet_database(database_url)
     started = time.monotonic()
     while os.getloadavg()[0] > limit and time.monotonic() - started < wait:
         time.sleep(5)

@@ -258,7 +258,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         produce(bootstrap, topic, 10_000_000, warm, partitions, "warmup")
         wait_for(count_succeeded, warm, timeout, "poimen warm-up")
 
-        settle()
+        settle(db)
         time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
         commits_before, polls_before = committed(db), count_succeeded.calls
         batches_before = batch_counts(worker_metrics)
@@ -293,7 +293,7 @@ def poimen_case(env: dict[str, str], logs: Path, db: str, n: int, partitions: in
         if paced_seconds > 0:
             rate = burst.rate / 2
             m = max(10, int(rate * paced_seconds))
-            settle()
+            settle(db)
             load_before = load_average()
             t0 = time.monotonic()
             produce(bootstrap, topic, n, m, partitions, "paced", rate=rate)
@@ -323,7 +323,7 @@ def plain_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
     try:
         _warm_plain(worker, redis, counter, lambda k: [task.apply_async() for _ in range(k)],
                     timeout)
-        settle()
+        settle(env["DATABASE_URL"])
         load_before = load_average()
         cpu_before, own_before = process_cpu([worker]), time.process_time()
         shared_before = cpu_snapshot({})
@@ -363,7 +363,7 @@ def naive_case(env: dict[str, str], logs: Path, redis: redis_lib.Redis, n: int,
         _warm_plain(worker, redis, counter,
                     lambda k: produce(bootstrap, topic, 10_000_000, k, partitions, "warmup"),
                     timeout)
-        settle()
+        settle(env["DATABASE_URL"])
         load_before = load_average()
         cpu_before, shared_before = process_cpu([worker, bridge]), cpu_snapshot({})
         started = time.monotonic()

@@ -241,7 +241,7 @@ def poimen_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, w
                   f"(e.g. py-spy record --pid <pool pid>); starting in 10 s", flush=True)
             time.sleep(10)
 
-        settle()  # the previous case's load must not be charged to this one
+        settle(db_url)  # the previous case's load must not be charged to this one
         time.sleep(STATS_FLUSH_S)  # the warm-up's commits reported before the count starts
         commits0, polls0 = committed(db_url), _succeeded_poll(db_url).calls
         worker_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -292,7 +292,7 @@ def latency_case(env: dict[str, str], log_dir: Path, db_url: str, web_url: str, 
         admit_concurrently(web_url, token, 20, 1)
         wait_for_count(lambda: succeeded(db_url), 20, timeout, "latency warm-up")
         reset_runs(db_url, history=RUNS_HISTORY)
-        settle()  # the previous case's load must not be charged to this one
+        settle(db_url)  # the previous case's load must not be charged to this one
         load_before = load_average()
         errors: list[str] = []
         _admit(web_url, token, runs, errors, rate=rate)
@@ -345,7 +345,7 @@ def plain_case(env: dict[str, str], log_dir: Path, redis: redis_lib.Redis, count
             wait_for_count(count, warmup, timeout, "plain warm-up")
         redis.delete(counter_key)
 
-        settle()  # the previous case's load must not be charged to this one
+        settle(env["DATABASE_URL"])  # the previous case's load must not be charged to this one
         load_before = load_average()
         pgroups = {"worker": worker.pid}
         cpu0 = cpu_snapshot(pgroups)

@@ -39,7 +39,7 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
+from bench._common import append_result, cpu_seconds_with_children, settle  # noqa: E402
 from bridge.outbox import (  # noqa: E402
     MARK_PUBLISHED,  # noqa: E402
     OUTBOX_LOCK_KEY,
@@ -230,6 +230,9 @@ def main() -> int:
             fill(conn, events)
         print(f"outbox pre-filled: {events} events of {events // EVENTS_PER_RUN} runs; "
               f"topics {PARTITIONS} partitions; batch {BATCH}")
+        # Each measurement starts on a quiet machine, just after a checkpoint: in `make
+        # bench` the previous script's load and writes would otherwise land in it.
+        settle(db)
         load_before = os.getloadavg()
 
         relay = measure_relay(env, db, logs, events)
@@ -239,11 +242,13 @@ def main() -> int:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute("UPDATE outbox SET published_at = NULL")
         messages = load_messages(db, raw_prefix, events)
+        settle(db)
         producer = measure_producer(kafka, messages)
         del messages
         print(f"raw producer: {producer['rate']:8.0f} events/s ({producer['seconds']:.1f} s); "
               f"CPU {producer['cpu_ms']:.3f} ms/event")
 
+        settle(db)
         sql = measure_sql(db, events)
         print(f"SQL loop:     {sql['rate']:8.0f} events/s ({sql['seconds']:.1f} s); "
               f"CPU {sql['cpu_ms']:.3f} ms/event client, {sql['pg_cpu_ms']:.3f} Postgres")

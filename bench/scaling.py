@@ -219,7 +219,7 @@ def workers_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: in
                 concurrency=args.threads if args.mode == "batch" else 1))
         for w in workers:
             wait_ready(w)
-        valid = ensure_quiet(args.max_load, args.quiet_wait)
+        valid = ensure_quiet(args.max_load, args.quiet_wait, database_url=db)
         time.sleep(STATS_FLUSH_S)  # the admission's commits reported before the count
         commits0, polls0 = committed(db), poll.calls
         urls = [f"http://127.0.0.1:{p}/metrics" for p in ports]
@@ -269,7 +269,7 @@ def inbox_case(env: dict[str, str], logs: Path, db: str, api: str, web_pid: int,
                  "POIMEN_INBOX_GROUP": f"{env['BENCH_TOPIC_PREFIX']}-i{k}"}
     inboxes = []
     try:
-        valid = ensure_quiet(args.max_load, args.quiet_wait)
+        valid = ensure_quiet(args.max_load, args.quiet_wait, database_url=db)
         load_before = load_average()
         print(f"inbox x{k}: load average before {load_before}", flush=True)
         cpu0 = cpu_snapshot({"web": web_pid})

@@ -36,3 +36,21 @@ def test_a_stuck_end_to_end_wait_says_where_it_stands_before_its_timeout(capsys)
     reports = [line for line in capsys.readouterr().out.splitlines()
                if line.startswith("poimen: 7/10, no progress for")]
     assert 2 <= len(reports) <= 4, reports
+
+
+def test_a_benchmark_case_starts_just_after_a_checkpoint(database_url):
+    """``settle(url)`` checkpoints before it waits, so a case of ``make bench`` does not
+    pay for a checkpoint the previous script's writes (or its ``DROP DATABASE``) left."""
+    import psycopg
+
+    from bench._common import settle
+    from poimenconfig import libpq_url
+
+    def last_checkpoint() -> object:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            conn.execute("CREATE TEMP TABLE wal_maker (x int); DROP TABLE wal_maker")
+            return conn.execute("SELECT checkpoint_lsn FROM pg_control_checkpoint()").fetchone()
+
+    before = last_checkpoint()
+    settle(database_url, limit=1000.0)
+    assert last_checkpoint() != before
