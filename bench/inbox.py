@@ -38,7 +38,7 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import append_result, cpu_seconds_with_children  # noqa: E402
+from bench._common import append_result, cpu_seconds_with_children, settle  # noqa: E402
 from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
 from poimen_dev.scratch import scratch_database  # noqa: E402
 from tests.processes import metrics, start_inbox, start_web  # noqa: E402
@@ -146,6 +146,7 @@ def main() -> int:
     web = relay = None
     try:
         direct_token, service_token = credentials(env)
+        settle(db)  # a quiet machine, just after a checkpoint (as every bench case)
         load_before = os.getloadavg()
         web, api = start_web(env, logs, workers=2, threads=8)
         prefix = f"bench{tag}"
@@ -164,6 +165,7 @@ def main() -> int:
 
         relay_env = {**env, "POIMEN_API_URL": api, "POIMEN_API_TOKEN": service_token,
                      "POIMEN_TOPIC_PREFIX": prefix, "POIMEN_INBOX_GROUP": f"bench-{tag}"}
+        settle(db)
         started = time.monotonic()
         relay, relay_metrics = start_inbox(relay_env, logs, name="inbox")
         while (done := count_runs(db, "inbox")) < n:

@@ -68,6 +68,7 @@ from bench._common import (  # noqa: E402
     log_directory,
     machine_summary,
     require_env,
+    settle,
     stop_on_sigterm,
 )
 from bench.execution import (  # noqa: E402
@@ -131,6 +132,7 @@ def reset(db_url: str) -> None:
 def end_to_end(flask_app, tenant_id: int, db_url: str, worker_pgrp: int, name: str, ref: str,
                input: dict, parents: int, runs: int, timeout: float) -> EndToEnd:
     reset(db_url)
+    settle(db_url)  # a quiet machine, just after a checkpoint (as every bench case)
     load_before = load_average()
     cpu0 = cpu_snapshot({"worker": worker_pgrp})
     start = time.monotonic()
