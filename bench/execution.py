@@ -541,7 +541,8 @@ def main() -> int:
         append_result(args.record, "## Execution (bench/execution.py)", [
             f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
             "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
-            f"- `python bench/execution.py --runs {args.runs} --mode {args.mode}` (plain tasks "
+            f"- `python bench/execution.py --runs {args.runs} --mode {args.mode} --repeat "
+            f"{args.repeat}` (plain tasks "
             f"{plain_tasks}; {pool} pool, concurrency {concurrency} for both), clients "
             f"{args.clients}", "", text])
         print(f"appended to {args.record}")
