@@ -58,6 +58,7 @@ from bench._common import (  # noqa: E402
     require_env,
     require_wrk,
     run_wrk,
+    settle,
     stop_on_sigterm,
     web_environment,
 )
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     queue = f"poimen-bench-{run_id}"
     access_log = not args.no_access_log
     started = datetime.now(UTC)
+    settle()  # a quiet machine first; each case then starts after a checkpoint (measured_wrk)
     load_before = load_average()
     print(f"admission benchmark {run_id}: {args.duration:g} s per case, {CONNECTIONS} "
           f"connections, queue {queue}, load average {load_before}")
