@@ -66,7 +66,7 @@ bench: services
 	rec() { [ "$$1" = bench/execution.py ] && echo --record bench/RESULTS.md; true; }; \
 	for b in bench/*.py; do $(BIN)/python $$b $$(rec $$b) || exit 1; done; \
 	$(BIN)/python bench/execution.py --mode batch --repeat 3 --record bench/RESULTS.md || exit 1; \
-	$(BIN)/python bench/e2e.py --mode batch || exit 1; \
+	$(BIN)/python bench/e2e.py --mode batch --repeat 3 || exit 1; \
 	$(BIN)/python bench/scaling.py --mode batch --workers 1 2 --inboxes 1
 
 lint: install

@@ -1,6 +1,6 @@
 """Benchmark: Kafka message -> run ``succeeded``, against plain Celery and a naive bridge.
 
-    python bench/e2e.py [--messages 5000] [--partitions 4] [--no-record]
+    python bench/e2e.py [--messages 5000] [--partitions 4] [--repeat 1] [--no-record]
 
 Three cases in one invocation, on the same services, each with a worker of
 ``--concurrency 2`` (prefork) on a queue of its own:
@@ -482,6 +482,38 @@ def summary(burst: Case, paced: Case | None, plain: Case, naive: Case) -> list[s
     return lines
 
 
+def median_rounds(rounds: list[tuple[Case, Case | None, Case, Case]]
+                  ) -> tuple[Case, Case | None, Case, Case]:
+    """Each case's median round by rate (the lower middle of an even count); Poimen's
+    paced phase is the one of its median burst's round."""
+    def median(cases: list[Case]) -> Case:
+        return sorted(cases, key=lambda case: case.rate)[(len(cases) - 1) // 2]
+
+    burst = median([r[0] for r in rounds])
+    paced = next(r[1] for r in rounds if r[0] is burst)
+    return burst, paced, median([r[2] for r in rounds]), median([r[3] for r in rounds])
+
+
+def rounds_lines(rounds: list[tuple[Case, Case | None, Case, Case]]) -> list[str]:
+    """Every round's rates and ratios, and the duplicates of every round (a median must
+    not hide one)."""
+    def rates(i: int) -> str:
+        return ", ".join(f"{r[i].rate:.0f}" for r in rounds)
+
+    poimen = sum(r[0].duplicates + (r[1].duplicates if r[1] else 0) for r in rounds)
+    return [
+        f"- {len(rounds)} rounds, interleaved, each on a database and topics of its own; the "
+        "figures above are each case's median round. Runs or tasks/s by round: Poimen "
+        f"{rates(0)}; plain Celery {rates(2)}; naive bridge {rates(3)}. Ratios by round, "
+        "against plain Celery: " + ", ".join(f"{r[0].rate / r[2].rate:.2f}" for r in rounds)
+        + "; against the naive bridge: "
+        + ", ".join(f"{r[0].rate / r[3].rate:.2f}" for r in rounds),
+        f"- duplicates over every round: Poimen {poimen} (target 0), plain Celery "
+        f"{sum(r[2].duplicates for r in rounds)}, naive bridge "
+        f"{sum(r[3].duplicates for r in rounds)}",
+    ]
+
+
 def main() -> int:
     global CONCURRENCY, POOL
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -493,6 +525,11 @@ def main() -> int:
     parser.add_argument("--no-record", action="store_true",
                         default=os.environ.get("BENCH_NO_RECORD") == "1",
                         help="do not append to bench/RESULTS.md (also BENCH_NO_RECORD=1)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure the three cases this many times, interleaved (a round "
+                             "is Poimen, plain Celery, the naive bridge, on a database and "
+                             "topics of its own); the report gives each case's median round, "
+                             "every round's rates, and the duplicates of every round")
     parser.add_argument("--naive-bridge", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--broker", choices=("env", "tansu"), default="tansu",
@@ -538,6 +575,7 @@ def main() -> int:
     n = args.messages
     print(f"{n} messages, {args.partitions} partitions; load average {load_average()}",
           flush=True)
+    rounds: list[tuple[Case, Case | None, Case, Case]] = []
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: redis.delete(queue, f"{queue}-plain", env["BENCH_COUNTER_KEY"]))
         logs = stack.enter_context(log_directory("poimen-bench-e2e-"))
@@ -550,19 +588,30 @@ def main() -> int:
             env["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{port}"
             broker = "tansu (memory storage, a private one for this run)"
         print(f"Kafka broker: {broker}", flush=True)
-        db = libpq_url(stack.enter_context(bench_database(env["DATABASE_URL"], env)))
-        env["DATABASE_URL"] = db
-        burst, paced = poimen_case(env, logs, db, n, args.partitions, args.paced_seconds,
-                                   args.timeout)
-        print(f"poimen: {n} runs in {burst.seconds:.1f} s = {burst.rate:.0f} runs/s; "
-              f"p50 {percentile(burst.latencies, 50) * 1000:.0f} ms, "
-              f"p99 {percentile(burst.latencies, 99) * 1000:.0f} ms", flush=True)
-        plain = plain_case(env, logs, redis, n, args.timeout)
-        print(f"plain celery: {plain.rate:.0f} tasks/s", flush=True)
-        redis.delete(env["BENCH_COUNTER_KEY"])
-        naive = naive_case(env, logs, redis, n, args.partitions, args.timeout)
-        print(f"naive bridge: {naive.rate:.0f} tasks/s", flush=True)
+        server_url = env["DATABASE_URL"]
+        prefix, group = env["POIMEN_TOPIC_PREFIX"], env["POIMEN_INBOX_GROUP"]
+        for round_ in range(args.repeat):
+            suffix = f"r{round_}" if args.repeat > 1 else ""
+            env.update(POIMEN_TOPIC_PREFIX=prefix + suffix, POIMEN_INBOX_GROUP=group + suffix)
+            with contextlib.ExitStack() as round_stack:
+                db = libpq_url(round_stack.enter_context(bench_database(server_url, env)))
+                env["DATABASE_URL"] = db
+                burst, paced = poimen_case(env, logs, db, n, args.partitions,
+                                           args.paced_seconds, args.timeout)
+                print(f"poimen: {n} runs in {burst.seconds:.1f} s = {burst.rate:.0f} runs/s; "
+                      f"p50 {percentile(burst.latencies, 50) * 1000:.0f} ms, "
+                      f"p99 {percentile(burst.latencies, 99) * 1000:.0f} ms", flush=True)
+                redis.delete(env["BENCH_COUNTER_KEY"])
+                plain = plain_case(env, logs, redis, n, args.timeout)
+                print(f"plain celery: {plain.rate:.0f} tasks/s", flush=True)
+                redis.delete(env["BENCH_COUNTER_KEY"])
+                naive = naive_case(env, logs, redis, n, args.partitions, args.timeout)
+                print(f"naive bridge: {naive.rate:.0f} tasks/s", flush=True)
+            rounds.append((burst, paced, plain, naive))
+    burst, paced, plain, naive = median_rounds(rounds)
     lines = summary(burst, paced, plain, naive)
+    if len(rounds) > 1:
+        lines += rounds_lines(rounds)
     print("\n".join(lines))
     if not args.no_record:
         append_result(RESULTS, SECTION, [
@@ -571,7 +620,8 @@ def main() -> int:
             f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
             f"Python {platform.python_version()}; embedded Postgres/Redis; Kafka broker {broker}; "
             f"`python bench/e2e.py --messages {n} --partitions {args.partitions} "
-            f"--broker {args.broker} --mode {args.mode}` ({POOL} pool x{CONCURRENCY} for "
+            f"--broker {args.broker} --mode {args.mode} --repeat {args.repeat}` ({POOL} pool "
+            f"x{CONCURRENCY} for "
             f"every worker)",
             *lines,
         ])

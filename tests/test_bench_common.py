@@ -54,3 +54,26 @@ def test_a_benchmark_case_starts_just_after_a_checkpoint(database_url):
     before = last_checkpoint()
     settle(database_url, limit=1000.0)
     assert last_checkpoint() != before
+
+
+def test_repeated_end_to_end_rounds_report_each_cases_median_and_every_duplicate():
+    from bench.e2e import Case, median_rounds, rounds_lines
+
+    def case(name: str, seconds: float, duplicates: int = 0) -> Case:
+        return Case(name, 100, seconds, duplicates, "0.1", "0.1")
+
+    rounds = [
+        (case("poimen", 1.0), case("poimen paced", 1.0, duplicates=1), case("plain", 2.0),
+         case("naive", 1.0)),
+        (case("poimen", 4.0), None, case("plain", 1.0), case("naive", 4.0)),
+        (case("poimen", 2.0), case("poimen paced", 1.0), case("plain", 4.0),
+         case("naive", 2.0, duplicates=2)),
+    ]
+    burst, paced, plain, naive = median_rounds(rounds)
+    assert (burst, paced) == (rounds[2][0], rounds[2][1])  # the paced phase of its round
+    assert plain is rounds[0][2] and naive is rounds[2][3]
+    lines = rounds_lines(rounds)
+    assert "Poimen 100, 25, 50" in lines[0]
+    # A duplicate in a round that is not the median one is still reported.
+    assert lines[1].startswith("- duplicates over every round: Poimen 1 (target 0)")
+    assert lines[1].endswith("naive bridge 2")
