@@ -309,19 +309,25 @@ def quiet_database(database_url: str) -> bool:
         return False
 
 
+def _quieten(database_url: str | None, limit: float, wait: float) -> float:
+    """``quiet_database`` ``database_url`` (if given), then wait up to ``wait`` seconds for
+    the one-minute load average to fall to ``limit``. Returns the seconds waited."""
+    if database_url:
+        quiet_database(database_url)
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < wait:
+        time.sleep(5)
+    return time.monotonic() - started
+
+
 def settle(database_url: str | None = None, limit: float = 1.5, cap: float = 300.0) -> None:
     """Wait until the one-minute load average is under ``limit`` (the previous phase's
     load must not be charged to the next one), for at most ``cap`` seconds. With
     ``database_url``, first ``quiet_database`` it: every case then starts just after a
     checkpoint, alone or in ``make bench`` (where the previous script's writes and its
     ``DROP DATABASE`` otherwise leave a checkpoint to land inside the next case)."""
-    if database_url:
-        quiet_database(database_url)
-    started = time.monotonic()
-    while os.getloadavg()[0] > limit and time.monotonic() - started < cap:
-        time.sleep(5)
-    print(f"  load average {os.getloadavg()[0]:.2f} after "
-          f"{time.monotonic() - started:.0f}s of quiet", flush=True)
+    waited = _quieten(database_url, limit, cap)
+    print(f"  load average {os.getloadavg()[0]:.2f} after {waited:.0f}s of quiet", flush=True)
 
 
 def ensure_quiet(limit: float = 1.5, wait: float = 300.0,
@@ -330,11 +336,7 @@ def ensure_quiet(limit: float = 1.5, wait: float = 300.0,
     one-minute load average to fall to ``limit``; if it does not, say so loudly and return
     False (the caller marks its figure invalid). True when the machine is quiet. With
     ``database_url``, first ``quiet_database`` it (as ``settle``)."""
-    if database_url:
-        quiet_database(database_url)
-    started = time.monotonic()
-    while os.getloadavg()[0] > limit and time.monotonic() - started < wait:
-        time.sleep(5)
+    _quieten(database_url, limit, wait)
     load = os.getloadavg()[0]
     if load > limit:
         print(f"  WARNING: load average {load:.2f} > {limit} after {wait:.0f}s of waiting: "

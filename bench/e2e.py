@@ -601,10 +601,9 @@ def main() -> int:
                 print(f"poimen: {n} runs in {burst.seconds:.1f} s = {burst.rate:.0f} runs/s; "
                       f"p50 {percentile(burst.latencies, 50) * 1000:.0f} ms, "
                       f"p99 {percentile(burst.latencies, 99) * 1000:.0f} ms", flush=True)
-                redis.delete(env["BENCH_COUNTER_KEY"])
+                # Each baseline's warm-up (_warm_plain) empties the counter first.
                 plain = plain_case(env, logs, redis, n, args.timeout)
                 print(f"plain celery: {plain.rate:.0f} tasks/s", flush=True)
-                redis.delete(env["BENCH_COUNTER_KEY"])
                 naive = naive_case(env, logs, redis, n, args.partitions, args.timeout)
                 print(f"naive bridge: {naive.rate:.0f} tasks/s", flush=True)
             rounds.append((burst, paced, plain, naive))
