@@ -280,8 +280,35 @@ def load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+# The CPU probe's loop: about 0.2 s of one core on the machines of bench/RESULTS.md.
+PROBE_ADDITIONS = 2_000_000
+
+
+def cpu_probe_ms(additions: int = PROBE_ADDITIONS) -> float:
+    """Milliseconds one core takes for a fixed pure-Python loop (the best of three).
+
+    Two boots of the same 2-core machine type ran the same tree 2-3 times apart in
+    CPU per run (bench/RESULTS.md, 2026-12-07), so a report carries this figure: two
+    results compare only at like probes. Lower is faster."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        total = 0
+        for i in range(additions):
+            total += i
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1000, 1)
+
+
+def machine_line() -> str:
+    """Cores, arch, Python and the CPU probe, for the scripts that print a line of them."""
+    return (f"{len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
+            f"Python {platform.python_version()}, CPU probe {cpu_probe_ms()} ms")
+
+
 def machine_summary(database_url: str) -> dict[str, str]:
-    """The facts a result is meaningless without: cores, arch, Python, Postgres, load."""
+    """The facts a result is meaningless without: cores, arch, Python, Postgres, load, and
+    how fast this boot of the machine runs Python (``cpu_probe_ms``)."""
     with psycopg.connect(libpq_url(database_url)) as conn:
         pg = conn.execute("SHOW server_version").fetchone()[0]
     return {
@@ -290,6 +317,7 @@ def machine_summary(database_url: str) -> dict[str, str]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "postgres": pg,
+        "cpu probe ms": str(cpu_probe_ms()),
         "load": load_average(),
     }
 

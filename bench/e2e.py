@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -87,6 +86,7 @@ from bench._common import (  # noqa: E402
     format_batch_sizes,
     libpq_url,
     log_directory,
+    machine_line,
     percentile,
     produce,
     reset_runs,
@@ -573,7 +573,9 @@ def main() -> int:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     redis = redis_lib.Redis.from_url(env["REDIS_URL"])
     n = args.messages
-    print(f"{n} messages, {args.partitions} partitions; load average {load_average()}",
+    machine = machine_line()  # on a quiet machine, before any case
+    print(f"{n} messages, {args.partitions} partitions; {machine}; load average "
+          f"{load_average()}",
           flush=True)
     rounds: list[tuple[Case, Case | None, Case, Case]] = []
     with contextlib.ExitStack() as stack:
@@ -616,8 +618,7 @@ def main() -> int:
         append_result(RESULTS, SECTION, [
             f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
-            f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
-            f"Python {platform.python_version()}; embedded Postgres/Redis; Kafka broker {broker}; "
+            f"- machine: {machine}; embedded Postgres/Redis; Kafka broker {broker}; "
             f"`python bench/e2e.py --messages {n} --partitions {args.partitions} "
             f"--broker {args.broker} --mode {args.mode} --repeat {args.repeat}` ({POOL} pool "
             f"x{CONCURRENCY} for "

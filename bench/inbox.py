@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,12 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import append_result, cpu_seconds_with_children, settle  # noqa: E402
+from bench._common import (  # noqa: E402
+    append_result,
+    cpu_seconds_with_children,
+    machine_line,
+    settle,
+)
 from bridge.topics import declare_topics, dispatch_topic  # noqa: E402
 from poimen_dev.scratch import scratch_database  # noqa: E402
 from tests.processes import metrics, start_inbox, start_web  # noqa: E402
@@ -197,8 +201,7 @@ def main() -> int:
             append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
-                f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
-                f"Python {platform.python_version()}; embedded Postgres/Redis/noida-db broker; "
+                f"- machine: {machine_line()}; embedded Postgres/Redis/noida-db broker; "
                 f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
                 "(other sessions' tests and benchmarks may share the machine)",
                 "- API: gunicorn, 2 workers x 8 threads; workflow `noop`; no Celery workers "

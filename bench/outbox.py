@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -39,7 +38,12 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import append_result, cpu_seconds_with_children, settle  # noqa: E402
+from bench._common import (  # noqa: E402
+    append_result,
+    cpu_seconds_with_children,
+    machine_line,
+    settle,
+)
 from bridge.outbox import (  # noqa: E402
     MARK_PUBLISHED,  # noqa: E402
     OUTBOX_LOCK_KEY,
@@ -263,8 +267,7 @@ def main() -> int:
             append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
-                f"- machine: {len(os.sched_getaffinity(0))} cores, {platform.machine()}, "
-                f"Python {platform.python_version()}; embedded Postgres and noida-db broker; "
+                f"- machine: {machine_line()}; embedded Postgres and noida-db broker; "
                 f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
                 f"- {events} events ({events // EVENTS_PER_RUN} runs x {EVENTS_PER_RUN}), "
                 f"{PARTITIONS} partitions, batch {BATCH}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -77,3 +78,14 @@ def test_repeated_end_to_end_rounds_report_each_cases_median_and_every_duplicate
     # A duplicate in a round that is not the median one is still reported.
     assert lines[1].startswith("- duplicates over every round: Poimen 1 (target 0)")
     assert lines[1].endswith("naive bridge 2")
+
+
+def test_every_benchmark_report_says_how_fast_this_boot_runs_python(database_url):
+    # Two boots of one machine type ran the same tree 2-3x apart (bench/RESULTS.md): a
+    # report without the probe cannot be compared with another.
+    from bench._common import cpu_probe_ms, machine_line, machine_summary
+
+    fast, slow = cpu_probe_ms(20_000), cpu_probe_ms(2_000_000)
+    assert 0 < fast < slow
+    assert float(machine_summary(database_url)["cpu probe ms"]) > 0
+    assert re.search(r"CPU probe [0-9.]+ ms", machine_line())
