@@ -288,8 +288,9 @@ def cpu_probe_ms(additions: int = PROBE_ADDITIONS) -> float:
     """Milliseconds one core takes for a fixed pure-Python loop (the best of three).
 
     Two boots of the same 2-core machine type ran the same tree 2-3 times apart in
-    CPU per run (bench/RESULTS.md, 2026-12-07), so a report carries this figure: two
-    results compare only at like probes. Lower is faster."""
+    CPU per run, and on one boot this figure moved 1.9 times within an idle minute
+    (bench/RESULTS.md, 2026-12-07): a report carries it to say how fast the machine was
+    when the report started. Lower is faster."""
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
