@@ -152,6 +152,7 @@ def main() -> int:
         direct_token, service_token = credentials(env)
         settle(db)  # a quiet machine, just after a checkpoint (as every bench case)
         load_before = os.getloadavg()
+        machine = machine_line()  # on the quiet machine, before the cases
         web, api = start_web(env, logs, workers=2, threads=8)
         prefix = f"bench{tag}"
         topic = dispatch_topic(prefix, "inbox")
@@ -201,7 +202,7 @@ def main() -> int:
             append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
-                f"- machine: {machine_line()}; embedded Postgres/Redis/noida-db broker; "
+                f"- machine: {machine}; embedded Postgres/Redis/noida-db broker; "
                 f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
                 "(other sessions' tests and benchmarks may share the machine)",
                 "- API: gunicorn, 2 workers x 8 threads; workflow `noop`; no Celery workers "

@@ -238,6 +238,7 @@ def main() -> int:
         # bench` the previous script's load and writes would otherwise land in it.
         settle(db)
         load_before = os.getloadavg()
+        machine = machine_line()  # on the quiet machine, before the cases
 
         relay = measure_relay(env, db, logs, events)
         print(f"relay:        {relay['rate']:8.0f} events/s ({relay['seconds']:.1f} s); "
@@ -267,7 +268,7 @@ def main() -> int:
             append_result(RESULTS, SECTION, [
                 f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                 "",
-                f"- machine: {machine_line()}; embedded Postgres and noida-db broker; "
+                f"- machine: {machine}; embedded Postgres and noida-db broker; "
                 f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
                 f"- {events} events ({events // EVENTS_PER_RUN} runs x {EVENTS_PER_RUN}), "
                 f"{PARTITIONS} partitions, batch {BATCH}",
