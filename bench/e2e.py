@@ -621,8 +621,7 @@ def main() -> int:
             f"- machine: {machine}; embedded Postgres/Redis; Kafka broker {broker}; "
             f"`python bench/e2e.py --messages {n} --partitions {args.partitions} "
             f"--broker {args.broker} --mode {args.mode} --repeat {args.repeat}` ({POOL} pool "
-            f"x{CONCURRENCY} for "
-            f"every worker)",
+            f"x{CONCURRENCY} for every worker)",
             *lines,
         ])
     else:

@@ -82,7 +82,7 @@ def test_repeated_end_to_end_rounds_report_each_cases_median_and_every_duplicate
 
 def test_every_benchmark_report_says_how_fast_this_boot_runs_python(database_url):
     # Two boots of one machine type ran the same tree 2-3x apart (bench/RESULTS.md): a
-    # report without the probe cannot be compared with another.
+    # report says how fast the machine was when it started.
     from bench._common import cpu_probe_ms, machine_line, machine_summary
 
     fast, slow = cpu_probe_ms(20_000), cpu_probe_ms(2_000_000)
