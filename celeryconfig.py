@@ -59,6 +59,8 @@ def _redis_settings(env: Mapping[str, str]) -> dict:
             # unacked hash (workers/broker.py); these bound how many, and for how long.
             "ack_pending_max": get_int(env, "POIMEN_ACK_PENDING_MAX"),
             "ack_pending_max_age": get_float(env, "POIMEN_ACK_PENDING_MAX_AGE"),
+            # After a BRPOP, how many more messages one fetch may take (workers/broker.py).
+            "fetch_max": get_int(env, "POIMEN_DELIVERY_FETCH_MAX"),
         },
     }
 

@@ -266,6 +266,11 @@ SETTINGS: tuple[Setting, ...] = (
     _celery("POIMEN_ACK_PENDING_MAX_AGE", float, 0.005, WORKER,
             "Redis only: seconds a deferred removal from the `unacked` hash may wait for a "
             "delivery to ride with; then the worker sends it, delivery or not."),
+    _celery("POIMEN_DELIVERY_FETCH_MAX", int, 64, WORKER,
+            "Redis only: after kombu's BRPOP delivers a message, a worker fetches up to this "
+            "many more in one round trip (fewer if its prefetch has less room), each recorded in "
+            "the `unacked` hash in the same atomic step as its pop. `0`: one message per BRPOP, "
+            "as kombu does."),
     _celery("CELERY_PREFETCH_MULTIPLIER", int, 1, WORKER,
             "Celery `worker_prefetch_multiplier`."),
     _celery("POIMEN_SEND_SENT_EVENTS", str, "0", (*CELERY, CLI),

@@ -25,6 +25,18 @@ transport options (``POIMEN_ACK_PENDING_MAX``, ``POIMEN_ACK_PENDING_MAX_AGE``,
 by what sent them and ``poimen_ack_removals_pending`` shows those waiting
 (``workers/metrics.py``).
 
+A delivery also fetches more at once. When kombu's BRPOP has delivered a message and the
+channel's prefetch leaves room for more, one Lua script (``FETCH``) pops up to that many
+more from the same queues and records each in the unacked hash and its index, in one
+atomic step (no message is ever popped and not recorded, unlike BRPOP and its record,
+which are two round trips apart), and sends the pending removals with them. Those
+deliveries then skip their own record. Under load the worker's event loop so makes one
+round trip for a handful of messages, where kombu makes two for each; the loop's Redis
+round trips were the largest part of the batch worker's main thread (bench/RESULTS.md,
+2026-12-07). A message the script cannot read (not JSON, no delivery tag) is pushed back
+where it was, for kombu's own path to handle. ``fetch_max`` (``POIMEN_DELIVERY_FETCH_MAX``,
+0: off) bounds a fetch; the prefetch always does.
+
 Used by the worker, beat and Flower on a ``redis://`` broker (``workers/celery.py``);
 ``rediss://``, sentinel and RabbitMQ keep their own transports. Only a consumer
 under Celery's event loop (the prefork worker) defers; any other acks at once.
@@ -40,7 +52,8 @@ from typing import Any, cast
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
 
 # kombu's QoS and Transport methods are untyped; the config's untyped_calls_exclude does not
 # reach a call through super(), so those calls carry `type: ignore[no-untyped-call]  # kombu`.
@@ -51,6 +64,8 @@ log = logging.getLogger(__name__)
 # (celeryconfig.py: POIMEN_ACK_PENDING_MAX, POIMEN_ACK_PENDING_MAX_AGE).
 ACK_PENDING_MAX = 64
 ACK_PENDING_MAX_AGE = 0.005  # seconds an acknowledgement's removal may wait for a delivery
+# At most this many messages fetched at once after a BRPOP (the prefetch bounds it too).
+FETCH_MAX = 64
 # After a failed removal, the next try waits this long (Redis away: no retry per loop turn).
 RETRY_DELAY = 1.0
 
@@ -78,6 +93,7 @@ class BatchedAckQoS(kombu_redis.QoS):
         self._due = 0.0  # monotonic time the pending removals should go out by
         self._lock = threading.Lock()  # acks may come from threads (a thread pool)
         self._retry_at = 0.0  # after a failed removal, no count-bound try before this
+        self._recorded: set[str] = set()  # fetched by Channel.fetch_more: recorded already
         _live.add(self)
 
     @property
@@ -91,6 +107,11 @@ class BatchedAckQoS(kombu_redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         # kombu's record of the delivery (QoS.append), with the pending removals in
         # its transaction: one round trip instead of two under load.
+        if delivery_tag in self._recorded:
+            # Fetched by Channel.fetch_more, whose script recorded it as it popped it.
+            self._recorded.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+            return
         delivery = message.delivery_info
         with self._lock:
             removals = list(self._pending_acks)
@@ -184,12 +205,110 @@ class BatchedAckQoS(kombu_redis.QoS):
             _count(how, len(removed))
 
 
+# KEYS: the unacked index, the unacked hash, then the queues' keys in BRPOP's order.
+# ARGV: how many to pop, the time to record, how many removals, the removals' tags.
+# Pops one message at a time from the first non-empty queue key, as BRPOP would, and
+# records it (kombu's QoS.append: the index by time, the hash [message, exchange,
+# routing key]) before the next; what it cannot read goes back where it was, and ends
+# the fetch. Returns [key, message, key, message, ...].
+FETCH = """
+local removals = tonumber(ARGV[3])
+for i = 1, removals do
+  redis.call('ZREM', KEYS[1], ARGV[3 + i])
+  redis.call('HDEL', KEYS[2], ARGV[3 + i])
+end
+local want, out = tonumber(ARGV[1]), {}
+while #out < 2 * want do
+  local key, m = nil, nil
+  for k = 3, #KEYS do
+    m = redis.call('RPOP', KEYS[k])
+    if m then key = KEYS[k]; break end
+  end
+  if not m then break end
+  local ok, message = pcall(cjson.decode, m)
+  local props = ok and type(message) == 'table' and message['properties']
+  local tag = type(props) == 'table' and props['delivery_tag']
+  local info = type(props) == 'table' and props['delivery_info']
+  if type(tag) ~= 'string' or type(info) ~= 'table' then
+    redis.call('RPUSH', key, m)
+    break
+  end
+  redis.call('ZADD', KEYS[1], ARGV[2], tag)
+  redis.call('HSET', KEYS[2], tag, '[' .. m .. ',' .. cjson.encode(info['exchange']) .. ','
+             .. cjson.encode(info['routing_key']) .. ']')
+  out[#out + 1] = key
+  out[#out + 1] = m
+end
+return out
+"""
+
+
 class Channel(kombu_redis.Channel):
     QoS = BatchedAckQoS
     ack_pending_max = ACK_PENDING_MAX
     ack_pending_max_age = ACK_PENDING_MAX_AGE
+    fetch_max = FETCH_MAX
     from_transport_options = (  # type: ignore[assignment]  # kombu types its length
-        *kombu_redis.Channel.from_transport_options, "ack_pending_max", "ack_pending_max_age")
+        *kombu_redis.Channel.from_transport_options, "ack_pending_max", "ack_pending_max_age",
+        "fetch_max")
+
+    def _brpop_read(self, **options: Any) -> Any:
+        delivered = super()._brpop_read(**options)  # type: ignore[no-untyped-call]  # kombu
+        if delivered:
+            self.fetch_more()
+        return delivered
+
+    def room(self) -> int:
+        """How many more messages the prefetch lets this channel take now, at most
+        ``fetch_max``."""
+        limit = max(0, int(self.fetch_max))
+        qos = self.qos
+        if qos.prefetch_count:
+            limit = min(limit, qos.prefetch_count - (len(qos._delivered) - len(qos._dirty)))
+        return max(0, limit)
+
+    def fetch_more(self) -> int:
+        """Fetch and deliver up to ``room()`` more messages, recorded as unacked in the
+        same atomic step as their pop (``FETCH``). Returns how many were delivered."""
+        want = self.room()
+        if want <= 0 or self.global_keyprefix or not self.active_queues:
+            return 0
+        qos = cast(BatchedAckQoS, self.qos)
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        keys = [self._q_for_pri(queue, pri)  # type: ignore[no-untyped-call]  # kombu
+                for pri in self.priority_steps for queue in queues]
+        with qos._lock:
+            removals = list(qos._pending_acks)
+        with self.conn_or_acquire() as client:
+            script = self._fetch_script(client)
+            popped = script(keys=[qos.unacked_index_key, qos.unacked_key, *keys],
+                            args=[want, f"{time.time():.6f}", len(removals), *removals],
+                            client=client)
+        qos._forget(removals, "delivery")
+        fetched = [(bytes_to_str(popped[i]).rsplit(self.sep, 1)[0], loads(bytes_to_str(popped[i + 1])))
+                   for i in range(0, len(popped), 2)]
+        for at, (queue, payload) in enumerate(fetched):
+            tag = payload["properties"]["delivery_tag"]
+            qos._recorded.add(tag)
+            try:
+                self._queue_cycle.rotate(queue)
+                self.connection._deliver(payload, queue)
+            except BaseException:
+                # Not delivered (nor the ones after it): back in their queue now, rather
+                # than after the visibility timeout.
+                for _, rest in fetched[at:]:
+                    left = rest["properties"]["delivery_tag"]
+                    qos._recorded.discard(left)
+                    if left not in qos._delivered:
+                        qos.restore_by_tag(left)  # type: ignore[no-untyped-call]  # kombu
+                raise
+        return len(fetched)
+
+    def _fetch_script(self, client: Any) -> Any:
+        script = getattr(self, "_fetch", None)
+        if script is None:
+            script = self._fetch = client.register_script(FETCH)
+        return script
 
 
 class Transport(kombu_redis.Transport):

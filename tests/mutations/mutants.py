@@ -82,6 +82,7 @@ DELAYED_TESTS = "tests/workers/test_delayed_runs.py"
 CASCADE_TESTS = "tests/workers/test_cascade_cancel.py"
 RATE_TESTS = "tests/workers/test_rate_limits.py"
 BATCH_TESTS = "tests/workers/test_batching.py"
+BROKER_TESTS = "tests/workers/test_broker.py"
 EARLY_LOSS_TESTS = "tests/workers/test_early_lock_loss.py"
 # The cross-feature model test: each rule it checks, driven across every family.
 MODEL_TEST = "tests/test_cross_feature_model.py::test_every_rule_holds_across_features[core]"
@@ -1291,6 +1292,45 @@ MUTANTS: list[Mutant] = [
         "                while False:\n",
         (f"{BATCH_TESTS}::test_a_batch_claim_cut_before_it_applied_is_decided_not_claimed_and_"
          "never_applies_later",),
+    ),
+    Mutant(
+        "fetch_pops_without_record",
+        "a message the worker fetches after a BRPOP is recorded as unacked in the same atomic "
+        "step as its pop: a worker killed before its delivery loses nothing",
+        "workers/broker.py",
+        "  redis.call('HSET', KEYS[2], tag, '[' .. m .. ',' .. cjson.encode(info['exchange']) .. ','\n"
+        "             .. cjson.encode(info['routing_key']) .. ']')\n",
+        "",
+        (f"{BROKER_TESTS}::test_one_fetch_takes_what_the_prefetch_has_room_for_each_recorded_"
+         "before_its_delivery",),
+    ),
+    Mutant(
+        "fetch_beyond_prefetch",
+        "a fetch after a BRPOP takes no more than the channel's prefetch has room for",
+        "workers/broker.py",
+        "            limit = min(limit, qos.prefetch_count - (len(qos._delivered) - len(qos._dirty)))\n",
+        "            pass\n",
+        (f"{BROKER_TESTS}::test_one_fetch_takes_what_the_prefetch_has_room_for_each_recorded_"
+         "before_its_delivery",),
+    ),
+    Mutant(
+        "fetch_drops_unreadable",
+        "a message the fetch cannot read goes back where it was, not lost",
+        "workers/broker.py",
+        "    redis.call('RPUSH', key, m)\n",
+        "",
+        (f"{BROKER_TESTS}::test_a_message_the_fetch_cannot_read_goes_back_where_it_was_for_"
+         "kombu",),
+    ),
+    Mutant(
+        "fetch_rest_left_unacked",
+        "the messages of a fetch not delivered (a delivery before them failed) go back to the "
+        "queue at once, not to the visibility timeout",
+        "workers/broker.py",
+        "                    if left not in qos._delivered:\n",
+        "                    if False:\n",
+        (f"{BROKER_TESTS}::test_a_delivery_that_fails_in_a_fetch_sends_the_rest_back_and_loses_"
+         "nothing",),
     ),
     Mutant(
         "batch_second_delivery_claims_again",
