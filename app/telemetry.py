@@ -142,6 +142,25 @@ def _start_tracing(settings: TelemetrySettings, service: str) -> bool:
     return True
 
 
+def sentry_privacy(version: str) -> dict[str, Any]:
+    """The init options that keep out of Sentry's events anything of a request or a frame
+    that could hold a run's input or a token, for sentry-sdk ``version``: 2.x names them
+    ``send_default_pii`` and ``include_local_variables``, 3.x replaced both (it refuses
+    them) with ``data_collection``, where every category is turned off here."""
+    major = int(version.split(".", 1)[0])
+    if major < 3:
+        return {"send_default_pii": False, "include_local_variables": False}
+    off = {"mode": "off"}
+    return {"data_collection": {
+        "user_info": False, "cookies": off, "http_headers": {"request": off},
+        "http_bodies": [], "url_query_params": off,
+        "graphql": {"document": False, "variables": False},
+        "gen_ai": {"inputs": False, "outputs": False},
+        "mcp": {"inputs": False, "outputs": False},
+        "database_query_data": False, "queues": False, "stack_frame_variables": False,
+    }}
+
+
 def _start_sentry(settings: TelemetrySettings, service: str, frameworks: tuple[str, ...]) -> None:
     if _State.sentry:
         return
@@ -158,12 +177,10 @@ def _start_sentry(settings: TelemetrySettings, service: str, frameworks: tuple[s
         environment=settings.sentry_environment,
         release=settings.sentry_release,
         integrations=[integrations[name]() for name in frameworks],
-        # Nothing of a request or a frame that could hold a run's input or a token.
-        send_default_pii=False,
-        include_local_variables=False,
         max_request_body_size="never",
         before_send=scrub_event,
         before_breadcrumb=_scrub_breadcrumb,
+        **sentry_privacy(sentry_sdk.VERSION),
     )
     sentry_sdk.set_tag("service", service)
     _State.sentry = True

@@ -141,3 +141,39 @@ def test_a_sentry_event_keeps_ids_and_frames_and_loses_everything_else():
     assert [c.get("message") for c in out["breadcrumbs"]["values"]] == [
         "run r1: started", "UPDATE runs SET x = %(x)s", None]
     assert "extra" not in out and "user" not in out and "message" not in out
+
+
+def test_the_installed_sentry_sdk_takes_the_privacy_options_and_collects_nothing_of_a_request():
+    """sentry-sdk 3 refuses 2.x's ``send_default_pii`` and ``include_local_variables`` (a web
+    worker that passed them failed to boot): the options follow the installed major."""
+    sentry_sdk = pytest.importorskip("sentry_sdk")
+    from app.telemetry import sentry_privacy
+
+    client = sentry_sdk.Client(dsn="http://public@127.0.0.1:9/1", release="test",  # no git
+                               max_request_body_size="never",
+                               **sentry_privacy(sentry_sdk.VERSION))
+    try:
+        options = client.options
+        if int(sentry_sdk.VERSION.split(".")[0]) < 3:
+            assert options["send_default_pii"] is False
+            assert options["include_local_variables"] is False
+            return
+        collected = options["data_collection"]
+        assert collected["user_info"] is False and collected["http_bodies"] == []
+        assert collected["stack_frame_variables"] is False and collected["queues"] is False
+        assert collected["database_query_data"] is False
+        for kind in ("cookies", "url_query_params"):
+            assert collected[kind]["mode"] == "off", kind
+        assert collected["http_headers"]["request"]["mode"] == "off"
+        assert not any(collected["gen_ai"].values()) and not any(collected["mcp"].values())
+        assert not any(collected["graphql"].values())
+    finally:
+        client.close()
+
+
+def test_sentry_sdk_2_gets_its_own_names_for_the_privacy_options():
+    from app.telemetry import sentry_privacy
+
+    assert sentry_privacy("2.75.0") == {"send_default_pii": False,
+                                        "include_local_variables": False}
+    assert set(sentry_privacy("3.0.0")) == {"data_collection"}

@@ -1302,7 +1302,9 @@ MUTANTS: list[Mutant] = [
         "             .. cjson.encode(info['routing_key']) .. ']')\n",
         "",
         (f"{BROKER_TESTS}::test_one_fetch_takes_what_the_prefetch_has_room_for_each_recorded_"
-         "before_its_delivery",),
+         "before_its_delivery",
+         f"{BROKER_TESTS}::test_a_consumer_killed_in_the_middle_of_a_fetch_leaves_every_message_"
+         "queued_or_unacked"),
     ),
     Mutant(
         "fetch_beyond_prefetch",

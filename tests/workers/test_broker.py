@@ -331,3 +331,59 @@ def test_a_delivery_that_fails_in_a_fetch_sends_the_rest_back_and_loses_nothing(
     assert len(b.unacked()) == 3 and b.queued() == 2
     conn.release()
     assert b.queued() == 5 and not b.unacked(), "every message is in the queue again"
+
+
+CONSUMER_KILLED_MID_FETCH = """
+import os, signal, sys
+from kombu import Connection, Consumer, Exchange, Queue
+
+url, name = sys.argv[1], sys.argv[2]
+queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+with Connection(url, transport="workers.broker:Transport") as conn:
+    channel = conn.channel()
+    channel.basic_qos(0, 5, False)
+    seen = []
+
+    def received(body, message):
+        seen.append(body["n"])
+        if len(seen) == 3:  # mid-fetch: two of its messages delivered, two not yet
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Consumer(channel, [queue], callbacks=[received], accept=["json"]).consume()
+    while True:
+        conn.drain_events(timeout=10)
+"""
+
+
+@pytest.mark.processes
+def test_a_consumer_killed_in_the_middle_of_a_fetch_leaves_every_message_queued_or_unacked(
+        base_env, redis_client, tmp_path):
+    """A real process, SIGKILLed while delivering the messages of one fetch: each message is
+    still in the queue or in the unacked hash (which the visibility timeout restores)."""
+    import subprocess
+    import sys
+
+    name = f"poimen-test-kill-{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+    with Connection(base_env["REDIS_URL"]) as conn:
+        producer = Producer(conn.channel(), exchange=queue.exchange, routing_key=name)
+        queue(producer.channel).declare()
+        for n in range(8):
+            producer.publish({"n": n}, serializer="json")
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER_KILLED_MID_FETCH)
+    try:
+        proc = subprocess.run([sys.executable, str(script), base_env["REDIS_URL"], name],
+                              cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()},
+                              capture_output=True, timeout=60)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        unacked = [json.loads(raw) for raw in redis_client.hvals("unacked")]
+        mine = sorted(m[0]["body"] for m in unacked if m[2] == name)
+        assert len(mine) == 5, "the BRPOP's message and the four fetched with it, recorded"
+        assert redis_client.llen(name) == 3, "the rest never left the queue"
+    finally:
+        for tag, raw in redis_client.hgetall("unacked").items():
+            if json.loads(raw)[2] == name:
+                redis_client.hdel("unacked", tag)
+                redis_client.zrem("unacked_index", tag)
+        redis_client.delete(name)
