@@ -32,9 +32,9 @@ atomic step (no message is ever popped and not recorded, unlike BRPOP and its re
 which are two round trips apart), and sends the pending removals with them. Those
 deliveries then skip their own record. Under load the worker's event loop so makes one
 round trip for a handful of messages, where kombu makes two for each; the loop's Redis
-round trips were the largest part of the batch worker's main thread (bench/RESULTS.md,
-2026-12-07). A message the script cannot read (not JSON, no delivery tag) is pushed back
-where it was, for kombu's own path to handle. ``fetch_max`` (``POIMEN_DELIVERY_FETCH_MAX``,
+round trips were the largest part of the batch worker's main thread (profiles in
+bench/RESULTS.md). A message the script cannot read (not JSON, no delivery tag) is pushed
+back where it was, for kombu's own path to handle. ``fetch_max`` (``POIMEN_DELIVERY_FETCH_MAX``,
 0: off) bounds a fetch; the prefetch always does.
 
 Used by the worker, beat and Flower on a ``redis://`` broker (``workers/celery.py``);
