@@ -248,6 +248,7 @@ class Channel(kombu_redis.Channel):
     ack_pending_max = ACK_PENDING_MAX
     ack_pending_max_age = ACK_PENDING_MAX_AGE
     fetch_max = FETCH_MAX
+    _fetch: Any = None  # FETCH, registered with redis-py on first use
     from_transport_options = (  # type: ignore[assignment]  # kombu types its length
         *kombu_redis.Channel.from_transport_options, "ack_pending_max", "ack_pending_max_age",
         "fetch_max")
@@ -305,10 +306,9 @@ class Channel(kombu_redis.Channel):
         return len(fetched)
 
     def _fetch_script(self, client: Any) -> Any:
-        script = getattr(self, "_fetch", None)
-        if script is None:
-            script = self._fetch = client.register_script(FETCH)
-        return script
+        if self._fetch is None:
+            self._fetch = client.register_script(FETCH)
+        return self._fetch
 
 
 class Transport(kombu_redis.Transport):
